@@ -1,0 +1,38 @@
+# medusa-train: `make demo` (set-up + the whole pipeline on the packaged model), `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch is installed FIRST and pinned: an unpinned torch pulls a multi-GB CUDA build.
+# On a GPU machine override it, e.g. `make setup TORCH_SPEC="torch==2.13.0 --index-url <cuda index>"`.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: help setup test test-fast demo lint clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+setup: $(VENV)/.installed  ## create .venv and install everything (fast when already done)
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(PY) -m ipykernel install --user --name medusa-train --display-name "medusa-train" >/dev/null 2>&1 || true
+	touch $@
+
+test: setup  ## install everything and run the whole test suite (slow tests use the packaged model)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup  ## only the fast unit tests (tiny random models)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: setup  ## distill -> train (medusa1, cached) -> export -> evaluate on MT-Bench, packaged model
+	$(PY) scripts/demo.py
+
+lint: setup  ## ruff
+	$(VENV)/bin/ruff check .
+
+clean:  ## remove run outputs (not the venv, not the cache)
+	rm -rf outputs runs wandb multirun

@@ -1,0 +1,357 @@
+"""Reading conversation records: ShareGPT and messages layouts, local files, hub ids, packaged data.
+
+Every source ends up as a list of conversations, each a list of
+``{"role": "system" | "user" | "assistant", "content": str}``, plus a :class:`SkipStats`
+that says how many records were kept and why the others were dropped.
+
+``packaged:sharegpt-v3`` is a top-level JSON array cut off mid-string, so ``json.load``
+fails on it. It is read item by item once, normalised, and written to a jsonl beside the
+packaged file (temporary name, then ``os.replace``); later loads read that jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from medusa_train.assets import is_packaged, packaged_data_file
+
+Message = dict[str, str]
+Conversation = list[Message]
+
+# ShareGPT names seen in the wild -> the roles chat templates expect.
+ROLE_ALIASES: dict[str, str] = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
+
+# Packaged sources that hold conversations (packaged:mt-bench holds questions, not conversations).
+CONVERSATION_PACKAGES = ("packaged:sharegpt-v3",)
+
+# Bump when the normalisation rules change, so stale converted files are not reused.
+NORMALISED_FORMAT_VERSION = 1
+
+_SEPARATOR = re.compile(r"[\s,]*")  # whitespace and the commas between array items
+
+
+@dataclass
+class SkipStats:
+    """Counts of records kept and skipped, by reason.
+
+    Reasons used: ``malformed`` (not JSON, or not a conversation record), ``empty`` (no turn
+    with text), ``unknown_role``, ``no_assistant`` (no assistant turn with text),
+    ``truncated_source`` (a partial record at the end of a cut-off file),
+    ``no_assistant_after_truncation`` (no assistant token left within ``max_length``) and
+    ``template_error`` (the chat template refused the conversation).
+    Invariant: ``kept + total_skipped`` is the number of records read.
+    """
+
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def skip(self, reason: str, count: int = 1) -> None:
+        """Record ``count`` records dropped for ``reason``."""
+        self.skipped[reason] += count
+
+    @property
+    def total_skipped(self) -> int:
+        """Number of records dropped for any reason."""
+        return sum(self.skipped.values())
+
+    def summary(self) -> str:
+        """One line, e.g. ``kept 17,545 conversations, skipped 126 (empty 126)``."""
+        line = f"kept {self.kept:,} conversations, skipped {self.total_skipped:,}"
+        if self.skipped:
+            reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(self.skipped.items()))
+            line += f" ({reasons})"
+        return line
+
+
+class _Skip(Exception):
+    """Raised by :func:`normalise_record` with the reason a record is dropped."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def normalise_record(record: Any) -> Conversation:
+    """Turn one ShareGPT or messages record into a list of role/content messages.
+
+    Args:
+        record: ``{"conversations": [{"from", "value"}, ...]}`` or ``{"messages": [{"role", "content"}, ...]}``.
+
+    Returns:
+        The conversation as ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
+
+    Raises:
+        _Skip: with the reason (``malformed``, ``empty``, ``unknown_role``, ``no_assistant``).
+    """
+    if not isinstance(record, dict):
+        raise _Skip("malformed")
+    turns = record.get("conversations")
+    if turns is None:
+        turns = record.get("messages")
+    if not isinstance(turns, list):
+        raise _Skip("malformed")
+    conversation: Conversation = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise _Skip("malformed")
+        # Either key pair; datasets fills absent struct keys with None, so test for None.
+        role = turn.get("from") if turn.get("from") is not None else turn.get("role")
+        content = turn.get("value") if turn.get("value") is not None else turn.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise _Skip("malformed")
+        if role.strip().lower() not in ROLE_ALIASES:
+            raise _Skip("unknown_role")
+        conversation.append({"role": ROLE_ALIASES[role.strip().lower()], "content": content})
+    if not any(m["content"].strip() for m in conversation):
+        raise _Skip("empty")
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in conversation):
+        raise _Skip("no_assistant")
+    return conversation
+
+
+def _collect(records: Iterable[Any], stats: SkipStats, max_samples: int | None) -> list[Conversation]:
+    """Normalise ``records`` into conversations, counting skips; stop after ``max_samples`` kept."""
+    conversations: list[Conversation] = []
+    if max_samples is not None and max_samples <= 0:
+        return conversations
+    for record in records:
+        try:
+            conversations.append(normalise_record(record))
+        except _Skip as skip:
+            stats.skip(skip.reason)
+            continue
+        stats.kept += 1
+        if max_samples is not None and len(conversations) >= max_samples:
+            break
+    return conversations
+
+
+class _Broken:
+    """Stands for a record that could not be parsed (counted as ``malformed`` or ``truncated_source``)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _iter_jsonl(path: Path) -> Iterator[Any]:
+    """Records of a JSON-lines file; a line that is not valid JSON yields a ``_Broken``."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                yield _Broken("malformed")
+
+
+def _iter_json_array(text: str) -> Iterator[Any]:
+    """Items of a top-level JSON array, one by one; a cut-off tail yields ``_Broken("truncated_source")``.
+
+    A syntax error stops the reading (the array cannot be re-synchronised): whatever follows it
+    counts as one truncated record.
+    """
+    decoder = json.JSONDecoder()
+    pos = _SEPARATOR.match(text, text.index("[") + 1).end()
+    while pos < len(text) and text[pos] != "]":
+        try:
+            item, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            yield _Broken("truncated_source")
+            return
+        yield item
+        pos = _SEPARATOR.match(text, end).end()
+    if pos >= len(text):  # no closing bracket: the file was cut right after an item
+        yield _Broken("truncated_source")
+
+
+def _iter_json_file(path: Path) -> Iterator[Any]:
+    """Records of a ``.json`` file: a (possibly truncated) array, a single object, or JSON lines."""
+    text = path.read_text(encoding="utf-8")
+    start = text.lstrip()[:1]
+    if start == "[":
+        yield from _iter_json_array(text)
+        return
+    try:
+        single = json.loads(text)
+    except json.JSONDecodeError:
+        yield from _iter_jsonl(path)  # JSON lines under a .json name
+        return
+    yield single
+
+
+def _unwrap(records: Iterable[Any], stats: SkipStats) -> Iterator[Any]:
+    """Count ``_Broken`` placeholders as skips and pass real records through."""
+    for record in records:
+        if isinstance(record, _Broken):
+            stats.skip(record.reason)
+        else:
+            yield record
+
+
+def _is_offline() -> bool:
+    truthy = {"1", "true", "yes", "on"}
+    return any(os.environ.get(k, "").strip().lower() in truthy for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _looks_like_path(source: str) -> bool:
+    """True unless ``source`` could be a hub id (``name`` or ``owner/name``, no file suffix)."""
+    return (
+        source.startswith((".", "/", "~"))
+        or source.count("/") > 1
+        or "\\" in source
+        or Path(source).suffix.lower() in {".json", ".jsonl", ".parquet", ".csv", ".arrow"}
+    )
+
+
+def _load_with_datasets(source: str, local: bool) -> Iterator[Any]:
+    """Records of a local directory / parquet / csv file, or of a hub dataset id, via ``datasets``."""
+    import datasets  # heavy import: only when needed
+
+    if local:
+        path = Path(source)
+        if path.is_dir():
+            dataset = datasets.load_dataset(str(path), split="train")
+        else:
+            builder = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}.get(path.suffix.lower(), "json")
+            dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
+    else:
+        offline_hint = (
+            f"data.source={source!r} is not a local file, so it was taken as a hub dataset id. Point "
+            "data.source at a local .json/.jsonl file of ShareGPT or messages records, or use packaged:sharegpt-v3."
+        )
+        if _is_offline():
+            raise ConnectionError(f"{offline_hint} The hub is offline here (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE).")
+        try:
+            dataset = datasets.load_dataset(source, split="train")
+        except (ConnectionError, OSError) as err:
+            raise ConnectionError(f"{offline_hint} Loading it from the hub failed: {err}") from err
+    yield from dataset
+
+
+def normalised_cache_path(source_file: Path) -> Path:
+    """Where the normalised jsonl of a packaged source file lives (beside it, in the cache)."""
+    return source_file.with_name(f"{source_file.stem}.normalised-v{NORMALISED_FORMAT_VERSION}.jsonl")
+
+
+def convert_to_normalised_jsonl(source_file: Path, target: Path) -> SkipStats:
+    """Stream a (possibly truncated) JSON array of records into a normalised jsonl, atomically.
+
+    Each line of ``target`` is either ``{"messages": [...]}`` or ``{"skipped": reason}``, in
+    source order, so a later partial read (``max_samples``) still reports exact counts.
+
+    Args:
+        source_file: the JSON array (``packaged:sharegpt-v3`` is cut off mid-string).
+        target: the jsonl to write; written to a temporary name, then renamed into place.
+
+    Returns:
+        The counts of the whole conversion.
+    """
+    stats = SkipStats()
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "w", encoding="utf-8") as out:
+            for record in _iter_json_file(source_file):
+                try:
+                    if isinstance(record, _Broken):
+                        raise _Skip(record.reason)
+                    line = {"messages": normalise_record(record)}
+                    stats.kept += 1
+                except _Skip as skip:
+                    line = {"skipped": skip.reason}
+                    stats.skip(skip.reason)
+                out.write(json.dumps(line, ensure_ascii=False) + "\n")
+        os.replace(partial, target)  # atomic: readers see no file or the whole file
+    finally:
+        partial.unlink(missing_ok=True)
+    return stats
+
+
+def _read_normalised(path: Path, stats: SkipStats, max_samples: int | None) -> list[Conversation]:
+    conversations: list[Conversation] = []
+    if max_samples is not None and max_samples <= 0:
+        return conversations
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if "skipped" in record:
+                stats.skip(record["skipped"])
+                continue
+            conversations.append(record["messages"])
+            stats.kept += 1
+            if max_samples is not None and len(conversations) >= max_samples:
+                break
+    return conversations
+
+
+def _load_packaged(source: str, max_samples: int | None) -> tuple[list[Conversation], SkipStats]:
+    if source not in CONVERSATION_PACKAGES:
+        raise ValueError(
+            f"data.source={source!r} is not a packaged conversation set; use one of: "
+            + ", ".join(CONVERSATION_PACKAGES)
+        )
+    source_file = packaged_data_file(source)
+    cached = normalised_cache_path(source_file)
+    if not cached.exists():
+        convert_to_normalised_jsonl(source_file, cached)
+    stats = SkipStats()
+    return _read_normalised(cached, stats, max_samples), stats
+
+
+def load_conversations(
+    source: str | os.PathLike, max_samples: int | None = None
+) -> tuple[list[Conversation], SkipStats]:
+    """Read conversations from a local file, a hub dataset id or a packaged set.
+
+    Records may be ShareGPT (``{"conversations": [{"from": "human"|"gpt"|..., "value"}]}``)
+    or messages (``{"messages": [{"role", "content"}]}``). Local ``.json`` / ``.jsonl`` files
+    are parsed here, record by record, so a broken line or a cut-off array is a counted skip;
+    directories, ``.parquet`` / ``.csv`` files and hub ids go through ``datasets.load_dataset``.
+
+    Args:
+        source: a path, a hub dataset id (online only), or ``packaged:sharegpt-v3``.
+        max_samples: keep at most this many conversations (the first ones, in file order).
+
+    Returns:
+        ``(conversations, stats)``; each conversation is a list of
+        ``{"role": "system"|"user"|"assistant", "content": str}``.
+
+    Raises:
+        FileNotFoundError: ``source`` looks like a path and does not exist.
+        ConnectionError: ``source`` looks like a hub id and the hub cannot be reached.
+        ValueError: an unknown ``packaged:`` name.
+    """
+    if is_packaged(source):
+        return _load_packaged(source, max_samples)
+    stats = SkipStats()
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        records: Iterable[Any] = _iter_jsonl(path)
+    elif path.is_file() and path.suffix.lower() == ".json":
+        records = _iter_json_file(path)
+    elif path.exists():
+        records = _load_with_datasets(str(path), local=True)
+    elif _looks_like_path(str(source)):
+        raise FileNotFoundError(
+            f"data.source={str(source)!r}: no such file or directory: {path.resolve()}. "
+            "Set data.source to a .json/.jsonl file of ShareGPT or messages records, or packaged:sharegpt-v3."
+        )
+    else:
+        records = _load_with_datasets(str(source), local=False)
+    return _collect(_unwrap(records, stats), stats, max_samples), stats

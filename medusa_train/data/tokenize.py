@@ -1,0 +1,168 @@
+"""Chat template + assistant-only labels.
+
+The conversation is rendered once with the tokenizer's own chat template. Each assistant
+reply's character span is found by rendering prefixes of the conversation: the text of
+``messages[:i]`` with the generation prompt ends where reply ``i`` begins (so the template's
+scaffolding, e.g. ``<|im_start|>assistant\\n``, stays unlabelled), and the reply ends with the
+first special token after its content (the end-of-turn token, e.g. ``<|im_end|>``, which the
+model must learn to emit; whatever follows it, e.g. a newline, stays unlabelled). The text is
+then tokenized once with offsets, and a token is labelled when it starts inside a reply span.
+Nothing depends on the model's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+IGNORE_INDEX = -100
+
+Span = tuple[int, int]
+
+
+def _require_chat_template(tokenizer: Any) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '') or 'unnamed'}) "
+            "has no chat template, so conversations cannot be rendered. Use the tokenizer of an "
+            "instruct/chat model, or set `tokenizer.chat_template` to a Jinja template first."
+        )
+
+
+def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _special_strings(tokenizer: Any) -> list[str]:
+    """Text of the tokenizer's special tokens (the end-of-turn token is one of them)."""
+    strings = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    strings.update(tok.content for tok in decoder.values() if getattr(tok, "special", False))
+    return sorted((s for s in strings if s and s.strip()), key=len, reverse=True)
+
+
+def _reply_end(text: str, start: int, limit: int, content: str, specials: list[str]) -> int:
+    """End of the reply that starts at ``start``: its content plus the first special token after it."""
+    stripped = content.strip()
+    found = text.find(stripped, start, limit) if stripped else -1
+    content_end = found + len(stripped) if found >= 0 else start
+    best = -1
+    for special in specials:
+        at = text.find(special, content_end, limit)
+        if at >= 0 and (best < 0 or at < best):
+            best = at
+            best_end = at + len(special)
+    if best >= 0:
+        return best_end
+    # No special token closes the turn: take the rest of the turn without trailing whitespace.
+    return content_end + len(text[content_end:limit].rstrip())
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[Span]]:
+    """Render ``messages`` and find the character span of every assistant reply.
+
+    Args:
+        tokenizer: a tokenizer with a chat template.
+        messages: ``[{"role", "content"}, ...]``.
+
+    Returns:
+        ``(text, spans)``: the rendered conversation and one ``(start, end)`` per assistant
+        reply, covering its content and the end-of-turn token, not the template scaffolding.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    _require_chat_template(tokenizer)
+    text = _render(tokenizer, messages, add_generation_prompt=False)
+    specials = _special_strings(tokenizer)
+    spans: list[Span] = []
+    cursor = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        try:
+            before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+            through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        except Exception:  # some templates refuse a prefix (e.g. one that does not start with a user turn)
+            before = through = None
+        if before is not None and text.startswith(before) and text.startswith(through) and len(before) >= cursor:
+            start, limit = len(before), len(through)
+        else:
+            # The template renders a prefix differently (e.g. a default system prompt only when
+            # there are messages): find the reply's content after the previous reply instead.
+            stripped = message["content"].strip()
+            found = text.find(stripped, cursor) if stripped else -1
+            if found < 0:
+                continue  # cannot place this reply safely: leave it unlabelled rather than guess
+            start, limit = found, len(text)
+        end = _reply_end(text, start, limit, message["content"], specials)
+        if end > start:
+            spans.append((start, end))
+            cursor = end
+    return text, spans
+
+
+def labels_from_offsets(input_ids: list[int], offsets: list[Span], spans: list[Span]) -> list[int]:
+    """Labels equal to ``input_ids`` for tokens that start inside a span, ``IGNORE_INDEX`` elsewhere.
+
+    Args:
+        input_ids: token ids.
+        offsets: ``(start, end)`` character offsets of each token in the rendered text.
+        spans: sorted, non-overlapping character spans to label.
+
+    Returns:
+        The labels, aligned with ``input_ids`` (not shifted).
+    """
+    labels = [IGNORE_INDEX] * len(input_ids)
+    k = 0
+    for t, (tok_start, _tok_end) in enumerate(offsets):
+        while k < len(spans) and spans[k][1] <= tok_start:
+            k += 1
+        if k == len(spans):
+            break
+        if spans[k][0] <= tok_start < spans[k][1]:
+            labels[t] = input_ids[t]
+    return labels
+
+
+def encode_with_labels(
+    tokenizer: Any, text: str, spans: list[Span], max_length: int, encoding: Any = None
+) -> dict[str, list[int]] | None:
+    """Tokenize rendered ``text`` (or use its precomputed ``encoding``) and label the ``spans``.
+
+    Returns:
+        ``{"input_ids", "labels"}`` truncated to ``max_length`` tokens, or None when no label survives.
+    """
+    if encoding is None:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoding["input_ids"][:max_length])
+    offsets = list(encoding["offset_mapping"][:max_length])
+    labels = labels_from_offsets(input_ids, offsets, spans)
+    if all(label == IGNORE_INDEX for label in labels):
+        return None
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int) -> dict[str, list[int]] | None:
+    """Apply the chat template and label only the assistant replies.
+
+    Labels equal ``input_ids`` on each assistant reply's tokens, including the end-of-turn
+    token that closes it (``<|im_end|>`` for ChatML), and are ``-100`` on system and user
+    turns, on template scaffolding (``<|im_start|>assistant\\n``) and on anything after the
+    end-of-turn token. Labels are aligned with ``input_ids``; the loss does the shifting.
+
+    Args:
+        tokenizer: a fast Hugging Face tokenizer with a chat template.
+        messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
+        max_length: keep at most this many tokens (the start of the conversation).
+
+    Returns:
+        ``{"input_ids": list[int], "labels": list[int]}``, or None when no assistant token is
+        left after truncation (count it as ``no_assistant_after_truncation``).
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or ``max_length < 1``.
+    """
+    if max_length < 1:
+        raise ValueError(f"data.max_length={max_length}: must be >= 1")
+    text, spans = assistant_spans(tokenizer, messages)
+    return encode_with_labels(tokenizer, text, spans, max_length)

@@ -1,0 +1,205 @@
+"""MedusaModel: an unmodified HF causal LM plus Medusa heads on its final hidden states."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from . import assets
+from .formats import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig, read_heads
+from .heads import MedusaHead
+
+
+@dataclass
+class MedusaOutput:
+    """Result of ``MedusaModel.forward``.
+
+    Attributes:
+        hidden_states: Final-norm hidden states, shape (batch, seq, hidden).
+        base_logits: The backbone's LM-head logits, only when asked for.
+        past_key_values: The updated KV cache when ``use_cache`` (or a cache) was passed.
+    """
+
+    hidden_states: torch.Tensor
+    base_logits: torch.Tensor | None = None
+    past_key_values: object | None = None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class MedusaModel(nn.Module):
+    """A causal LM backbone plus ``num_heads`` Medusa heads.
+
+    The backbone is used as loaded (no vendored modeling code): the heads read the final-norm
+    hidden states of ``backbone.get_decoder()``.
+    """
+
+    def __init__(self, backbone: PreTrainedModel, config: MedusaConfig):
+        super().__init__()
+        _check_compatible(backbone, config)
+        self.backbone = backbone
+        self.config = config
+        init_weight = None if config.share_lm_head else self.lm_head.weight.detach()
+        dtype = getattr(torch, config.dtype)
+        device = self.lm_head.weight.device
+        self.heads = nn.ModuleList(
+            MedusaHead(config.hidden_size, config.vocab_size, config.num_layers, init_weight, config.share_lm_head)
+            for _ in range(config.num_heads)
+        ).to(device=device, dtype=dtype)
+
+    # ----------------------------------------------------------------------------- building
+    @classmethod
+    def from_backbone(cls, backbone: PreTrainedModel, num_heads: int, num_layers: int = 1,
+                      share_lm_head: bool = False, dtype: str | torch.dtype | None = None) -> MedusaModel:
+        """Attach fresh heads to ``backbone``; each starts out reproducing the LM head exactly.
+
+        Args:
+            backbone: A loaded HF causal LM (see ``load_backbone``).
+            num_heads: Number of heads (>= 1).
+            num_layers: ResBlocks per head (>= 0).
+            share_lm_head: Project through the backbone's frozen LM head instead of a trainable clone.
+            dtype: Head weight dtype; defaults to the LM head's (use float32 for training).
+        """
+        if num_heads < 1:
+            raise ValueError(f"heads.num_heads={num_heads}: must be >= 1")
+        if num_layers < 0:
+            raise ValueError(f"heads.num_layers={num_layers}: must be >= 0")
+        lm_head = backbone.get_output_embeddings()
+        if dtype is None:
+            dtype = lm_head.weight.dtype
+        dtype = _dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
+        config = MedusaConfig(
+            num_heads=num_heads, num_layers=num_layers, hidden_size=_hidden_size(backbone),
+            vocab_size=lm_head.weight.shape[0], share_lm_head=share_lm_head,
+            base_model_name_or_path=_base_reference(backbone), dtype=dtype,
+        )
+        return cls(backbone, config)
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.backbone.get_output_embeddings()
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    # ----------------------------------------------------------------------------- compute
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = None,
+                return_base_logits: bool = False, **kwargs) -> MedusaOutput:
+        """Run the backbone's decoder; base logits are computed only when asked for."""
+        out = self.backbone.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+        hidden = out.last_hidden_state
+        logits = self.lm_head(hidden) if return_base_logits else None
+        return MedusaOutput(hidden, logits, getattr(out, "past_key_values", None))
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The backbone's own next-token logits for ``hidden``."""
+        return self.lm_head(hidden)
+
+    def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Logits of head ``k`` (0-based; predicts the token k+2 positions after ``hidden``'s)."""
+        head = self.heads[k]
+        hidden = hidden.to(next(head.parameters(), self.lm_head.weight).dtype)
+        shared = self.lm_head if self.config.share_lm_head else None
+        return head(hidden, shared)
+
+    def all_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of every head stacked: (num_heads, *hidden.shape[:-1], vocab). Memory-hungry."""
+        return torch.stack([self.head_logits(hidden, k) for k in range(self.num_heads)])
+
+    # ----------------------------------------------------------------------------- persistence
+    def heads_state_dict(self) -> dict[str, torch.Tensor]:
+        """The heads' tensors only (never the backbone's), keyed ``heads.{k}.…``."""
+        return {f"heads.{name}": t.detach().contiguous() for name, t in self.heads.state_dict().items()}
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write the heads as ``model.safetensors`` + ``config.json`` (atomically: temp folder, rename)."""
+        final = Path(directory)
+        tmp = assets.atomic_dir(final)
+        tensors = self.heads_state_dict()
+        config = self.config.to_dict()
+        if tensors:
+            config["dtype"] = _dtype_name(next(iter(tensors.values())).dtype)
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        assets.replace_dir(tmp, final)
+        return final
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, backbone: PreTrainedModel | None = None,
+                        **backbone_kwargs) -> MedusaModel:
+        """Load heads saved by ``save_pretrained``.
+
+        Args:
+            directory: Folder with ``config.json`` and ``model.safetensors``.
+            backbone: The backbone to attach to; when ``None`` the one named in ``config.json`` is
+                loaded with ``load_backbone(**backbone_kwargs)``.
+
+        Raises:
+            ValueError: the backbone's hidden size or vocabulary differs from the heads', or a
+                tensor is missing, unexpected, or of the wrong shape (named in the message).
+        """
+        config, tensors = read_heads(directory)
+        if backbone is None:
+            if not config.base_model_name_or_path:
+                raise ValueError(f"{directory}/config.json names no base model; pass backbone=")
+            from .backbone import load_backbone
+
+            backbone, _ = load_backbone(config.base_model_name_or_path, **backbone_kwargs)
+        model = cls(backbone, config)
+        load_heads_strict(model.heads, tensors, source=str(directory))
+        return model
+
+
+def load_heads_strict(heads: nn.ModuleList, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``heads.*`` tensors into ``heads``; any missing/extra key or wrong shape is an error."""
+    expected = {f"heads.{k}": v for k, v in heads.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [f"{k}: file {tuple(tensors[k].shape)} vs model {tuple(expected[k].shape)}"
+             for k in expected if k in tensors and tensors[k].shape != expected[k].shape]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if wrong:
+        problems.append(f"wrong shapes: {'; '.join(wrong)}")
+    if problems:
+        raise ValueError(f"heads in {source} do not match the model ({'; '.join(problems)})")
+    with torch.no_grad():
+        for key, param in expected.items():
+            param.copy_(tensors[key])
+
+
+def _hidden_size(backbone: PreTrainedModel) -> int:
+    return backbone.get_output_embeddings().weight.shape[1]
+
+
+def _base_reference(backbone: PreTrainedModel) -> str | None:
+    name = getattr(backbone, "name_or_path", None) or getattr(backbone.config, "_name_or_path", None)
+    return str(name) if name else None
+
+
+def _check_compatible(backbone: PreTrainedModel, config: MedusaConfig) -> None:
+    vocab, hidden = backbone.get_output_embeddings().weight.shape
+    problems = []
+    if hidden != config.hidden_size:
+        problems.append(f"hidden size: heads {config.hidden_size}, backbone {hidden}")
+    if vocab != config.vocab_size:
+        problems.append(f"vocab size: heads {config.vocab_size}, backbone {vocab}")
+    if problems:
+        raise ValueError(f"these heads do not fit this backbone ({'; '.join(problems)}); "
+                         f"they were trained on {config.base_model_name_or_path!r}")
