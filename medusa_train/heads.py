@@ -41,7 +41,8 @@ class MedusaHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, shared_lm_head: nn.Module | None = None) -> torch.Tensor:
         hidden = self.blocks(hidden)
-        projection = self.lm_head if self.lm_head is not None else shared_lm_head
-        if projection is None:
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if shared_lm_head is None:
             raise ValueError("this head shares the backbone's LM head: pass shared_lm_head")
-        return projection(hidden)
+        return shared_lm_head(hidden.to(shared_lm_head.weight.dtype))
