@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from medusa_train.data.sources import Conversation, SkipStats, load_conversations
-from medusa_train.data.tokenize import IGNORE_INDEX, assistant_spans, encode_with_labels
+from medusa_train.data.tokenize import IGNORE_INDEX, assistant_spans, encode_rendered, labelled_example
 
 Example = dict[str, list[int]]
 
@@ -158,8 +158,7 @@ def tokenize_conversations(
     from tqdm.auto import tqdm
 
     examples: list[Example] = []
-    disable = None if os.environ.get("MEDUSA_TRAIN_PROGRESS", "1") != "0" else True
-    with tqdm(total=len(conversations), desc=desc, unit="conv", disable=disable) as bar:
+    with tqdm(total=len(conversations), desc=desc, unit="conv") as bar:
         for begin in range(0, len(conversations), chunk_size):
             rendered = []
             for messages in conversations[begin : begin + chunk_size]:
@@ -168,12 +167,9 @@ def tokenize_conversations(
                 except TemplateError:
                     stats.skip("template_error")
                     stats.kept -= 1
-            encodings = tokenizer(
-                [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
-            ) if rendered else {"input_ids": [], "offset_mapping": []}
-            for k, (text, spans) in enumerate(rendered):
-                encoding = {"input_ids": encodings["input_ids"][k], "offset_mapping": encodings["offset_mapping"][k]}
-                example = encode_with_labels(tokenizer, text, spans, max_length, encoding=encoding)
+            encoded = encode_rendered(tokenizer, [text for text, _ in rendered], max_length) if rendered else []
+            for (_, spans), (input_ids, offsets) in zip(rendered, encoded):
+                example = labelled_example(input_ids, offsets, spans)
                 if example is None:
                     stats.skip("no_assistant_after_truncation")
                     stats.kept -= 1
@@ -211,6 +207,8 @@ def build_datasets(
         collate_fn=MedusaCollator(tokenizer.pad_token_id))``; ``stats`` counts every skip,
         and ``stats.kept == len(train) + len(eval)``.
     """
+    if max_length < 1:
+        raise ValueError(f"data.max_length={max_length}: must be >= 1")
     conversations, stats = load_conversations(source, max_samples=max_samples)
     train_idx, eval_idx = split_indices(len(conversations), eval_size, seed)
     train = tokenize_conversations(tokenizer, [conversations[i] for i in train_idx], max_length, stats, "tokenizing train")

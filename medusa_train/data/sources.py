@@ -79,8 +79,8 @@ class SkipStats:
         return line
 
 
-class _Skip(Exception):
-    """Raised by :func:`normalise_record` with the reason a record is dropped."""
+class _Skip(ValueError):
+    """Raised by :func:`normalise_record`; ``reason`` is the :class:`SkipStats` key."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -97,7 +97,8 @@ def normalise_record(record: Any) -> Conversation:
         The conversation as ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
 
     Raises:
-        _Skip: with the reason (``malformed``, ``empty``, ``unknown_role``, ``no_assistant``).
+        ValueError: the record is dropped; its ``reason`` attribute is ``malformed``, ``empty``,
+            ``unknown_role`` or ``no_assistant``.
     """
     if not isinstance(record, dict):
         raise _Skip("malformed")

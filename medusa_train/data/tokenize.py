@@ -12,6 +12,7 @@ Nothing depends on the model's name.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 IGNORE_INDEX = -100
@@ -106,36 +107,74 @@ def labels_from_offsets(input_ids: list[int], offsets: list[Span], spans: list[S
 
     Args:
         input_ids: token ids.
-        offsets: ``(start, end)`` character offsets of each token in the rendered text.
+        offsets: ``(start, end)`` character offsets of each token in the rendered text, in order.
         spans: sorted, non-overlapping character spans to label.
 
     Returns:
         The labels, aligned with ``input_ids`` (not shifted).
     """
     labels = [IGNORE_INDEX] * len(input_ids)
-    k = 0
-    for t, (tok_start, _tok_end) in enumerate(offsets):
-        while k < len(spans) and spans[k][1] <= tok_start:
-            k += 1
-        if k == len(spans):
-            break
-        if spans[k][0] <= tok_start < spans[k][1]:
-            labels[t] = input_ids[t]
+    starts = [start for start, _ in offsets]
+    for span_start, span_end in spans:
+        first, stop = bisect_left(starts, span_start), bisect_left(starts, span_end)
+        labels[first:stop] = input_ids[first:stop]
     return labels
 
 
-def encode_with_labels(
-    tokenizer: Any, text: str, spans: list[Span], max_length: int, encoding: Any = None
-) -> dict[str, list[int]] | None:
-    """Tokenize rendered ``text`` (or use its precomputed ``encoding``) and label the ``spans``.
+# The text is cut before tokenizing, at a special token at least this many characters per
+# allowed token in: generous, so the cut almost always leaves more than ``max_length`` tokens.
+CHARS_PER_TOKEN_BOUND = 8
+
+
+def _cut_after_special(text: str, at_least: int, specials: list[str]) -> int:
+    """End of the first special token that ends at or after ``at_least``, else ``len(text)``.
+
+    Tokenizers split the text on special tokens before anything else, so the text before a
+    special token is tokenized exactly as it is inside the whole text.
+    """
+    if at_least >= len(text):
+        return len(text)
+    cut = len(text)
+    for special in specials:
+        at = text.find(special, max(0, at_least - len(special)))
+        if at >= 0:
+            cut = min(cut, at + len(special))
+    return cut
+
+
+def encode_rendered(tokenizer: Any, texts: list[str], max_length: int) -> list[tuple[list[int], list[Span]]]:
+    """Tokenize rendered conversations (no special tokens added) and keep the first ``max_length`` tokens.
+
+    Long texts are cut after a special token well past ``max_length`` tokens' worth of text, so
+    a 100k-character conversation does not cost a full tokenization; the result is the same as
+    tokenizing the whole text and truncating (a text whose cut holds too few tokens is redone whole).
 
     Returns:
-        ``{"input_ids", "labels"}`` truncated to ``max_length`` tokens, or None when no label survives.
+        One ``(input_ids, offsets)`` per text.
     """
-    if encoding is None:
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoding["input_ids"][:max_length])
-    offsets = list(encoding["offset_mapping"][:max_length])
+    specials = _special_strings(tokenizer)
+    cuts = [_cut_after_special(text, max_length * CHARS_PER_TOKEN_BOUND, specials) for text in texts]
+    results = []
+    for text, cut, (ids, offsets) in zip(texts, cuts, _encode(tokenizer, [t[:c] for t, c in zip(texts, cuts)])):
+        if len(ids) < max_length and cut < len(text):
+            [(ids, offsets)] = _encode(tokenizer, [text])
+        results.append((list(ids[:max_length]), list(offsets[:max_length])))
+    return results
+
+
+def _encode(tokenizer: Any, texts: list[str]) -> list[tuple[list[int], list[Span]]]:
+    """Token ids and character offsets of ``texts``, with no special tokens added."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # The Rust tokenizer directly skips transformers' per-text conversion; only when no earlier
+    # call left truncation or padding switched on in it.
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    encodings = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return list(zip(encodings["input_ids"], encodings["offset_mapping"]))
+
+
+def labelled_example(input_ids: list[int], offsets: list[Span], spans: list[Span]) -> dict[str, list[int]] | None:
+    """``{"input_ids", "labels"}`` with the ``spans`` labelled, or None when nothing is labelled."""
     labels = labels_from_offsets(input_ids, offsets, spans)
     if all(label == IGNORE_INDEX for label in labels):
         return None
@@ -165,4 +204,5 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int)
     if max_length < 1:
         raise ValueError(f"data.max_length={max_length}: must be >= 1")
     text, spans = assistant_spans(tokenizer, messages)
-    return encode_with_labels(tokenizer, text, spans, max_length)
+    [(input_ids, offsets)] = encode_rendered(tokenizer, [text], max_length)
+    return labelled_example(input_ids, offsets, spans)
