@@ -52,6 +52,8 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, dict]:
                 f"model.name_or_path={name}: the folder has no config.json; point at a Hugging Face "
                 "model folder (config.json + weights), a .gguf file, or packaged:smollm2-135m-instruct")
         return str(path), {}
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"model.name_or_path={name}: no such folder (and not a hub id of the form org/name)")
     return name, {}  # a hub id
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import PACKAGED_MODEL, make_tiny_backbone
+
 from medusa_train import assets, load_backbone
 from medusa_train.backbone import resolve_dtype
 
@@ -15,6 +15,11 @@ def test_offline_hub_id_gives_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(OSError, match="Point model.name_or_path at a local Hugging Face folder"):
         load_backbone("some-org/some-model-that-is-not-here")
+
+
+def test_missing_local_path_is_not_mistaken_for_a_hub_id(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_backbone(tmp_path / "not-there")
 
 
 def test_folder_without_config_is_named(tmp_path):

@@ -1,0 +1,88 @@
+"""Training checkpoints: trainable weights, optimizer, scheduler, RNG and data position.
+
+Only parameters that train are saved (the frozen backbone is reloaded from its source), so a
+checkpoint of the packaged model's heads is tens of MB, not the whole model. Each checkpoint is
+written to a temporary folder and renamed into ``<output_dir>/checkpoints/step-NNNNNNN``, so a
+crash (even ``kill -9``) leaves either the previous checkpoints or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import assets
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(output_dir: str | Path, step: int, trainable: dict[str, torch.Tensor], optimizer, scheduler,
+                    position: dict, rng_by_rank: list[dict], keep_last: int) -> Path:
+    """Write one checkpoint atomically and prune all but the newest ``keep_last``."""
+    final = checkpoints_dir(output_dir) / f"step-{step:07d}"
+    tmp = assets.atomic_dir(final)
+    save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    torch.save(rng_by_rank, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **position}, indent=2) + "\n")
+    assets.replace_dir(tmp, final)
+    for old in list_checkpoints(output_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path, parameters: dict[str, torch.nn.Parameter], optimizer, scheduler) -> tuple[dict, list]:
+    """Restore weights, optimizer and scheduler in place; return ``(state, rng_by_rank)``."""
+    path = Path(path)
+    tensors = load_file(str(path / "trainable.safetensors"))
+    missing, unexpected = sorted(set(parameters) - set(tensors)), sorted(set(tensors) - set(parameters))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match this run's trainable parameters "
+                         f"(missing: {missing[:5]}, unexpected: {unexpected[:5]}); use trainer.resume=never "
+                         "or another trainer.output_dir to start afresh")
+    with torch.no_grad():
+        for name, param in parameters.items():
+            param.copy_(tensors[name])
+    states = torch.load(path / "optimizer.pt", weights_only=False)
+    optimizer.load_state_dict(states["optimizer"])
+    scheduler.load_state_dict(states["scheduler"])
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    return json.loads((path / "state.json").read_text()), rng

@@ -1,0 +1,290 @@
+"""Typed training configuration: the schema behind ``configs/``, checked before any heavy work.
+
+Hydra composes YAML into a plain mapping; ``build_config`` turns it into these dataclasses and
+reports every problem at once, each with the key to change (``heads.num_heads=0: must be >= 1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """One or more invalid config values; ``problems`` lists them, each naming its key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "packaged:smollm2-135m-instruct"  #: local HF folder, hub id, .gguf, or packaged:NAME
+    dtype: str = "bfloat16"  #: backbone weight dtype: bfloat16 | float32 | float16
+    quantization: str | None = None  #: null | nf4 | int8 (bitsandbytes; the medusa2 recipe uses nf4)
+    trust_remote_code: bool = False  #: allow custom modeling code shipped with the model
+    attn_implementation: str | None = "sdpa"  #: sdpa | eager | null (transformers' default)
+    bnb_compute_dtype: str | None = None  #: compute dtype of 4-bit layers (default: dtype)
+    bnb_double_quant: bool = True  #: double-quantise the 4-bit scales
+
+
+@dataclass
+class DataConfig:
+    source: str = "packaged:sharegpt-v3"  #: json/jsonl file (ShareGPT or messages records), hub id, or packaged:NAME
+    max_samples: int | None = 2000  #: conversations to read (null = all)
+    max_length: int = 512  #: tokens per example after the chat template (longer ones are truncated)
+    eval_size: int = 64  #: held-out conversations for periodic eval
+    batch_size: int = 4  #: examples per device per micro-batch
+    eval_batch_size: int | None = None  #: default: batch_size
+    seed: int = 0  #: train/eval split and shuffling seed
+    cache_hidden_states: bool = False  #: medusa1 only: run the frozen backbone once, train heads from cached states
+    cache_dir: str | None = None  #: where hidden-state caches go (default: $MEDUSA_TRAIN_CACHE/hidden)
+
+
+@dataclass
+class HeadsConfig:
+    num_heads: int = 4  #: Medusa heads; head k predicts the token k+2 ahead
+    num_layers: int = 1  #: ResBlocks per head
+    share_lm_head: bool = False  #: project through the frozen LM head instead of a trainable clone
+    init_from: str | None = None  #: start from heads saved earlier (an export folder)
+
+
+@dataclass
+class LossConfig:
+    head_decay: float = 0.8  #: weight of head k is head_decay**k (normalised to sum 1)
+    chunk_size: int | None = None  #: split the sequence so at most chunk x vocab logits exist at once
+    base: str | None = None  #: medusa2: null (heads only) | ce | distill (KL to the adapter-free model)
+    head_weight: float = 0.2  #: medusa2: lambda, the heads' weight after warm-up
+    head_warmup_steps: int = 0  #: medusa2: steps over which lambda rises from 0
+    head_warmup: str = "linear"  #: medusa2: linear | sine
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3  #: peak learning rate (of the heads in medusa1; of the backbone in medusa2)
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_ratio: float = 0.05  #: fraction of steps for linear warm-up (ignored when warmup_steps is set)
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.0  #: cosine decays to lr * min_lr_ratio
+    max_grad_norm: float | None = 1.0  #: gradient clipping (null = off)
+    grad_accum_steps: int = 1  #: micro-batches per optimizer step
+    head_lr_multiplier: float = 1.0  #: medusa2: heads' LR = lr * this
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "outputs/medusa1"  #: everything a run writes goes here
+    epochs: int = 1  #: passes over the training set (ignored when max_steps is set)
+    max_steps: int | None = None  #: optimizer steps; overrides epochs
+    resume: str = "auto"  #: auto (latest checkpoint in output_dir) | never | path to a checkpoint
+    save_every: int = 200  #: optimizer steps between checkpoints (0 = only at the end)
+    keep_last: int = 2  #: checkpoints kept
+    eval_every: int = 200  #: optimizer steps between evals (0 = only at start and end)
+    log_every: int = 10  #: optimizer steps between metric lines
+    mixed_precision: str = "bf16"  #: no | bf16 | fp16 (autocast)
+    seed: int = 42
+    export: bool = True  #: write <output_dir>/export at the end
+
+
+@dataclass
+class PeftConfig:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] | str = "all-linear"  #: module names, or all-linear (every projection but lm_head)
+
+
+@dataclass
+class LoggerConfig:
+    project: str = "medusa-train"  #: W&B project
+    entity: str | None = None
+    name: str | None = None  #: run name (default: W&B's)
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    method: str = "medusa1"  #: medusa1 (frozen backbone) | medusa2 (QLoRA backbone + heads)
+    stage: int | None = None  #: medusa2 two-stage option: 1 = heads only, 2 = joint
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    logger: LoggerConfig | None = None  #: null | wandb
+
+
+def build_config(raw: Any) -> TrainConfig:
+    """Turn a Hydra ``DictConfig`` (or a plain dict) into a validated ``TrainConfig``.
+
+    Raises:
+        ConfigError: listing every unknown key, wrong type and out-of-range value at once.
+    """
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(raw, DictConfig):
+            raw = OmegaConf.to_container(raw, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    problems: list[str] = []
+    config = _build(TrainConfig, raw or {}, "", problems)
+    problems += check(config)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _build(cls, raw: dict, prefix: str, problems: list[str]):
+    if not isinstance(raw, dict):
+        problems.append(f"{prefix.rstrip('.')}={raw!r}: must be a mapping")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    problems += [f"{prefix}{key}: unknown key (known: {', '.join(sorted(names))})" for key in raw if key not in names]
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        kind, value, key = hints[f.name], raw[f.name], prefix + f.name
+        sub = _dataclass_in(kind)
+        if sub is not None:
+            values[f.name] = None if value is None and _optional(kind) else _build(sub, value, key + ".", problems)
+        else:
+            coerced = _coerce(kind, value, key, problems)
+            if coerced is not _INVALID:  # an invalid value keeps the default so range checks still run
+                values[f.name] = coerced
+    return cls(**values)
+
+
+_INVALID = object()
+
+
+def _dataclass_in(kind):
+    for option in typing.get_args(kind) or (kind,):
+        if dataclasses.is_dataclass(option):
+            return option
+    return None
+
+
+def _optional(kind) -> bool:
+    return type(None) in typing.get_args(kind)
+
+
+def _coerce(kind, value, key: str, problems: list[str]):
+    options = typing.get_args(kind) if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union \
+        else (kind,)
+    if value is None:
+        if type(None) in options:
+            return None
+        problems.append(f"{key}=null: a value is required")
+        return _INVALID
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if origin is bool and isinstance(value, bool):
+            return value
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if origin is str and isinstance(value, str):
+            return value
+        if origin is list and isinstance(value, (list, tuple)):
+            return list(value)
+    names = " | ".join("null" if o is type(None) else getattr(typing.get_origin(o) or o, "__name__", str(o))
+                       for o in options)
+    problems.append(f"{key}={value!r}: expected {names}")
+    return _INVALID
+
+
+def check(c: TrainConfig) -> list[str]:
+    """Range and consistency checks; returns every problem found."""
+    p: list[str] = []
+
+    def need(ok: bool, key: str, value, rule: str):
+        if not ok:
+            p.append(f"{key}={value!r}: {rule}")
+
+    need(c.method in ("medusa1", "medusa2"), "method", c.method, "must be medusa1 or medusa2")
+    need(c.stage in (None, 1, 2), "stage", c.stage, "must be null, 1 or 2")
+    need(c.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", c.model.dtype,
+         "must be bfloat16, float32 or float16")
+    need(c.model.quantization in (None, "nf4", "int8"), "model.quantization", c.model.quantization,
+         "must be null, nf4 or int8")
+    need(c.model.attn_implementation in (None, "sdpa", "eager"), "model.attn_implementation",
+         c.model.attn_implementation, "must be sdpa, eager or null")
+    need(bool(c.model.name_or_path), "model.name_or_path", c.model.name_or_path, "must name a model")
+    need(c.heads.num_heads >= 1, "heads.num_heads", c.heads.num_heads, "must be >= 1")
+    need(c.heads.num_layers >= 0, "heads.num_layers", c.heads.num_layers, "must be >= 0")
+    need(c.data.max_length >= 8, "data.max_length", c.data.max_length, "must be >= 8")
+    need(c.data.max_samples is None or c.data.max_samples >= 1, "data.max_samples", c.data.max_samples,
+         "must be >= 1 or null (all)")
+    need(c.data.eval_size >= 0, "data.eval_size", c.data.eval_size, "must be >= 0")
+    need(c.data.batch_size >= 1, "data.batch_size", c.data.batch_size, "must be >= 1")
+    need(c.data.eval_batch_size is None or c.data.eval_batch_size >= 1, "data.eval_batch_size",
+         c.data.eval_batch_size, "must be >= 1")
+    need(not (c.data.cache_hidden_states and c.method == "medusa2" and c.stage != 1), "data.cache_hidden_states",
+         True, "needs a frozen backbone: use it with +recipe=medusa1 (or medusa2 stage=1)")
+    need(0.0 < c.loss.head_decay <= 1.0, "loss.head_decay", c.loss.head_decay, "must be in (0, 1]")
+    need(c.loss.chunk_size is None or c.loss.chunk_size >= 1, "loss.chunk_size", c.loss.chunk_size,
+         "must be >= 1 or null")
+    need(c.loss.base in (None, "ce", "distill"), "loss.base", c.loss.base, "must be null, ce or distill")
+    need(c.loss.head_weight >= 0, "loss.head_weight", c.loss.head_weight, "must be >= 0")
+    need(c.loss.head_warmup_steps >= 0, "loss.head_warmup_steps", c.loss.head_warmup_steps, "must be >= 0")
+    need(c.loss.head_warmup in ("linear", "sine"), "loss.head_warmup", c.loss.head_warmup, "must be linear or sine")
+    need(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be > 0")
+    need(c.optim.weight_decay >= 0, "optim.weight_decay", c.optim.weight_decay, "must be >= 0")
+    need(len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "optim.betas", c.optim.betas,
+         "must be two numbers in [0, 1)")
+    need(0 <= c.optim.warmup_ratio < 1, "optim.warmup_ratio", c.optim.warmup_ratio, "must be in [0, 1)")
+    need(c.optim.warmup_steps is None or c.optim.warmup_steps >= 0, "optim.warmup_steps", c.optim.warmup_steps,
+         "must be >= 0")
+    need(0 <= c.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", c.optim.min_lr_ratio, "must be in [0, 1]")
+    need(c.optim.max_grad_norm is None or c.optim.max_grad_norm > 0, "optim.max_grad_norm", c.optim.max_grad_norm,
+         "must be > 0 or null")
+    need(c.optim.grad_accum_steps >= 1, "optim.grad_accum_steps", c.optim.grad_accum_steps, "must be >= 1")
+    need(c.optim.head_lr_multiplier > 0, "optim.head_lr_multiplier", c.optim.head_lr_multiplier, "must be > 0")
+    need(c.trainer.epochs >= 1, "trainer.epochs", c.trainer.epochs, "must be >= 1")
+    need(c.trainer.max_steps is None or c.trainer.max_steps >= 1, "trainer.max_steps", c.trainer.max_steps,
+         "must be >= 1 or null (use epochs)")
+    need(c.trainer.resume in ("auto", "never") or os.path.isdir(c.trainer.resume), "trainer.resume",
+         c.trainer.resume, "must be auto, never, or an existing checkpoint folder")
+    for key in ("save_every", "eval_every"):
+        need(getattr(c.trainer, key) >= 0, f"trainer.{key}", getattr(c.trainer, key), "must be >= 0")
+    need(c.trainer.keep_last >= 1, "trainer.keep_last", c.trainer.keep_last, "must be >= 1")
+    need(c.trainer.log_every >= 1, "trainer.log_every", c.trainer.log_every, "must be >= 1")
+    need(c.trainer.mixed_precision in ("no", "bf16", "fp16"), "trainer.mixed_precision", c.trainer.mixed_precision,
+         "must be no, bf16 or fp16")
+    need(bool(c.trainer.output_dir), "trainer.output_dir", c.trainer.output_dir, "must be set")
+    need(c.peft.r >= 1, "peft.r", c.peft.r, "must be >= 1")
+    need(0 <= c.peft.dropout < 1, "peft.dropout", c.peft.dropout, "must be in [0, 1)")
+    need(c.heads.init_from is None or os.path.isdir(c.heads.init_from), "heads.init_from", c.heads.init_from,
+         "must be an existing folder of exported heads")
+    if c.logger is not None:
+        p += wandb_problems()
+    return p
+
+
+def wandb_problems() -> list[str]:
+    """W&B without a key and without WANDB_MODE fails deep inside a run; say how to choose, up front."""
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return []
+    netrc = os.path.expanduser(os.environ.get("NETRC", "~/.netrc"))
+    if os.path.isfile(netrc) and "api.wandb.ai" in open(netrc, encoding="utf-8", errors="ignore").read():
+        return []
+    return ["logger=wandb: no W&B API key found. Run `wandb login` (or set WANDB_API_KEY), or set "
+            "WANDB_MODE=offline to log locally and `wandb sync` later, or WANDB_MODE=disabled, or use logger=null"]
+
+
+def to_dict(config: TrainConfig) -> dict:
+    """Plain nested dict of the config (for W&B, checkpoints and the exported training config)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,45 @@
+"""A tiny but real training setup: a random Llama folder with a BPE chat tokenizer, and chat data."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from conftest import make_tiny_backbone
+from data.conftest import make_bpe_tokenizer
+
+WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def make_model_dir(path: Path, arch: str = "llama") -> Path:
+    """Save a tiny random backbone plus a ChatML BPE tokenizer as a Hugging Face folder."""
+    tokenizer = make_bpe_tokenizer()
+    backbone = make_tiny_backbone(arch, vocab_size=len(tokenizer))
+    backbone.config.pad_token_id = tokenizer.pad_token_id
+    backbone.config.eos_token_id = tokenizer.eos_token_id
+    backbone.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_chat_jsonl(path: Path, n: int = 48, seed: int = 0) -> Path:
+    """Conversations whose replies count upwards: easy for heads to learn, so accuracy must rise."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            start = rng.randrange(5)
+            reply = " ".join(WORDS[(start + i) % 10] for i in range(rng.randrange(12, 30)))
+            record = {"messages": [{"role": "user", "content": f"Count from {WORDS[start]}."},
+                                   {"role": "assistant", "content": reply}]}
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def train_overrides(model_dir: Path, data: Path, output_dir: Path, **extra) -> list[str]:
+    """Overrides that shrink the real config to seconds on CPU."""
+    values = {"model.name_or_path": model_dir, "model.dtype": "float32", "data.source": data,
+              "data.max_samples": "null", "data.max_length": 96, "data.eval_size": 8, "data.batch_size": 4,
+              "trainer.output_dir": output_dir, "trainer.mixed_precision": "no", "trainer.log_every": 1,
+              "heads.num_heads": 3, "optim.lr": 0.01, **extra}
+    return [f"{k}={v}" for k, v in values.items()]
