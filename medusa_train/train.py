@@ -243,10 +243,14 @@ class Medusa1Recipe:
             self.save_checkpoint()
         return last_eval or {}
 
+    @property
+    def backbone_trains(self) -> bool:
+        return any(not name.startswith("heads.") for name in self.parameters)
+
     def hidden_states(self, batch: dict) -> torch.Tensor:
         if "hidden" in batch:  # from the hidden-state cache
             return batch["hidden"]
-        with torch.no_grad(), self.accelerator.autocast():
+        with torch.set_grad_enabled(self.backbone_trains), self.accelerator.autocast():
             return self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
 
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
@@ -391,12 +395,17 @@ def _cosine_schedule(optimizer, warmup: int, total: int, min_ratio: float):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-RECIPES = {"medusa1": Medusa1Recipe}
+def recipe_class(method: str) -> type[Medusa1Recipe]:
+    if method == "medusa2":
+        from .medusa2 import Medusa2Recipe  # peft and bitsandbytes only when asked for
+
+        return Medusa2Recipe
+    return Medusa1Recipe
 
 
 def run(cfg: TrainConfig) -> dict:
     """Run the recipe named by ``cfg.method``; returns the last eval metrics."""
-    recipe = RECIPES[cfg.method](cfg)
+    recipe = recipe_class(cfg.method)(cfg)
     recipe.setup()
     try:
         metrics = recipe.train()
