@@ -13,7 +13,14 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import assets
-from .formats import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig, read_heads
+from .formats import (
+    CONFIG_NAME,
+    SHARED_LM_HEAD_KEY,
+    WEIGHTS_NAME,
+    MedusaConfig,
+    check_shared_lm_head,
+    read_heads,
+)
 from .heads import MedusaHead
 
 
@@ -115,9 +122,19 @@ class MedusaModel(nn.Module):
         shared = self.lm_head if self.config.share_lm_head else None
         return head(hidden, shared)
 
-    def all_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of every head stacked: (num_heads, *hidden.shape[:-1], vocab). Memory-hungry."""
-        return torch.stack([self.head_logits(hidden, k) for k in range(self.num_heads)])
+    def all_head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits of the first ``num_heads`` heads stacked: (num_heads, *hidden.shape[:-1], vocab).
+
+        With ``share_lm_head`` the heads' ResBlock outputs go through the LM head in one matmul,
+        so its (vocab x hidden) weight is read once rather than once per head: at decode time,
+        where a step handles a handful of rows, that read is what the heads cost.
+        """
+        n = self.num_heads if num_heads is None else num_heads
+        if not self.config.share_lm_head:
+            return torch.stack([self.head_logits(hidden, k) for k in range(n)])
+        dtype = next(self.heads[0].parameters(), self.lm_head.weight).dtype
+        blocks = torch.stack([self.heads[k].blocks(hidden.to(dtype)) for k in range(n)])
+        return self.lm_head(blocks.to(self.lm_head.weight.dtype))
 
     # ----------------------------------------------------------------------------- persistence
     def heads_state_dict(self) -> dict[str, torch.Tensor]:
@@ -140,25 +157,33 @@ class MedusaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, backbone: PreTrainedModel | None = None,
                         **backbone_kwargs) -> MedusaModel:
-        """Load heads saved by ``save_pretrained``.
+        """Load heads saved by ``save_pretrained`` or ``export_heads`` (native, medusa_v1 or vllm).
 
         Args:
-            directory: Folder with ``config.json`` and ``model.safetensors``.
+            directory: A heads folder; its layout is read from ``config.json`` (see ``formats.py``).
             backbone: The backbone to attach to; when ``None`` the one named in ``config.json`` is
                 loaded with ``load_backbone(**backbone_kwargs)``.
 
         Raises:
-            ValueError: the backbone's hidden size or vocabulary differs from the heads', or a
-                tensor is missing, unexpected, or of the wrong shape (named in the message).
+            ValueError: the backbone's hidden size or vocabulary differs from the heads', a
+                tensor is missing, unexpected, or of the wrong shape (named in the message), or
+                vLLM heads stored with ``original_lm_head`` carry an LM head other than the backbone's.
         """
         config, tensors = read_heads(directory)
+        stored_lm_head = tensors.pop(SHARED_LM_HEAD_KEY, None)  # vLLM original_lm_head heads only
         if backbone is None:
             if not config.base_model_name_or_path:
                 raise ValueError(f"{directory}/config.json names no base model; pass backbone=")
             from .backbone import load_backbone
 
-            backbone, _ = load_backbone(config.base_model_name_or_path, **backbone_kwargs)
+            base = config.base_model_name_or_path
+            beside = Path(directory) / base  # a relative folder beside the heads, e.g. Medusa-2's "merged"
+            if not Path(base).is_absolute() and (beside / "config.json").is_file():
+                base = str(beside)
+            backbone, _ = load_backbone(base, **backbone_kwargs)
         model = cls(backbone, config)
+        if stored_lm_head is not None:
+            check_shared_lm_head(stored_lm_head, model.lm_head.weight, source=str(directory))
         load_heads_strict(model.heads, tensors, source=str(directory))
         return model
 

@@ -65,3 +65,18 @@ def test_heads_at_init_reproduce_lm_head_on_packaged_model(packaged_backbone):
         diffs = [(model.head_logits(out.hidden_states, k) - out.base_logits).abs().max().item() for k in range(4)]
         assert diffs == [0.0] * 4
         assert torch.equal(out.base_logits, backbone(ids).logits)
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_all_head_logits_equals_each_head_alone(tiny_llama, share_lm_head):
+    model = MedusaModel.from_backbone(tiny_llama, num_heads=3, num_layers=1, share_lm_head=share_lm_head)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(std=0.1)
+        hidden = torch.randn(2, 5, 64)
+        stacked = model.all_head_logits(hidden)
+        assert stacked.shape == (3, 2, 5, 256)
+        for k in range(3):
+            torch.testing.assert_close(stacked[k], model.head_logits(hidden, k), rtol=1e-6, atol=1e-6)
+        assert model.all_head_logits(hidden, 2).shape[0] == 2

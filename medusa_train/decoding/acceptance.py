@@ -1,0 +1,145 @@
+"""Choosing which tree candidates to keep, given the base model's logits at every tree node.
+
+Every rule gets the candidate tokens of the tree nodes, ``tokens`` (num_nodes,), and the base
+model's logits at those nodes, ``logits`` (num_nodes, vocab): ``logits[i]`` is the base model's
+next-token distribution after the path root..i. The root (node 0) is already accepted: it is the
+token the previous step decided. A rule returns the accepted root-to-node path and the token that
+follows its last node (the next step's root).
+
+- ``greedy``: a candidate is kept when it equals the argmax of its parent's logits. The output is
+  token-identical to plain greedy decoding (lossless).
+- ``typical``: Medusa's typical acceptance. A candidate is kept when its base probability exceeds
+  ``min(threshold, alpha * exp(-entropy))`` of its parent's distribution; the longest kept path wins
+  (ties: the most likely). Lossy: faster at temperature > 0 but not the base model's distribution.
+- ``rejection``: recursive rejection sampling over the tree. At a node, its children (deterministic
+  top-k drafts) are tried in rank order: child token x is kept with probability r(x) under the
+  current residual r (initially the base distribution p); on rejection r(x) is set to 0 and r is
+  renormalised. When every child is rejected (or there are none), the next token is drawn from r.
+  Each emitted token is then distributed exactly as under plain sampling from the base model
+  (lossless in law).
+
+At ``temperature == 0`` every rule is greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import MedusaTree
+
+ACCEPTANCE_METHODS = ("greedy", "typical", "rejection")
+
+
+@dataclass
+class Acceptance:
+    """Result of one acceptance decision.
+
+    Attributes:
+        path: Accepted node indices, root (0) first; ``len(path)`` tokens are gained.
+        next_token: The token after the last accepted node (the next step's root).
+    """
+
+    path: list[int]
+    next_token: int
+
+
+# --------------------------------------------------------------------------------- sampling helpers
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """``softmax(logits / temperature)`` in float32, restricted to the top-p nucleus and renormalised.
+
+    The nucleus keeps the most likely tokens until their mass reaches ``top_p`` (at least one token).
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One token id drawn from ``probs`` (vocab,)."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def first_token(logits: torch.Tensor, method: str, temperature: float, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> int:
+    """The token after the prompt: argmax when greedy, else a sample of the base distribution."""
+    if method == "greedy" or temperature == 0:
+        return int(logits.argmax(-1))
+    return sample(probabilities(logits, temperature, top_p), generator)
+
+
+# --------------------------------------------------------------------------------- rules
+def greedy_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor) -> Acceptance:
+    """Keep candidates equal to their parent's argmax (children of a node hold distinct tokens,
+    so at most one child matches and the walk is unique)."""
+    best = logits.argmax(-1).tolist()
+    tokens = tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        child = next((c for c in tree.children[node] if tokens[c] == best[node]), None)
+        if child is None:
+            return Acceptance(path, best[node])
+        node = child
+        path.append(child)
+
+
+def typical_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
+                   top_p: float = 1.0, threshold: float = 0.09, alpha: float = 0.3,
+                   generator: torch.Generator | None = None) -> Acceptance:
+    """Medusa's typical acceptance (lossy); the next token is sampled from the last accepted node."""
+    probs = probabilities(logits, temperature)
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    cutoff = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    parents = tree.parents.to(logits.device).clamp_min(0)
+    candidate_probs = probs[parents, tokens]  # each node's probability under its parent
+    kept = candidate_probs > cutoff[parents]
+    kept[0] = True
+    paths = tree.retrieve_paths.to(logits.device)
+    valid = paths >= 0
+    safe = paths.clamp_min(0)
+    on_path = (kept[safe] & valid).long().cumprod(-1).bool()
+    lengths = on_path.sum(-1)
+    score = (torch.log(candidate_probs.clamp_min(1e-30))[safe] * on_path).sum(-1)
+    longest = lengths == lengths.max()
+    row = int(torch.where(longest, score, torch.full_like(score, -float("inf"))).argmax())
+    path = paths[row, : int(lengths[row])].tolist()
+    return Acceptance(path, sample(probabilities(logits[path[-1]], temperature, top_p), generator))
+
+
+def rejection_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
+                     top_p: float = 1.0, generator: torch.Generator | None = None) -> Acceptance:
+    """Recursive rejection sampling over deterministic drafts (lossless in law)."""
+    tokens = tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        residual = probabilities(logits[node], temperature, top_p)
+        for child in tree.children[node]:
+            x = tokens[child]
+            p_x = float(residual[x])
+            if p_x > 0 and float(torch.rand((), generator=generator, device=residual.device)) < p_x:
+                node = child
+                path.append(child)
+                break
+            residual[x] = 0.0
+            residual = residual / residual.sum()  # sum is 1 - p_x > 0 since p_x < 1 here
+        else:
+            return Acceptance(path, sample(residual, generator))
+
+
+def accept(method: str, tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float = 0.0,
+           top_p: float = 1.0, typical_threshold: float = 0.09, typical_alpha: float = 0.3,
+           generator: torch.Generator | None = None) -> Acceptance:
+    """Dispatch to the acceptance rule ``method`` (greedy when ``temperature == 0``)."""
+    if method == "greedy" or temperature == 0:
+        return greedy_accept(tree, tokens, logits)
+    if method == "typical":
+        return typical_accept(tree, tokens, logits, temperature, top_p, typical_threshold, typical_alpha, generator)
+    if method == "rejection":
+        return rejection_accept(tree, tokens, logits, temperature, top_p, generator)
+    raise ValueError(f"acceptance={method!r}: must be one of {list(ACCEPTANCE_METHODS)}")

@@ -1,0 +1,273 @@
+"""Medusa tree decoding: prefill -> candidates -> one verify pass over the tree -> accept -> KV compaction.
+
+Works with any Hugging Face causal LM whose decoder takes a 4D additive attention mask, explicit
+``position_ids`` and a ``DynamicCache`` (checked: Llama, Qwen2, GPT-NeoX; "sdpa" and "eager").
+
+Limits: batch size 1. The cache is a plain ``DynamicCache`` of full-attention layers and the tree
+mask is fully causal, so models with sliding-window layers are refused once the context could
+exceed the window. Greedy output is token-identical to ``generate`` in float32; in half precision
+the tree pass rounds differently from a one-token pass, so a near-tie can (rarely) flip.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from .acceptance import ACCEPTANCE_METHODS, accept, first_token
+from .tree import MedusaTree, tree_from_config
+
+
+@dataclass
+class MedusaGenerateOutput:
+    """Result of ``medusa_generate``.
+
+    Attributes:
+        sequences: (1, prompt_len + new_tokens) prompt followed by the generated tokens.
+        new_tokens: Number of generated tokens.
+        accept_lengths: Tokens gained per verify step (each >= 1; the last one may be cut short by
+            eos or ``max_new_tokens``). ``sum(accept_lengths) == new_tokens``.
+        accepted_depths: Per verify step, how many head guesses the acceptance rule kept (the depth
+            of the accepted node, before any cut by eos or ``max_new_tokens``): head k's guess was kept
+            in a step exactly when its accepted depth is > k.
+        steps: Number of verify steps (= tree forward passes after the prefill).
+        timings: ``prefill_s`` and ``decode_s`` (seconds, wall clock, device synchronised).
+        tree_nodes: Number of nodes in the tree that was used.
+    """
+
+    sequences: torch.Tensor
+    new_tokens: int
+    accept_lengths: list[int]
+    accepted_depths: list[int]
+    steps: int
+    timings: dict[str, float] = field(default_factory=dict)
+    tree_nodes: int = 0
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Mean tokens gained per verify step (0.0 when no step ran)."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    def head_acceptance_rates(self, num_heads: int | None = None) -> list[float]:
+        """Per head, the fraction of verify steps in which that head's guess was accepted.
+
+        Args:
+            num_heads: How many heads to report (default: the deepest accepted depth seen).
+        """
+        if num_heads is None:
+            num_heads = max(self.accepted_depths, default=0)
+        steps = max(len(self.accepted_depths), 1)
+        return [sum(d > k for d in self.accepted_depths) / steps for k in range(num_heads)]
+
+
+@torch.no_grad()
+def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_new_tokens: int = 128,
+                    temperature: float = 0.0, acceptance: str = "greedy", top_p: float = 1.0,
+                    typical_threshold: float = 0.09, typical_alpha: float = 0.3,
+                    eos_token_id: int | Iterable[int] | None = None,
+                    generator: torch.Generator | None = None) -> MedusaGenerateOutput:
+    """Generate with Medusa heads and tree attention (batch size 1).
+
+    Each step runs the backbone once over every tree node (a 4D additive mask lets each node see
+    the cache and its own ancestors only, at position ``cache_len + depth``), keeps the longest
+    accepted root-to-leaf path, moves the accepted nodes' keys/values into place in the cache and
+    drops the rest (no second forward over accepted tokens).
+
+    Args:
+        model: A ``MedusaModel`` in eval mode (dropout would break the greedy parity).
+        input_ids: (1, prompt_len) prompt token ids (a 1D tensor is taken as one sequence).
+        tree: A ``MedusaTree`` or the name of one (see ``MedusaTree.from_name``).
+        max_new_tokens: Exactly this many tokens are generated unless eos comes first.
+        temperature: 0 for greedy; > 0 samples (``typical``, ``rejection``).
+        acceptance: ``greedy`` (lossless), ``typical`` (lossy, Medusa's typical acceptance) or
+            ``rejection`` (recursive rejection sampling, keeps the base model's sampling distribution).
+            Every rule is greedy at ``temperature == 0``.
+        top_p: Nucleus filter of the sampling distribution (``typical`` and ``rejection``).
+        typical_threshold: Probability cap of typical acceptance.
+        typical_alpha: Entropy factor of typical acceptance.
+        eos_token_id: Token id(s) that end generation (kept in the output, nothing after them).
+            Default: the backbone's ``generation_config`` (or ``config``) eos; an empty list disables it.
+        generator: Random generator on the model's device, for sampling.
+
+    Returns:
+        A ``MedusaGenerateOutput``.
+
+    Raises:
+        ValueError: batch size is not 1, the tree needs more heads than the model has, or an
+            argument is out of range.
+    """
+    tree = tree if isinstance(tree, MedusaTree) else tree_from_config(tree, num_heads=model.config.num_heads)
+    input_ids = _check_arguments(model, input_ids, tree, max_new_tokens, temperature, acceptance, top_p)
+    eos = _eos_ids(model.backbone, eos_token_id)
+    device = model.backbone.get_input_embeddings().weight.device
+    input_ids = input_ids.to(device)
+    prompt_len = input_ids.shape[1]
+    _check_context(model.backbone, prompt_len + max_new_tokens + tree.num_nodes)
+    if max_new_tokens == 0:
+        return MedusaGenerateOutput(input_ids.clone(), 0, [], [], 0, {"prefill_s": 0.0, "decode_s": 0.0},
+                                    tree.num_nodes)
+
+    sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
+    start = _now(device)
+    cache = DynamicCache()
+    out = model(input_ids, past_key_values=cache, use_cache=True)
+    head_hidden = out.hidden_states[:, -1]
+    next_token = first_token(model.base_logits(head_hidden)[0], acceptance, **sampling)
+    prefill_s = _now(device) - start
+
+    offsets = tree.position_offsets.to(device)
+    node_heads, node_ranks = tree.node_heads.to(device), tree.node_ranks.to(device)
+    tree_mask = tree.attention_mask(out.hidden_states.dtype).to(device)
+    generated: list[int] = []
+    accept_lengths: list[int] = []
+    accepted_depths: list[int] = []
+    past_len = prompt_len
+    while True:
+        tokens = candidate_tokens(model, tree, head_hidden, next_token, node_heads, node_ranks)
+        hidden, logits = verify_tree(model, tokens, tree_mask, offsets, cache, past_len)
+        result = accept(acceptance, tree, tokens, logits, typical_threshold=typical_threshold,
+                        typical_alpha=typical_alpha, **sampling)
+        accepted_depths.append(len(result.path) - 1)
+        new = tokens[result.path].tolist()
+        cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)  # eos is kept, nothing after it
+        keep, done = (len(new), False) if cut is None else (cut, True)
+        if len(generated) + keep >= max_new_tokens:
+            keep, done = max_new_tokens - len(generated), True
+        generated += new[:keep]
+        accept_lengths.append(keep)
+        if done:
+            break
+        compact_cache(cache, past_len, result.path)
+        past_len += len(result.path)
+        head_hidden = hidden[None, result.path[-1]]
+        next_token = result.next_token
+    decode_s = _now(device) - start - prefill_s
+
+    sequences = torch.cat([input_ids, torch.tensor([generated], dtype=input_ids.dtype, device=device)], dim=1)
+    return MedusaGenerateOutput(sequences, len(generated), accept_lengths, accepted_depths, len(accept_lengths),
+                                {"prefill_s": prefill_s, "decode_s": decode_s}, tree.num_nodes)
+
+
+def compact_cache(cache: DynamicCache, past_len: int, path: list[int]) -> None:
+    """Keep only the accepted tree nodes' keys/values: move node ``path[i]`` to slot ``past_len + i``
+    along the sequence dim, then crop the cache to ``past_len + len(path)``."""
+    if path != list(range(len(path))):  # a prefix of the node order is already in place
+        index = torch.tensor(path, device=cache.layers[0].keys.device) + past_len
+        for layer in cache.layers:
+            if not hasattr(layer, "keys") or getattr(layer, "is_sliding", False):
+                raise NotImplementedError(f"cannot compact a {type(layer).__name__} cache layer")
+            # index_select copies first, so the overlapping write is safe
+            layer.keys[..., past_len: past_len + len(path), :] = layer.keys.index_select(-2, index.to(layer.keys.device))
+            layer.values[..., past_len: past_len + len(path), :] = layer.values.index_select(
+                -2, index.to(layer.values.device))
+    surplus = cache.get_seq_length() - (past_len + len(path))
+    if surplus > 0:
+        cache.crop(-surplus)  # transformers 5.x: a negative count is the number of tokens to drop
+
+
+def verify_tree(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: torch.Tensor, cache: DynamicCache,
+                past_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of every tree node after ``past_len`` cached tokens.
+
+    Args:
+        model: A ``MedusaModel``.
+        tokens: (num_nodes,) candidate tokens.
+        tree_mask: (num_nodes, num_nodes) additive tree mask (``MedusaTree.attention_mask``) in the
+            model's activation dtype; every node also sees the whole cache.
+        offsets: (num_nodes,) node depths; positions are ``past_len + depth``.
+        cache: The cache holding ``past_len`` tokens; the nodes' keys/values are appended to it.
+        past_len: Number of cached tokens.
+
+    Returns:
+        Hidden states (num_nodes, hidden) and base logits (num_nodes, vocab) at every node.
+    """
+    prefix = torch.zeros(tokens.shape[0], past_len, dtype=tree_mask.dtype, device=tree_mask.device)
+    mask = torch.cat([prefix, tree_mask], dim=1)[None, None]  # (batch, 1, query, past + query)
+    out = model(tokens[None], attention_mask=mask, position_ids=(past_len + offsets)[None],
+                past_key_values=cache, use_cache=True)
+    hidden = out.hidden_states[0]
+    return hidden, model.base_logits(hidden)
+
+
+def candidate_tokens(model, tree: MedusaTree, hidden: torch.Tensor, root_token: int,
+                     node_heads: torch.Tensor, node_ranks: torch.Tensor) -> torch.Tensor:
+    """(num_nodes,) tokens: the root, then for each node its head's top-k guess at its rank.
+
+    Args:
+        model: A ``MedusaModel``.
+        tree: The tree.
+        hidden: (1, hidden) hidden state of the last accepted token.
+        root_token: The base model's next token (node 0).
+        node_heads: ``tree.node_heads`` on the model's device.
+        node_ranks: ``tree.node_ranks`` on the model's device.
+    """
+    root = torch.tensor([root_token], dtype=torch.long, device=hidden.device)
+    if tree.depth == 0:
+        return root
+    width = max(tree.head_top_k)
+    guesses = torch.zeros(tree.depth, width, dtype=torch.long, device=hidden.device)
+    logits = model.all_head_logits(hidden, tree.depth)  # (depth, 1, vocab); one LM-head read when shared
+    for head, k in enumerate(tree.head_top_k):
+        guesses[head, :k] = logits[head, 0].topk(k).indices
+    return torch.cat([root, guesses[node_heads[1:], node_ranks[1:]]])
+
+
+def _check_arguments(model, input_ids, tree, max_new_tokens, temperature, acceptance, top_p) -> torch.Tensor:
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    problems = []
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        problems.append(f"input_ids has shape {tuple(input_ids.shape)}: medusa_generate decodes one "
+                        "sequence at a time (batch size 1); loop over the batch")
+    elif input_ids.shape[1] == 0:
+        problems.append("input_ids is empty: the prompt needs at least one token")
+    if max_new_tokens < 0:
+        problems.append(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    if temperature < 0:
+        problems.append(f"temperature={temperature}: must be >= 0")
+    if acceptance not in ACCEPTANCE_METHODS:
+        problems.append(f"acceptance={acceptance!r}: must be one of {list(ACCEPTANCE_METHODS)}")
+    if not 0 < top_p <= 1:
+        problems.append(f"top_p={top_p}: must be in (0, 1]")
+    vocab = model.lm_head.weight.shape[0]
+    if tree.head_top_k and max(tree.head_top_k) > vocab:
+        problems.append(f"the tree reads top-{max(tree.head_top_k)} guesses but the vocabulary has {vocab} tokens")
+    if problems:
+        raise ValueError("; ".join(problems))
+    tree.check_num_heads(model.config.num_heads)
+    return input_ids
+
+
+def _eos_ids(backbone, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        generation_config = getattr(backbone, "generation_config", None)
+        eos_token_id = getattr(generation_config, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(backbone.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(t) for t in eos_token_id}
+
+
+def _check_context(backbone, length: int) -> None:
+    """Sliding-window layers are not masked by the tree mask: refuse contexts that would reach the window."""
+    config = backbone.config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    if window and "sliding_attention" in (getattr(config, "layer_types", None) or []) and length > window:
+        raise NotImplementedError(
+            f"this model uses sliding-window attention (window {window}) and prompt + max_new_tokens + tree "
+            f"nodes = {length} exceeds it; medusa_generate applies full causal attention")
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -1,0 +1,276 @@
+"""Medusa candidate trees: choices (paths of top-k ranks) -> attention mask, positions, retrieve paths.
+
+A tree is a set of *choices*. Each choice is a path ``[r1, r2, ..., rd]`` of top-k ranks, one per
+head depth: ``[0, 1]`` means "head 1's top-1 guess, then head 2's top-2 guess". Node 0 is the root:
+the base model's own next token. Nodes are numbered root first, then choices sorted by
+``(depth, path)``, so every parent precedes its children and node order is breadth-first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TREE_DIR = Path(__file__).parents[2] / "configs" / "tree"
+
+# Assumed probability that head d's rank-k guess is right (top-1 per head: Medusa's 7B heads at the
+# end of training; lower ranks decay as top1 * 0.15 / k, which puts head 1's top-5 near 0.73 and its
+# top-10 near 0.8, as in the Medusa paper). Used to shape the built-in ``default`` tree.
+ASSUMED_TOP1 = (0.56, 0.32, 0.20, 0.15)
+ASSUMED_RANKS = 10
+
+
+def assumed_rank_accuracies(top1: Sequence[float] = ASSUMED_TOP1, ranks: int = ASSUMED_RANKS) -> list[list[float]]:
+    """Per-head, per-rank hit probabilities with a ``top1 * 0.15 / k`` decay below the top-1 guess."""
+    return [[p if k == 0 else p * 0.15 / k for k in range(ranks)] for p in top1]
+
+
+@dataclass(frozen=True)
+class _Node:
+    path: tuple[int, ...]
+    parent: int
+
+
+class MedusaTree:
+    """A validated candidate tree with the buffers the decoder needs, built once.
+
+    Args:
+        choices: Paths of top-k ranks (see the module docstring). The root is implicit.
+        num_heads: When given, a path deeper than this is an error.
+        top_k: When given, a rank outside ``[0, top_k)`` is an error.
+
+    Attributes:
+        choices: The paths as tuples, in node order (node ``i + 1`` is ``choices[i]``).
+        listed_choices: The paths in the order they were given (built-in trees list the most
+            likely first; ``truncated`` keeps a prefix of this order).
+        num_nodes: ``len(choices) + 1``.
+        depth: Deepest path length = the number of heads the tree uses.
+        parents: (num_nodes,) long, the parent node of each node; -1 for the root.
+        children: Per node, its child nodes in rank order.
+        visibility: (num_nodes, num_nodes) bool; ``[i, j]`` is True when node i may attend to node j
+            (j is i or one of its ancestors).
+        position_offsets: (num_nodes,) long, the depth of each node (root 0); added to the cache length.
+        node_heads: (num_nodes,) long, the head (0-based) whose guess fills the node; -1 for the root.
+        node_ranks: (num_nodes,) long, the top-k rank of that guess; -1 for the root.
+        head_top_k: Per head, how many top-k guesses the tree reads from it.
+        retrieve_paths: (num_leaves, depth + 1) long, the node indices from the root to each leaf,
+            padded with -1.
+    """
+
+    def __init__(self, choices: Iterable[Sequence[int]], num_heads: int | None = None, top_k: int | None = None):
+        paths = _validate(choices, num_heads, top_k)
+        self.listed_choices: list[tuple[int, ...]] = paths
+        self.choices: list[tuple[int, ...]] = sorted(paths, key=lambda p: (len(p), p))
+        index = {(): 0} | {p: i + 1 for i, p in enumerate(self.choices)}
+        nodes = [_Node((), -1)] + [_Node(p, index[p[:-1]]) for p in self.choices]
+        n = len(nodes)
+        self.num_nodes = n
+        self.depth = max((len(p) for p in self.choices), default=0)
+        self.parents = torch.tensor([node.parent for node in nodes], dtype=torch.long)
+        self.children: list[list[int]] = [[] for _ in range(n)]
+        for i, node in enumerate(nodes[1:], start=1):
+            self.children[node.parent].append(i)
+        for kids in self.children:
+            kids.sort(key=lambda c: nodes[c].path[-1])
+
+        self.visibility = torch.zeros(n, n, dtype=torch.bool)
+        for i, node in enumerate(nodes):
+            self.visibility[i, [index[node.path[:d]] for d in range(len(node.path) + 1)]] = True
+        self.position_offsets = torch.tensor([len(node.path) for node in nodes], dtype=torch.long)
+        self.node_heads = torch.tensor([len(node.path) - 1 for node in nodes], dtype=torch.long)
+        self.node_ranks = torch.tensor([node.path[-1] if node.path else -1 for node in nodes], dtype=torch.long)
+        self.head_top_k = [1 + max(p[-1] for p in self.choices if len(p) == d + 1) for d in range(self.depth)]
+
+        leaves = [i for i in range(n) if not self.children[i]]
+        self.retrieve_paths = torch.full((len(leaves), self.depth + 1), -1, dtype=torch.long)
+        for row, leaf in enumerate(leaves):
+            path = nodes[leaf].path
+            self.retrieve_paths[row, : len(path) + 1] = torch.tensor([index[path[:d]] for d in range(len(path) + 1)])
+
+    # ----------------------------------------------------------------------------- buffers
+    def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The additive tree mask (num_nodes, num_nodes): 0 where visible, ``finfo(dtype).min`` elsewhere."""
+        mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=dtype)
+        return mask.masked_fill_(~self.visibility, torch.finfo(dtype).min)
+
+    def node_paths(self) -> list[tuple[int, ...]]:
+        """The path of every node, root (``()``) first."""
+        return [(), *self.choices]
+
+    # ----------------------------------------------------------------------------- checks
+    def check_num_heads(self, num_heads: int) -> None:
+        """Raise ``ValueError`` naming the first path that needs more heads than ``num_heads``."""
+        for path in self.choices:
+            if len(path) > num_heads:
+                raise ValueError(
+                    f"tree path {list(path)} needs {len(path)} heads but the model has {num_heads}; "
+                    f"use a tree of depth <= {num_heads} (e.g. tree.truncated(max_depth={num_heads}))")
+
+    # ----------------------------------------------------------------------------- derived trees
+    def truncated(self, max_nodes: int | None = None, max_depth: int | None = None) -> MedusaTree:
+        """A sub-tree of at most ``max_nodes`` nodes (root included) and paths no deeper than ``max_depth``.
+
+        Paths are taken in their listed order (most likely first for the built-in trees); a path
+        whose prefix is not yet in brings that prefix in first, so the result is always a valid tree.
+        """
+        if max_nodes is not None and max_nodes < 1:
+            raise ValueError(f"max_nodes={max_nodes}: must be >= 1 (the root)")
+        limit = math.inf if max_nodes is None else max_nodes - 1
+        kept: dict[tuple[int, ...], None] = {}
+        for path in self.listed_choices:
+            if max_depth is not None and len(path) > max_depth:
+                continue
+            missing = [path[:d] for d in range(1, len(path) + 1) if path[:d] not in kept]
+            if len(kept) + len(missing) > limit:
+                continue
+            kept.update(dict.fromkeys(missing))
+        return MedusaTree(list(kept))
+
+    @classmethod
+    def chain(cls, num_heads: int) -> MedusaTree:
+        """A single path of every head's top-1 guess: ``[[0], [0, 0], ...]`` (num_heads + 1 nodes)."""
+        if num_heads < 0:
+            raise ValueError(f"num_heads={num_heads}: must be >= 0")
+        return cls([[0] * d for d in range(1, num_heads + 1)])
+
+    @classmethod
+    def from_name(cls, name: str, num_heads: int | None = None) -> MedusaTree:
+        """A built-in tree (``chain``, ``default``, any ``configs/tree/NAME.yaml``) or a YAML file path.
+
+        Args:
+            name: Tree name or path to a YAML file with a ``choices:`` list.
+            num_heads: When given, ``chain`` is built for this many heads and any other tree is
+                checked against it.
+        """
+        if name == "chain" and num_heads is not None:
+            return cls.chain(num_heads)
+        path = Path(name).expanduser()
+        if path.suffix not in (".yaml", ".yml"):
+            path = TREE_DIR / f"{name}.yaml"
+            if not path.is_file():
+                known = sorted(p.stem for p in TREE_DIR.glob("*.yaml"))
+                raise ValueError(f"tree={name}: unknown tree; built-in trees are {known}, or pass a YAML file path")
+        elif not path.is_file():
+            raise FileNotFoundError(f"tree={name}: no such file")
+        return cls(load_choices(path), num_heads=num_heads)
+
+    # ----------------------------------------------------------------------------- misc
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    def __repr__(self) -> str:
+        return f"MedusaTree(num_nodes={self.num_nodes}, depth={self.depth}, leaves={len(self.retrieve_paths)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MedusaTree) and self.choices == other.choices
+
+    __hash__ = None  # mutable tensors inside; equality is by choices
+
+
+def load_choices(path: str | Path) -> list[list[int]]:
+    """Read ``choices:`` from a tree YAML file."""
+    import yaml  # a hydra-core dependency
+
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict) or "choices" not in data:
+        raise ValueError(f"{path}: expected a mapping with a 'choices:' list of paths")
+    return data["choices"]
+
+
+def tree_from_config(spec, num_heads: int | None = None) -> MedusaTree:
+    """Build a tree from what a config holds: a ``MedusaTree``, a name/path, a list of choices, or a
+    mapping with ``choices`` (a ``configs/tree/*.yaml`` group) or ``name``.
+
+    Args:
+        spec: The tree specification.
+        num_heads: Checked against the tree (and the size of ``chain``).
+    """
+    if isinstance(spec, MedusaTree):
+        tree = spec
+    elif isinstance(spec, str | Path):
+        return MedusaTree.from_name(str(spec), num_heads=num_heads)
+    elif hasattr(spec, "keys"):
+        if spec.get("choices") is not None:
+            tree = MedusaTree(list(spec["choices"]))
+        elif spec.get("name"):
+            return MedusaTree.from_name(str(spec["name"]), num_heads=num_heads)
+        else:
+            raise ValueError("tree: expected 'choices' or 'name'")
+    else:
+        tree = MedusaTree(list(spec))
+    if num_heads is not None:
+        tree.check_num_heads(num_heads)
+    return tree
+
+
+def build_tree(rank_accuracies: Sequence[Sequence[float]], num_nodes: int) -> list[list[int]]:
+    """The ``num_nodes``-node tree (root included) with the largest expected accept length.
+
+    Treating heads as independent, a path's chance of being accepted is the product of its
+    heads' rank accuracies, and the expected accept length of a tree is 1 + the sum of its paths'
+    chances. Every extension lowers a path's chance, so taking the most likely paths first keeps
+    every prefix in the tree: shallow depths get the most branching.
+
+    Args:
+        rank_accuracies: ``[head][rank]`` probability that the head's rank-th guess is right.
+        num_nodes: Size of the tree, root included.
+
+    Returns:
+        The choices, most likely first.
+    """
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes}: must be >= 1 (the root)")
+    chosen: list[list[int]] = []
+    # max-heap of (-log chance, path); extensions of a chosen path join as they become reachable
+    heap = [(-math.log(acc), (k,)) for k, acc in enumerate(rank_accuracies[0] if rank_accuracies else []) if acc > 0]
+    heapq.heapify(heap)
+    while heap and len(chosen) < num_nodes - 1:
+        cost, path = heapq.heappop(heap)
+        chosen.append(list(path))
+        depth = len(path)
+        if depth < len(rank_accuracies):
+            for k, acc in enumerate(rank_accuracies[depth]):
+                if acc > 0:
+                    heapq.heappush(heap, (cost - math.log(acc), (*path, k)))
+    return chosen
+
+
+def expected_accept_length(choices: Iterable[Sequence[int]], rank_accuracies: Sequence[Sequence[float]]) -> float:
+    """1 + the sum over paths of the product of their rank accuracies (heads taken as independent)."""
+    return 1.0 + sum(math.prod(rank_accuracies[d][k] for d, k in enumerate(p)) for p in choices)
+
+
+def _validate(choices: Iterable[Sequence[int]], num_heads: int | None, top_k: int | None) -> list[tuple[int, ...]]:
+    if isinstance(choices, str | bytes) or not isinstance(choices, Iterable):
+        raise ValueError(f"tree choices must be a list of paths (lists of ints), got {choices!r}")
+    paths: list[tuple[int, ...]] = []
+    for raw in choices:
+        if isinstance(raw, str | bytes) or not isinstance(raw, Iterable):
+            raise ValueError(f"tree path {raw!r}: must be a list of top-k ranks")
+        raw = list(raw)
+        if not raw:
+            raise ValueError("tree path []: the root is implicit; every path needs at least one rank")
+        if not all(isinstance(k, int) and not isinstance(k, bool) for k in raw):
+            raise ValueError(f"tree path {raw}: ranks must be integers")
+        if any(k < 0 for k in raw):
+            raise ValueError(f"tree path {raw}: ranks must be >= 0")
+        if top_k is not None and any(k >= top_k for k in raw):
+            raise ValueError(f"tree path {raw}: rank {max(raw)} needs top_k > {max(raw)} but top_k={top_k}")
+        if num_heads is not None and len(raw) > num_heads:
+            raise ValueError(f"tree path {raw} needs {len(raw)} heads but num_heads={num_heads}")
+        paths.append(tuple(raw))
+    seen: set[tuple[int, ...]] = set()
+    for p in paths:
+        if p in seen:
+            raise ValueError(f"tree path {list(p)} appears more than once")
+        seen.add(p)
+    for p in paths:
+        for d in range(1, len(p)):
+            if p[:d] not in seen:
+                raise ValueError(f"tree path {list(p)}: its prefix {list(p[:d])} is missing")
+    return paths

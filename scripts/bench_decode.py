@@ -1,0 +1,158 @@
+"""Cost of one Medusa verify step relative to one plain decoding step, by tree size.
+
+    python scripts/benchmark.py decode dtype=bfloat16 context=256 repeats=20 device=cpu
+
+For each tree (root only, a chain of ``num_heads``, and the first 16/32/64 nodes of ``default`` in
+their listed, most-likely-first order) it times, at the same context length:
+
+- a plain step: the backbone over 1 new token + LM head + argmax;
+- a verify step: the heads' top-k at the last token, one backbone pass over every tree node
+  (4D tree mask), the LM head at every node, greedy acceptance and KV compaction.
+
+``relative cost`` = verify / plain is the accept length at which Medusa breaks even; the expected
+speedup is ``accept_length / relative cost``, with the accept length either given (``accept_length=``)
+or the tree's expected value under the assumed head accuracies of ``default`` (heads at
+initialisation are used here: only cost is measured).
+
+Options (``key=value``): model, dtype (bfloat16), device (cuda if available, else cpu), context (256),
+repeats (20), warmup (3), num_heads (4), sizes (``1,chain,16,32,64``), threads, accept_length, seed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from medusa_train import MedusaModel, load_backbone
+from medusa_train.decoding import MedusaTree
+from medusa_train.decoding.acceptance import greedy_accept
+from medusa_train.decoding.generate import candidate_tokens, compact_cache, verify_tree
+from medusa_train.decoding.tree import assumed_rank_accuracies, expected_accept_length
+
+DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
+                warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0)
+
+
+def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]:
+    """``1`` = root only, ``chain`` = each head's top-1, ``N`` = the first N nodes of ``default``."""
+    default = MedusaTree.from_name("default").truncated(max_depth=num_heads)
+    trees = []
+    for size in str(sizes).split(","):
+        size = size.strip()
+        if size == "chain":
+            trees.append((f"chain({num_heads})", MedusaTree.chain(num_heads)))
+        elif int(size) == 1:
+            trees.append(("root only", MedusaTree([])))
+        else:
+            trees.append((f"default[:{size}]", default.truncated(max_nodes=int(size))))
+    return trees
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_times(steps, repeats: int, warmup: int, device: torch.device) -> list[float]:
+    """Median seconds of each step; the steps take turns in every round so load drift hits them alike."""
+    for fn in steps:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for fn, record in zip(steps, times):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            record.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+@torch.no_grad()
+def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
+            seed: int) -> tuple[float, float, list]:
+    """Median seconds at ``context`` cached tokens: a plain step (the model's own mask path, as in
+    ``generate``), the same step given an explicit 4D mask, and each tree's verify step."""
+    device = model.lm_head.weight.device
+    vocab = model.lm_head.weight.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
+    cache = DynamicCache()
+    out = model(prompt, past_key_values=cache, use_cache=True)
+    hidden_last = out.hidden_states[:, -1]
+    dtype = out.hidden_states.dtype
+    next_token = int(model.base_logits(hidden_last)[0].argmax())
+
+    def plain_step():
+        step = model(torch.tensor([[next_token]], device=device), past_key_values=cache, use_cache=True)
+        model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
+        cache.crop(-1)
+
+    def plain_step_explicit_mask():  # the same step, given an explicit 4D mask as the tree pass is
+        mask = torch.zeros(1, 1, 1, context + 1, dtype=dtype, device=device)
+        step = model(torch.tensor([[next_token]], device=device), attention_mask=mask,
+                     position_ids=torch.tensor([[context]], device=device), past_key_values=cache, use_cache=True)
+        model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
+        cache.crop(-1)
+
+    def verify_step(tree: MedusaTree):
+        mask = tree.attention_mask(dtype).to(device)
+        offsets, heads, ranks = (t.to(device) for t in (tree.position_offsets, tree.node_heads, tree.node_ranks))
+
+        def step():
+            tokens = candidate_tokens(model, tree, hidden_last, next_token, heads, ranks)
+            _, logits = verify_tree(model, tokens, mask, offsets, cache, context)
+            result = greedy_accept(tree, tokens, logits)
+            compact_cache(cache, context, result.path)
+            cache.crop(-len(result.path))  # back to the same context for the next run
+
+        return step
+
+    steps = [plain_step, plain_step_explicit_mask] + [verify_step(tree) for _, tree in trees]
+    seconds = _median_times(steps, repeats, warmup, device)
+    return seconds[0], seconds[1], [(name, tree, s) for (name, tree), s in zip(trees, seconds[2:])]
+
+
+def main(**overrides) -> int:
+    """Run the benchmark and print a Markdown table. Options: see the module docstring."""
+    unknown = sorted(set(overrides) - set(DEFAULTS))
+    if unknown:
+        print(f"unknown option(s) {unknown}; known: {sorted(DEFAULTS)}")
+        return 2
+    opts = {**DEFAULTS, **overrides}
+    device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if opts["threads"]:
+        torch.set_num_threads(int(opts["threads"]))
+    num_heads, context = int(opts["num_heads"]), int(opts["context"])
+    backbone, _ = load_backbone(opts["model"], dtype=opts["dtype"])
+    backbone.to(device)
+    model = MedusaModel.from_backbone(backbone, num_heads=num_heads).eval()
+    trees = trees_to_measure(opts["sizes"], num_heads)
+    plain, plain_explicit, results = measure(model, trees, context, int(opts["repeats"]), int(opts["warmup"]), int(opts["seed"]))
+
+    accuracies = assumed_rank_accuracies()
+    given = opts["accept_length"]
+    source = f"given ({given})" if given is not None else "expected under the assumed head accuracies"
+    print(f"\nDecode cost: {opts['model']}, {opts['dtype']}, {device}, threads={torch.get_num_threads()}, "
+          f"context={context}, {num_heads} heads, median of {opts['repeats']}. "
+          f"Plain step: {plain * 1e3:.2f} ms ({plain_explicit * 1e3:.2f} ms when given an explicit 4D mask). "
+          f"Accept length: {source}.\n")
+    print("| tree | nodes | verify step (ms) | relative cost (= break-even accept length) | accept length | "
+          "expected speedup |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, tree, seconds in results:
+        relative = seconds / plain
+        accept = float(given) if given is not None else expected_accept_length(tree.choices, accuracies)
+        print(f"| {name} | {tree.num_nodes} | {seconds * 1e3:.2f} | {relative:.2f} | {accept:.2f} | "
+              f"{accept / relative:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(**dict(arg.split("=", 1) for arg in sys.argv[1:])))

@@ -1,0 +1,312 @@
+"""medusa_generate: greedy Medusa decoding is token-identical to plain greedy decoding.
+
+Parity is checked with heads that disagree with the base (heads at init, perturbed heads) and with
+"oracle" heads that know the true continuation, so that long, branching accepted paths (and the
+KV compaction of non-contiguous tree nodes) are exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_backbone
+from transformers import DynamicCache
+
+from medusa_train import MedusaModel
+from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding.generate import compact_cache, verify_tree
+
+ARCHS = ["llama", "qwen2", "gpt_neox"]
+ATTNS = ["sdpa", "eager"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread, and the test machine is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def prompts(n: int, seed: int = 0, vocab: int = 256) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (1, int(torch.randint(1, 24, (), generator=g))), generator=g) for _ in range(n)]
+
+
+def hf_greedy(backbone, ids: torch.Tensor, max_new_tokens: int, eos_token_id) -> torch.Tensor:
+    return backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0)
+
+
+def perturb_heads(model: MedusaModel, seed: int, scale: float = 0.05) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def install_oracle_heads(model: MedusaModel, reference: torch.Tensor, seed: int = 0) -> None:
+    """Make every head an oracle for ``reference`` (1, L): it finds the position whose hidden state it
+    was given (nearest reference hidden state) and puts the true token k+2 ahead at a rank chosen by
+    a fixed pattern (mostly top-1, sometimes top-2/top-3, so side branches get accepted too). Off the
+    reference (or past its end) its guesses are arbitrary."""
+    with torch.no_grad():
+        ref_hidden = model(reference).hidden_states[0].float()
+    tokens = reference[0].tolist()
+    vocab = model.lm_head.weight.shape[0]
+    ranks = [0, 0, 1, 0, 2, 0, 0, 1]
+
+    def head_logits(hidden: torch.Tensor, k: int) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1]).float()
+        dist, pos = torch.cdist(flat, ref_hidden).min(-1)
+        rows = []
+        for d, j in zip(dist.tolist(), pos.tolist()):
+            order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed + 1000 * j + k)).tolist()
+            target = j + k + 2
+            if d < 1e-2 and target < len(tokens):
+                order.remove(tokens[target])
+                order.insert(ranks[(j + 3 * k + seed) % len(ranks)], tokens[target])
+            logits = torch.empty(vocab)
+            logits[order] = torch.arange(vocab, 0, -1, dtype=torch.float)
+            rows.append(logits)
+        return torch.stack(rows).reshape(*hidden.shape[:-1], vocab)
+
+    model.head_logits = head_logits
+
+
+def count_decoder_calls(model: MedusaModel) -> list[int]:
+    calls = [0]
+    model.backbone.get_decoder().register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+# ------------------------------------------------------------------------------------------ parity
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_parity_heads_at_init(arch, attn):
+    backbone = make_tiny_backbone(arch, seed=1, attn_implementation=attn)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    tree = MedusaTree.from_name("default")
+    steps = gained = 0
+    for i, ids in enumerate(prompts(3, seed=ARCHS.index(arch))):
+        for n in (1, 9, 30):
+            ref = hf_greedy(backbone, ids, n, eos_token_id=1)
+            out = medusa_generate(model, ids, tree, max_new_tokens=n, eos_token_id=1)
+            assert out.sequences.tolist() == ref.tolist(), (arch, attn, i, n)
+            assert out.new_tokens == ref.shape[1] - ids.shape[1] == sum(out.accept_lengths)
+            assert out.steps == len(out.accept_lengths) and all(a >= 1 for a in out.accept_lengths)
+            steps, gained = steps + out.steps, gained + out.new_tokens
+    assert steps > 0 and gained >= steps
+
+
+@pytest.mark.parametrize("arch, attn, tree_name", [("llama", "sdpa", "default"), ("gpt_neox", "eager", "chain"),
+                                                   ("qwen2", "eager", "small")])
+def test_greedy_parity_random_heads(arch, attn, tree_name):
+    backbone = make_tiny_backbone(arch, seed=2, attn_implementation=attn)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    perturb_heads(model, seed=3)
+    tree = MedusaTree.from_name(tree_name, num_heads=4)
+    lengths = []
+    for ids in prompts(4, seed=5):
+        ref = hf_greedy(backbone, ids, 25, eos_token_id=[1, 2])
+        out = medusa_generate(model, ids, tree, max_new_tokens=25, eos_token_id=[1, 2])
+        assert out.sequences.tolist() == ref.tolist()
+        lengths += out.accept_lengths
+    assert 1 in lengths  # the heads really disagree with the base
+
+
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_parity_oracle_heads_long_paths(arch, attn):
+    backbone = make_tiny_backbone(arch, seed=4, attn_implementation=attn)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    tree = MedusaTree.from_name("default")
+    calls = count_decoder_calls(model)
+    all_lengths = []
+    for i, ids in enumerate(prompts(2, seed=7)):
+        ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
+        install_oracle_heads(model, ref, seed=i)
+        calls[0] = 0
+        out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
+        assert out.sequences.tolist() == ref.tolist()
+        assert calls[0] == out.steps + 1  # prefill + one verify pass per step, no re-forward
+        all_lengths += out.accept_lengths
+    mean = sum(all_lengths) / len(all_lengths)
+    assert mean > 1.5, mean
+    assert max(all_lengths) >= 4
+
+
+def test_oracle_paths_take_side_branches():
+    """The accepted nodes are not always a prefix of the node order, so KV entries really move."""
+    backbone = make_tiny_backbone("llama", seed=4)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    tree = MedusaTree.from_name("default")
+    ids = prompts(1, seed=7)[0]
+    ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
+    install_oracle_heads(model, ref)
+    moved = []
+    import medusa_train.decoding.generate as generate_module
+
+    original = generate_module.compact_cache
+
+    def spy(cache, past_len, path):
+        moved.append(path != list(range(len(path))))
+        return original(cache, past_len, path)
+
+    generate_module.compact_cache = spy
+    try:
+        out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
+    finally:
+        generate_module.compact_cache = original
+    assert out.sequences.tolist() == ref.tolist()
+    assert any(moved)
+
+
+def test_eos_mid_accepted_path_is_kept_and_ends_generation():
+    backbone = make_tiny_backbone("qwen2", seed=6)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    tree = MedusaTree.from_name("default")
+    ids = prompts(1, seed=11)[0]
+    free = hf_greedy(backbone, ids, 40, eos_token_id=[])[0, ids.shape[1]:].tolist()
+    install_oracle_heads(model, torch.cat([ids, torch.tensor([free])], dim=1))
+    cut_mid_path = 0
+    for pos in range(2, 30):
+        eos = free[pos]
+        if eos in free[:pos]:
+            continue  # only first occurrences, so the stop position is ``pos``
+        ref = hf_greedy(backbone, ids, 40, eos_token_id=eos)
+        out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=eos)
+        assert out.sequences.tolist() == ref.tolist()
+        assert out.sequences[0, -1].item() == eos and out.new_tokens == pos + 1
+        cut_mid_path += out.accepted_depths[-1] + 1 > out.accept_lengths[-1]
+    assert cut_mid_path > 0
+
+
+def test_max_new_tokens_is_exact():
+    backbone = make_tiny_backbone("gpt_neox", seed=8)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    tree = MedusaTree.from_name("default")
+    ids = prompts(1, seed=13)[0]
+    ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
+    install_oracle_heads(model, ref)
+    truncated = 0
+    for n in range(1, 25):
+        out = medusa_generate(model, ids, tree, max_new_tokens=n, eos_token_id=[])
+        assert out.sequences.shape == (1, ids.shape[1] + n)
+        assert out.sequences.tolist() == ref[:, : ids.shape[1] + n].tolist()
+        truncated += out.accepted_depths[-1] + 1 > out.accept_lengths[-1]
+    assert truncated > 0
+    assert medusa_generate(model, ids, tree, max_new_tokens=0).sequences.tolist() == ids.tolist()
+
+
+def test_default_eos_comes_from_generation_config():
+    backbone = make_tiny_backbone("llama", seed=9)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    ids = prompts(1, seed=1)[0]
+    free = hf_greedy(backbone, ids, 20, eos_token_id=[])[0, ids.shape[1]:].tolist()
+    backbone.generation_config.eos_token_id = [free[5], 12345]
+    out = medusa_generate(model, ids, "default", max_new_tokens=20)
+    assert out.sequences[0, ids.shape[1]:].tolist() == free[: free.index(free[5]) + 1]
+
+
+def test_bfloat16_runs():
+    backbone = make_tiny_backbone("llama", seed=10).to(torch.bfloat16)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    ids = prompts(1, seed=2)[0]
+    out = medusa_generate(model, ids, "default", max_new_tokens=12, eos_token_id=[])
+    assert out.sequences.shape == (1, ids.shape[1] + 12)
+    assert out.timings["prefill_s"] > 0 and out.timings["decode_s"] > 0
+
+
+# ------------------------------------------------------------------------------------------ pieces
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_pass_matches_plain_forward_of_each_path(arch, attn):
+    """One forward of all tree nodes (4D additive mask, positions cache_len + depth) gives each node
+    the logits of a plain forward over prompt + its root-to-node path."""
+    backbone = make_tiny_backbone(arch, seed=12, attn_implementation=attn)
+    model = MedusaModel.from_backbone(backbone, num_heads=3)
+    tree = MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    prompt = prompts(1, seed=3)[0]
+    tokens = torch.randint(3, 256, (tree.num_nodes,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(prompt, past_key_values=cache, use_cache=True)
+        _, logits = verify_tree(model, tokens, tree.attention_mask(), tree.position_offsets, cache, prompt.shape[1])
+        assert cache.get_seq_length() == prompt.shape[1] + tree.num_nodes
+        for node, path in enumerate(tree.node_paths()):
+            nodes = [n for n in range(tree.num_nodes) if tree.visibility[node, n]]  # root .. node
+            assert len(nodes) == len(path) + 1
+            plain = model(torch.cat([prompt, tokens[nodes][None]], dim=1), return_base_logits=True)
+            torch.testing.assert_close(logits[node], plain.base_logits[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_compact_cache_moves_accepted_nodes_into_place():
+    cache = DynamicCache()
+    past, nodes = 3, 7
+    keys = torch.arange(past + nodes, dtype=torch.float).view(1, 1, -1, 1).repeat(1, 2, 1, 4)
+    for layer_idx in range(2):
+        cache.update(keys, -keys, layer_idx)
+    compact_cache(cache, past, [0, 2, 5])
+    assert cache.get_seq_length() == past + 3
+    for layer in cache.layers:
+        assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 8]
+        assert layer.values[0, 1, :, 0].tolist() == [0, -1, -2, -3, -5, -8]
+    compact_cache(cache, 4, [0, 1])  # a prefix of the node order: only a crop
+    assert cache.get_seq_length() == 6
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 8]
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_errors(tiny_llama):
+    model = MedusaModel.from_backbone(tiny_llama, num_heads=4)
+    ids = prompts(1)[0]
+    with pytest.raises(ValueError, match=r"tree path \[0, 0, 0, 0, 0\] needs 5 heads but the model has 4"):
+        medusa_generate(model, ids, MedusaTree.chain(6))
+    with pytest.raises(ValueError, match=r"batch size 1"):
+        medusa_generate(model, ids.repeat(2, 1), "default")
+    with pytest.raises(ValueError, match=r"acceptance='beam'"):
+        medusa_generate(model, ids, "default", acceptance="beam")
+    with pytest.raises(ValueError, match=r"max_new_tokens=-1"):
+        medusa_generate(model, ids, "default", max_new_tokens=-1)
+    with pytest.raises(ValueError, match=r"top_p=0"):
+        medusa_generate(model, ids, "default", top_p=0, temperature=1.0)
+
+
+def test_output_statistics():
+    backbone = make_tiny_backbone("llama", seed=4)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    ids = prompts(1, seed=7)[0]
+    install_oracle_heads(model, hf_greedy(backbone, ids, 30, eos_token_id=[]))
+    out = medusa_generate(model, ids, "default", max_new_tokens=30, eos_token_id=[])
+    rates = out.head_acceptance_rates(num_heads=4)
+    assert len(rates) == 4 and all(a >= b for a, b in zip(rates, rates[1:]))  # deeper needs shallower
+    assert rates[0] == sum(d >= 1 for d in out.accepted_depths) / out.steps
+    assert out.mean_accept_length == out.new_tokens / out.steps
+    assert out.tree_nodes == MedusaTree.from_name("default").num_nodes
+
+
+# ------------------------------------------------------------------------------------------ real model
+CHATS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+]
+
+
+@pytest.mark.slow
+def test_greedy_parity_packaged_model(packaged_backbone):
+    from medusa_train import load_tokenizer
+
+    backbone, _ = packaged_backbone if isinstance(packaged_backbone, tuple) else (packaged_backbone, None)
+    tokenizer = load_tokenizer("packaged:smollm2-135m-instruct")
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    tree = MedusaTree.from_name("default")
+    for text in CHATS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        ref = hf_greedy(backbone, ids, 48, eos_token_id=tokenizer.eos_token_id)
+        out = medusa_generate(model, ids, tree, max_new_tokens=48, eos_token_id=tokenizer.eos_token_id)
+        assert out.sequences.tolist() == ref.tolist(), (text, tokenizer.decode(out.sequences[0, ids.shape[1]:]),
+                                                        tokenizer.decode(ref[0, ids.shape[1]:]))
