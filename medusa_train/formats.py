@@ -1,7 +1,27 @@
-"""Read Medusa heads from disk into ``(MedusaConfig, {native key: tensor})``.
+"""The on-disk layouts of Medusa heads, and one reader for all of them.
 
-One reader for every layout we know; the layout is detected from ``config.json`` (and the
-tensor names), never guessed from a model name. Writers live in ``export.py``.
+Three layouts are known; which one a folder holds is read from its ``config.json``, never
+guessed from a model name:
+
+``native``
+    ``config.json`` (``"format": "medusa_train"``, the fields of ``MedusaConfig``) and
+    ``model.safetensors`` with ``heads.{h}.blocks.{l}.linear.weight|bias`` and
+    ``heads.{h}.lm_head.weight`` (absent when the heads share the backbone's LM head).
+``medusa_v1``
+    The original Medusa (FasterDecoding) / TensorRT-LLM layout: ``config.json`` with
+    ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``; tensors
+    ``{h}.{l}.linear.weight|bias`` and ``{h}.{num_layers}.weight`` (each head's output layer)
+    in ``medusa_lm_head.safetensors`` (or, when only that exists, ``medusa_lm_head.pt``).
+    The layout cannot say "shared LM head": every head carries its own output layer.
+``vllm``
+    vLLM's Medusa draft model: ``config.json`` with ``model_type: "medusa"``, ``num_heads``,
+    ``num_hidden_layers`` (ResBlocks per head), ``hidden_size``, ``vocab_size``, …; tensors
+    ``blocks.{h}.layers.{l}.weight|bias`` and ``lm_heads.{h}.weight`` in ``model.safetensors``,
+    or one ``lm_head.weight`` for every head when ``original_lm_head`` is true. ResBlocks
+    without bias (``medusa_fc_bias`` false, vLLM's default) read as a zero bias.
+
+Every reader is strict: a missing tensor, an unexpected one or a wrong shape is an error that
+names the tensor in the layout's own key scheme. Writers live in ``export.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +37,13 @@ from safetensors.torch import load_file
 FORMAT_VERSION = 1
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+LAYOUTS = ("native", "medusa_v1", "vllm")
+MEDUSA_V1_WEIGHTS_NAME = "medusa_lm_head.safetensors"
+MEDUSA_V1_PT_NAME = "medusa_lm_head.pt"
+VLLM_WEIGHTS_NAME = "model.safetensors"
+# vLLM heads saved with ``original_lm_head`` carry one copy of the shared LM head; ``read_heads``
+# returns it under this key so the loader can check it against the backbone's own.
+SHARED_LM_HEAD_KEY = "lm_head.weight"
 
 
 @dataclass
@@ -52,32 +79,207 @@ class MedusaConfig:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-
-
 def detect_format(config: dict) -> str:
     """``native`` | ``medusa_v1`` | ``vllm`` from a heads folder's ``config.json``."""
     if config.get("format") == "medusa_train":
         return "native"
-    if config.get("model_type") == "medusa" or "MedusaModel" in config.get("architectures", []):
+    if config.get("model_type") == "medusa":
         return "vllm"
     if "medusa_num_heads" in config:
         return "medusa_v1"
+    if "MedusaModel" in config.get("architectures", []) and "num_heads" in config:
+        return "vllm"
     raise ValueError("config.json is not a Medusa heads config we know (native, medusa_v1 or vllm)")
 
 
+# ---------------------------------------------------------------------------------- key schemes
+def native_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
+    """Every native tensor name of ``config``'s heads and its shape."""
+    hidden, vocab = config.hidden_size, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for h in range(config.num_heads):
+        for layer in range(config.num_layers):
+            shapes[f"heads.{h}.blocks.{layer}.linear.weight"] = (hidden, hidden)
+            shapes[f"heads.{h}.blocks.{layer}.linear.bias"] = (hidden,)
+        if not config.share_lm_head:
+            shapes[f"heads.{h}.lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def layout_names(num_heads: int, num_layers: int, layout: str) -> dict[str, str]:
+    """Native tensor name -> the name ``layout`` gives it, for heads with their own LM heads.
+
+    Args:
+        num_heads: Number of heads.
+        num_layers: ResBlocks per head.
+        layout: ``native``, ``medusa_v1`` or ``vllm``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"format={layout!r}: must be one of {', '.join(LAYOUTS)}")
+    names = {}
+    for h in range(num_heads):
+        for layer in range(num_layers):
+            for part in ("weight", "bias"):
+                native = f"heads.{h}.blocks.{layer}.linear.{part}"
+                names[native] = {"native": native, "medusa_v1": f"{h}.{layer}.linear.{part}",
+                                 "vllm": f"blocks.{h}.layers.{layer}.{part}"}[layout]
+        native = f"heads.{h}.lm_head.weight"
+        names[native] = {"native": native, "medusa_v1": f"{h}.{num_layers}.weight",
+                         "vllm": f"lm_heads.{h}.weight"}[layout]
+    return names
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...] | None],
+                  source: str) -> None:
+    """Raise one ``ValueError`` naming every missing, unexpected or wrongly shaped tensor.
+
+    Args:
+        tensors: What the file holds.
+        expected: Every name the layout requires, with its shape (``None``: any shape).
+        source: Where the tensors came from, for the message.
+    """
+    missing = [k for k in expected if k not in tensors]
+    unexpected = sorted(k for k in tensors if k not in expected)
+    wrong = [f"{k}: file {tuple(tensors[k].shape)} vs config {tuple(shape)}" for k, shape in expected.items()
+             if k in tensors and shape is not None and tuple(tensors[k].shape) != tuple(shape)]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if wrong:
+        problems.append(f"wrong shapes: {'; '.join(wrong)}")
+    if problems:
+        raise ValueError(f"heads in {source} do not match their config.json ({'; '.join(problems)})")
+
+
+# ---------------------------------------------------------------------------------- readers
 def read_heads(directory: str | os.PathLike) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
-    """Read a heads folder in any supported layout, returning native-keyed tensors."""
+    """Read a heads folder in any supported layout, strictly, returning native-keyed tensors.
+
+    Args:
+        directory: A folder written by ``save_pretrained`` or ``export_heads`` (or by the original
+            Medusa, TensorRT-LLM's or vLLM's tooling).
+
+    Returns:
+        ``(config, tensors)``: tensors keyed by native name, plus, for vLLM heads saved with
+        ``original_lm_head``, their copy of the shared LM head under ``SHARED_LM_HEAD_KEY``.
+        ``medusa_v1`` heads always come back with their own LM heads (``share_lm_head=False``).
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or weights file.
+        ValueError: an unknown config, or a missing, unexpected or wrongly shaped tensor (named
+            as the layout names it).
+    """
     directory = Path(directory)
     config_path = directory / CONFIG_NAME
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: is {directory} a folder of exported heads?")
     raw = json.loads(config_path.read_text())
-    layout = detect_format(raw)
-    if layout != "native":
-        from . import export
+    reader = {"native": _read_native, "medusa_v1": _read_medusa_v1, "vllm": _read_vllm}[detect_format(raw)]
+    return reader(directory, raw)
 
-        return export.read_foreign(directory, raw, layout)
-    weights = directory / WEIGHTS_NAME
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights} not found")
-    return MedusaConfig.from_dict(raw), load_file(str(weights))
+
+def _require_file(path: Path) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    return path
+
+
+def _dtype_name(tensors: dict[str, torch.Tensor], default: str = "float32") -> str:
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if not dtypes:
+        return default
+    # Mixed files load in their widest float dtype so nothing is rounded on the way in.
+    return str(max(dtypes, key=lambda d: torch.finfo(d).bits)).removeprefix("torch.")
+
+
+def _read_native(directory: Path, raw: dict) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    config = MedusaConfig.from_dict(raw)
+    tensors = load_file(str(_require_file(directory / WEIGHTS_NAME)))
+    check_tensors(tensors, native_shapes(config), f"{directory}/{WEIGHTS_NAME}")
+    return config, tensors
+
+
+def _read_medusa_v1(directory: Path, raw: dict) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    num_heads = int(raw["medusa_num_heads"])
+    num_layers = int(raw.get("medusa_num_layers", 1))  # the original MedusaConfig's default
+    path = directory / MEDUSA_V1_WEIGHTS_NAME
+    if path.is_file():
+        tensors = load_file(str(path))
+    else:
+        path = directory / MEDUSA_V1_PT_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"neither {directory / MEDUSA_V1_WEIGHTS_NAME} nor {path} found")
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    names = layout_names(num_heads, num_layers, "medusa_v1")
+    # The original config has no sizes; they follow from head 0's output layer.
+    head0 = tensors.get(f"0.{num_layers}.weight")
+    vocab = raw.get("vocab_size") or (head0.shape[0] if head0 is not None and head0.dim() == 2 else None)
+    hidden = raw.get("hidden_size") or (head0.shape[1] if head0 is not None and head0.dim() == 2 else None)
+    sizes_known = vocab is not None and hidden is not None
+    config = MedusaConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=hidden or 0,
+                          vocab_size=vocab or 0, share_lm_head=False,
+                          base_model_name_or_path=raw.get("base_model_name_or_path"), dtype=_dtype_name(tensors))
+    shapes = native_shapes(config)
+    check_tensors(tensors, {names[k]: shapes[k] if sizes_known else None for k in names}, str(path))
+    if not sizes_known:
+        raise ValueError(f"{path}: 0.{num_layers}.weight has shape {tuple(head0.shape)}; "
+                         f"an output layer is 2-D (vocab_size, hidden_size)")
+    return config, {native: tensors[name] for native, name in names.items()}
+
+
+def _read_vllm(directory: Path, raw: dict) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    for key in ("num_heads", "num_hidden_layers", "hidden_size", "vocab_size"):
+        if key not in raw:
+            raise ValueError(f"{directory}/{CONFIG_NAME}: vLLM Medusa config lacks {key!r}")
+    truncated = raw.get("truncated_vocab_size") or raw["vocab_size"]
+    if truncated != raw["vocab_size"]:
+        raise ValueError(f"{directory}/{CONFIG_NAME}: truncated_vocab_size={truncated} < vocab_size="
+                         f"{raw['vocab_size']} (a token_map draft vocabulary) is not supported")
+    path = _require_file(directory / VLLM_WEIGHTS_NAME)
+    tensors = load_file(str(path))
+    shared = bool(raw.get("original_lm_head", False))
+    bias = bool(raw.get("medusa_fc_bias", False))  # vLLM's default: ResBlocks without bias
+    config = MedusaConfig(num_heads=int(raw["num_heads"]), num_layers=int(raw["num_hidden_layers"]),
+                          hidden_size=int(raw["hidden_size"]), vocab_size=int(raw["vocab_size"]),
+                          share_lm_head=shared, base_model_name_or_path=raw.get("base_model_name_or_path"),
+                          dtype=_dtype_name(tensors))
+    names = layout_names(config.num_heads, config.num_layers, "vllm")
+    shapes = native_shapes(config)
+    expected = {names[k]: shape for k, shape in shapes.items() if bias or not k.endswith(".bias")}
+    if shared:
+        expected[SHARED_LM_HEAD_KEY] = (config.vocab_size, config.hidden_size)
+    check_tensors(tensors, expected, str(path))
+    native = {}
+    for key, shape in shapes.items():
+        if key.endswith(".bias") and not bias:
+            native[key] = torch.zeros(shape, dtype=getattr(torch, config.dtype))
+        else:
+            native[key] = tensors[names[key]]
+    if shared:
+        native[SHARED_LM_HEAD_KEY] = tensors[SHARED_LM_HEAD_KEY]
+    return config, native
+
+
+def check_shared_lm_head(stored: torch.Tensor, lm_head_weight: torch.Tensor, source: str) -> None:
+    """The LM head stored with vLLM ``original_lm_head`` heads must be the backbone's, exactly.
+
+    vLLM projects through the stored copy, the loader through the backbone's LM head; loading
+    onto a backbone whose LM head differs would silently change what the heads predict. The two
+    are compared in the less precise of their dtypes, so the same LM head loaded in another dtype
+    (a float32 export on a bfloat16 backbone, say) still passes.
+
+    Raises:
+        ValueError: the shapes or the values differ.
+    """
+    if tuple(stored.shape) != tuple(lm_head_weight.shape):
+        raise ValueError(f"{SHARED_LM_HEAD_KEY} in {source} has shape {tuple(stored.shape)}, the backbone's "
+                         f"LM head {tuple(lm_head_weight.shape)}")
+    dtype = max(stored.dtype, lm_head_weight.dtype, key=lambda d: torch.finfo(d).eps)
+    ours, theirs = stored.to(dtype), lm_head_weight.detach().to(device=stored.device, dtype=dtype)
+    if not torch.equal(ours, theirs):
+        diff = (ours.float() - theirs.float()).abs().max().item()
+        raise ValueError(f"{SHARED_LM_HEAD_KEY} in {source} (original_lm_head: true) differs from the "
+                         f"backbone's LM head (max abs difference {diff:.3g}): these heads were exported "
+                         f"with another backbone")

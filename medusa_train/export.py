@@ -1,0 +1,197 @@
+"""Write Medusa heads in another layout: ``native``, ``medusa_v1`` (original Medusa / TensorRT-LLM)
+or ``vllm``. The layouts are defined, and read back, in ``formats.py``.
+
+    python scripts/export.py heads=out/run/export format=vllm output=out/heads-vllm
+
+Every write goes to a temporary folder beside the target and is renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from . import assets
+from .formats import (
+    CONFIG_NAME,
+    LAYOUTS,
+    MEDUSA_V1_PT_NAME,
+    MEDUSA_V1_WEIGHTS_NAME,
+    SHARED_LM_HEAD_KEY,
+    VLLM_WEIGHTS_NAME,
+    WEIGHTS_NAME,
+    MedusaConfig,
+    check_tensors,
+    layout_names,
+    native_shapes,
+    read_heads,
+)
+from .model import MedusaModel
+
+
+def export_heads(model: MedusaModel, directory: str | os.PathLike, format: str, lm_head_pt: bool = False,
+                 max_paths: int = 64, topk: int = 10) -> Path:
+    """Write ``model``'s heads to ``directory`` in ``format``.
+
+    Args:
+        model: The heads (and, when they share it, the backbone's LM head) to write.
+        directory: Target folder; replaced whole if it exists.
+        format: ``native``, ``medusa_v1`` or ``vllm``.
+        lm_head_pt: ``medusa_v1`` only: also write ``medusa_lm_head.pt`` (a ``torch.save`` of the same
+            tensors), the only file the original Medusa loader reads.
+        max_paths: ``vllm`` only: written to ``config.json`` for vLLM.
+        topk: ``vllm`` only: written to ``config.json`` for vLLM.
+
+    Returns:
+        The folder written.
+    """
+    lm_head = model.lm_head.weight if model.config.share_lm_head else None
+    return write_heads(model.config, model.heads_state_dict(), directory, format, lm_head_weight=lm_head,
+                       lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk)
+
+
+def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], directory: str | os.PathLike,
+                format: str, lm_head_weight: torch.Tensor | None = None, lm_head_pt: bool = False,
+                max_paths: int = 64, topk: int = 10) -> Path:
+    """Write native-keyed head tensors in ``format`` (what ``export_heads`` does, without a model).
+
+    Args:
+        config: The heads' config.
+        tensors: Native-keyed tensors (``heads.{h}.…``), exactly those ``config`` describes.
+        directory: Target folder; replaced whole if it exists.
+        format: ``native``, ``medusa_v1`` or ``vllm``.
+        lm_head_weight: The backbone's LM head, required when ``config.share_lm_head`` and
+            ``format`` is not native: ``medusa_v1`` gets a copy per head, ``vllm`` one copy.
+        lm_head_pt: See ``export_heads``.
+        max_paths: See ``export_heads``.
+        topk: See ``export_heads``.
+
+    Raises:
+        ValueError: an unknown format or bad option, tensors that do not match ``config``, or a
+            shared LM head that is missing.
+    """
+    _check_options(format, lm_head_pt, max_paths, topk)
+    if config.share_lm_head and format != "native" and lm_head_weight is None:
+        raise ValueError(f"format={format} stores the heads' shared LM head: pass lm_head_weight")
+    check_tensors(tensors, native_shapes(config), "the heads to export")
+
+    tensors = {k: t.detach().cpu().contiguous() for k, t in tensors.items()}
+    dtype = _dtype_of(tensors, config)
+    if lm_head_weight is not None:
+        lm_head_weight = lm_head_weight.detach().cpu().to(dtype)
+    if format == "native":
+        files = {WEIGHTS_NAME: tensors}
+        meta = {**config.to_dict(), "dtype": str(dtype).removeprefix("torch.")}
+    elif format == "medusa_v1":
+        files, meta = _medusa_v1(config, tensors, lm_head_weight, lm_head_pt)
+    else:
+        files, meta = _vllm(config, tensors, lm_head_weight, max_paths, topk, dtype)
+    return _write_folder(Path(directory), files, meta)
+
+
+def option_problems(format: str | None, lm_head_pt: bool = False, max_paths: int = 64, topk: int = 10) -> list[str]:
+    """Every problem with the export options, each naming the option (``format=None``: not checked)."""
+    problems = []
+    if format is not None and format not in LAYOUTS:
+        problems.append(f"format={format}: must be one of {', '.join(LAYOUTS)}")
+    if lm_head_pt and format != "medusa_v1":
+        problems.append(f"lm_head_pt=true: only format=medusa_v1 has a .pt file (format={format})")
+    for name, value in (("max_paths", max_paths), ("topk", topk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name}={value}: must be an integer >= 1")
+    return problems
+
+
+def _check_options(format: str, lm_head_pt: bool, max_paths: int, topk: int) -> None:
+    problems = option_problems(format, lm_head_pt, max_paths, topk)
+    if problems:
+        raise ValueError("cannot export heads: " + "; ".join(problems))
+
+
+def _dtype_of(tensors: dict[str, torch.Tensor], config: MedusaConfig) -> torch.dtype:
+    return next(iter(tensors.values())).dtype if tensors else getattr(torch, config.dtype)
+
+
+def _medusa_v1(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None, lm_head_pt: bool):
+    names = layout_names(config.num_heads, config.num_layers, "medusa_v1")
+    if config.share_lm_head:  # the layout has no shared option: every head gets its own copy
+        tensors = {**tensors, **{f"heads.{h}.lm_head.weight": lm_head.clone() for h in range(config.num_heads)}}
+    state = {names[k]: t for k, t in tensors.items()}
+    files = {MEDUSA_V1_WEIGHTS_NAME: state}
+    if lm_head_pt:
+        files[MEDUSA_V1_PT_NAME] = state
+    meta = {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
+            "base_model_name_or_path": config.base_model_name_or_path,
+            "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
+    return files, meta
+
+
+def _vllm(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None, max_paths: int, topk: int,
+          dtype: torch.dtype):
+    names = layout_names(config.num_heads, config.num_layers, "vllm")
+    state = {names[k]: t for k, t in tensors.items()}
+    if config.share_lm_head:
+        state[SHARED_LM_HEAD_KEY] = lm_head
+    meta = {"model_type": "medusa", "architectures": ["MedusaModel"],
+            "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+            "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
+            "max_paths": max_paths, "topk": topk, "truncated_vocab_size": config.vocab_size,
+            "medusa_fc_bias": True, "original_lm_head": config.share_lm_head,
+            "base_model_name_or_path": config.base_model_name_or_path,
+            "torch_dtype": str(dtype).removeprefix("torch.")}
+    return {VLLM_WEIGHTS_NAME: state}, meta
+
+
+def _write_folder(final: Path, files: dict[str, dict[str, torch.Tensor]], config: dict) -> Path:
+    tmp = assets.atomic_dir(final)
+    try:
+        for name, state in files.items():
+            if name.endswith(".pt"):
+                torch.save(state, tmp / name)
+            else:
+                save_file(state, str(tmp / name), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        assets.replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: str, lm_head_pt: bool = False,
+                  max_paths: int = 64, topk: int = 10, model: str | None = None, dtype: str | None = None) -> Path:
+    """Convert a heads folder (any layout) to ``format``; what ``scripts/export.py`` runs.
+
+    The backbone is loaded only when it is needed: when the heads share its LM head and the target
+    layout stores a copy of it. It is then the one named in the heads' ``config.json`` unless
+    ``model`` is given, in ``dtype`` (default: the heads' dtype).
+
+    Args:
+        heads: Folder to read (``native``, ``medusa_v1`` or ``vllm``).
+        output: Folder to write; replaced whole if it exists.
+        format: ``native``, ``medusa_v1`` or ``vllm``.
+        lm_head_pt: See ``export_heads``.
+        max_paths: See ``export_heads``.
+        topk: See ``export_heads``.
+        model: Backbone to load instead of the heads' ``base_model_name_or_path``.
+        dtype: Dtype to load the backbone in.
+    """
+    _check_options(format, lm_head_pt, max_paths, topk)
+    config, tensors = read_heads(heads)
+    options = dict(lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk)
+    if not (config.share_lm_head and format != "native"):
+        tensors.pop(SHARED_LM_HEAD_KEY, None)  # a native shared-head export stores no LM head
+        return write_heads(config, tensors, output, format, **options)
+    from .backbone import load_backbone
+
+    name = model or config.base_model_name_or_path
+    if not name:
+        raise ValueError(f"{heads}/config.json names no base model and these heads share its LM head: "
+                         "pass model=<backbone>")
+    backbone, _ = load_backbone(name, dtype=dtype or config.dtype)
+    return export_heads(MedusaModel.from_pretrained(heads, backbone=backbone), output, format, **options)
