@@ -2,9 +2,9 @@ import json
 
 import pytest
 import torch
+from conftest import make_tiny_backbone
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny_backbone
 from medusa_train import MedusaModel
 
 
