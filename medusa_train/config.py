@@ -90,6 +90,7 @@ class TrainerConfig:
     mixed_precision: str = "bf16"  #: no | bf16 | fp16 (autocast)
     seed: int = 42
     export: bool = True  #: write <output_dir>/export at the end
+    merge_export: bool = False  #: medusa2: also write export/merged, the backbone dequantized with LoRA merged
 
 
 @dataclass
@@ -215,6 +216,9 @@ def check(c: TrainConfig) -> list[str]:
 
     need(c.method in ("medusa1", "medusa2"), "method", c.method, "must be medusa1 or medusa2")
     need(c.stage in (None, 1, 2), "stage", c.stage, "must be null, 1 or 2")
+    need(c.stage is None or c.method == "medusa2", "stage", c.stage, "only applies to +recipe=medusa2")
+    need(not (c.method == "medusa2" and c.stage == 2 and not c.heads.init_from), "heads.init_from", None,
+         "stage=2 starts from stage 1's heads: set heads.init_from=<stage-1 output_dir>/export")
     need(c.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", c.model.dtype,
          "must be bfloat16, float32 or float16")
     need(c.model.quantization in (None, "nf4", "int8"), "model.quantization", c.model.quantization,

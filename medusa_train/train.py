@@ -207,7 +207,10 @@ class Medusa1Recipe:
         while self.step < self.total_steps:
             # whole accumulation groups only; a checkpoint stores how far into the epoch we were
             batches = self.epoch_batches(self.epoch)[self.micro_in_epoch:self.steps_per_epoch * accum]
-            loader = DataLoader(self.train_examples, batch_sampler=batches, collate_fn=self.collator)
+            # own generator: a DataLoader iterator otherwise draws from the global RNG, so a resumed run
+            # (one extra iterator) would see different dropout masks from an uninterrupted one
+            loader = DataLoader(self.train_examples, batch_sampler=batches, collate_fn=self.collator,
+                                generator=torch.Generator())
             for batch in loader:
                 result = self.micro_step(batch, loss_scale=1.0 / accum)
                 window.append(result)

@@ -1,0 +1,102 @@
+"""The whole pipeline on the packaged model, as ``make demo`` runs it.
+
+    .venv/bin/python scripts/demo.py                                   # defaults: configs/demo.yaml
+    .venv/bin/python scripts/demo.py distill.num_prompts=1500 train.epochs=4 eval.limit=80   # a longer run
+
+Stages (each prints the command it runs, which you can run yourself):
+  1. self-distill ShareGPT prompts with the backbone  -> <output_dir>/distill.jsonl
+  2. train Medusa-1 heads on it (hidden states cached) -> <output_dir>/train/export
+  3. fit a tree to the heads' measured accuracies      -> <output_dir>/tree.yaml
+  4. evaluate on MT-Bench against plain decoding       -> <output_dir>/eval/report.{json,md,png}
+A stage whose output is complete and newer than its inputs is skipped, so re-running is fast.
+Ends with ``mean accepted length: X.XX`` and ``speedup: Y.YYx``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stage(title: str, cmd: list[str], done: bool) -> float:
+    """Run one stage's command (or say why it is skipped); returns its wall time."""
+    shown = " ".join(str(c) for c in cmd).replace(sys.executable, "python")
+    if done:
+        print(f"\n== {title}: already done, skipped\n   ({shown})", flush=True)
+        return 0.0
+    print(f"\n== {title}\n$ {shown}", flush=True)
+    started = time.perf_counter()
+    result = subprocess.run([str(c) for c in cmd], cwd=ROOT)
+    if result.returncode != 0:
+        sys.exit(f"demo: stage '{title}' failed (exit {result.returncode}); fix the error above and re-run: "
+                 "finished stages are kept")
+    return time.perf_counter() - started
+
+
+def newer(output: Path, *inputs: Path) -> bool:
+    return output.exists() and all(output.stat().st_mtime >= i.stat().st_mtime for i in inputs if i.exists())
+
+
+def main(argv: list[str]) -> int:
+    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "demo.yaml"), OmegaConf.from_dotlist(argv))
+    out = Path(cfg.output_dir)
+    py = sys.executable
+    d, t, tr, e = cfg.distill, cfg.train, cfg.tree, cfg.eval
+    # folders are keyed by their settings: changing one starts that stage afresh, keeping the old results
+    data = out / f"distill-{d.num_prompts}-{_key(cfg.model, d)}.jsonl"
+    run_dir = out / f"train-{_key(cfg.model, d, t)}"
+    export, tree, report = run_dir / "export", run_dir / "tree.yaml", run_dir / "eval"
+    times = {}
+
+    stats = data.with_suffix(".stats.json")
+    distilled = stats.is_file() and json.loads(stats.read_text()).get("complete", False)
+    times["distill"] = stage("1/4 self-distill", [
+        py, "scripts/distill.py", f"model.name_or_path={cfg.model}", f"model.dtype={d.dtype}",
+        f"num_prompts={d.num_prompts}", f"max_turns={d.max_turns}", f"generation.max_new_tokens={d.max_new_tokens}",
+        f"batch_size={d.batch_size}", f"output={data}"], done=distilled)
+
+    train_cmd = [
+        py, "train.py", "+recipe=medusa1", "data=jsonl", f"model.name_or_path={cfg.model}",
+        f"data.source={data}", "data.cache_hidden_states=true", f"data.max_length={t.max_length}",
+        f"data.batch_size={t.batch_size}", f"heads.num_heads={t.num_heads}", f"heads.num_layers={t.num_layers}",
+        f"heads.share_lm_head={str(t.share_lm_head).lower()}", f"trainer.epochs={t.epochs}", f"optim.lr={t.lr}",
+        f"loss.head_decay={t.head_decay}", f"trainer.output_dir={run_dir}", "trainer.save_every=100",
+        "trainer.eval_every=100"]
+    times["train"] = stage("2/4 train heads (medusa1)", train_cmd, done=newer(export / "training_config.json", data))
+
+    times["tree"] = stage("3/4 fit a tree to the heads", [
+        py, "scripts/build_tree.py", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
+        f"output={tree}"], done=newer(tree, export / "model.safetensors"))
+
+    times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
+        py, "scripts/evaluate.py", f"heads={export}", f"tree={tree}", f"bench.limit={e.limit}",
+        f"bench.turns={e.turns}", f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
+        f"output_dir={report}"], done=newer(report / "report.json", tree, export / "model.safetensors"))
+
+    result = json.loads((report / "report.json").read_text())
+    print("\n== done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items() if v))
+    print(f"distilled data   {data}\nheads (native)   {export}\ntree             {tree}\n"
+          f"report           {report / 'report.md'}  (+ report.json, report.png)\n"
+          f"metrics          {run_dir / 'metrics.jsonl'}")
+    print(f"greedy mismatches vs plain decoding: {result['mismatches']}")
+    print(f"mean accepted length: {result['mean_accepted_length']:.2f}")
+    print(f"speedup: {result['speedup']:.2f}x")
+    return 0
+
+
+def _key(*parts) -> str:
+    """8 hex digits that change whenever any of ``parts`` (config sections) changes."""
+    text = json.dumps([OmegaConf.to_container(p) if OmegaConf.is_config(p) else p for p in parts], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
