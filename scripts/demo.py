@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ)
 
 
 def stage(title: str, cmd: list[str], done: bool) -> float:
@@ -34,7 +36,7 @@ def stage(title: str, cmd: list[str], done: bool) -> float:
         return 0.0
     print(f"\n== {title}\n$ {shown}", flush=True)
     started = time.perf_counter()
-    result = subprocess.run([str(c) for c in cmd], cwd=ROOT)
+    result = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=ENV)
     if result.returncode != 0:
         sys.exit(f"demo: stage '{title}' failed (exit {result.returncode}); fix the error above and re-run: "
                  "finished stages are kept")
@@ -48,6 +50,8 @@ def newer(output: Path, *inputs: Path) -> bool:
 def main(argv: list[str]) -> int:
     cfg = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "demo.yaml"), OmegaConf.from_dotlist(argv))
     out = Path(cfg.output_dir)
+    if cfg.threads:
+        ENV["OMP_NUM_THREADS"] = str(cfg.threads)
     py = sys.executable
     d, t, tr, e = cfg.distill, cfg.train, cfg.tree, cfg.eval
     # folders are keyed by their settings: changing one starts that stage afresh, keeping the old results
@@ -60,13 +64,14 @@ def main(argv: list[str]) -> int:
     distilled = stats.is_file() and json.loads(stats.read_text()).get("complete", False)
     times["distill"] = stage("1/4 self-distill", [
         py, "scripts/distill.py", f"model.name_or_path={cfg.model}", f"model.dtype={d.dtype}",
-        f"num_prompts={d.num_prompts}", f"max_turns={d.max_turns}", f"generation.max_new_tokens={d.max_new_tokens}",
-        f"batch_size={d.batch_size}", f"output={data}"], done=distilled)
+        f"num_prompts={d.num_prompts}", f"max_prompt_tokens={d.max_prompt_tokens}", f"max_turns={d.max_turns}", f"generation.max_new_tokens={d.max_new_tokens}",
+        f"batch_size={d.batch_size}", f"filters.skip_truncated={str(not d.keep_truncated).lower()}",
+        f"output={data}"], done=distilled)
 
     train_cmd = [
         py, "train.py", "+recipe=medusa1", "data=jsonl", f"model.name_or_path={cfg.model}",
         f"data.source={data}", "data.cache_hidden_states=true", f"data.max_length={t.max_length}",
-        f"data.batch_size={t.batch_size}", f"heads.num_heads={t.num_heads}", f"heads.num_layers={t.num_layers}",
+        f"data.batch_size={t.batch_size}", f"data.eval_size={t.eval_size}", f"heads.num_heads={t.num_heads}", f"heads.num_layers={t.num_layers}",
         f"heads.share_lm_head={str(t.share_lm_head).lower()}", f"trainer.epochs={t.epochs}", f"optim.lr={t.lr}",
         f"loss.head_decay={t.head_decay}", f"trainer.output_dir={run_dir}", "trainer.save_every=100",
         "trainer.eval_every=100"]
