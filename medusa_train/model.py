@@ -19,6 +19,7 @@ from .formats import (
     WEIGHTS_NAME,
     MedusaConfig,
     check_shared_lm_head,
+    check_tensors,
     read_heads,
 )
 from .heads import MedusaHead
@@ -191,19 +192,7 @@ class MedusaModel(nn.Module):
 def load_heads_strict(heads: nn.ModuleList, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Copy ``heads.*`` tensors into ``heads``; any missing/extra key or wrong shape is an error."""
     expected = {f"heads.{k}": v for k, v in heads.state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    wrong = [f"{k}: file {tuple(tensors[k].shape)} vs model {tuple(expected[k].shape)}"
-             for k in expected if k in tensors and tensors[k].shape != expected[k].shape]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
-    if wrong:
-        problems.append(f"wrong shapes: {'; '.join(wrong)}")
-    if problems:
-        raise ValueError(f"heads in {source} do not match the model ({'; '.join(problems)})")
+    check_tensors(tensors, {k: tuple(v.shape) for k, v in expected.items()}, source)
     with torch.no_grad():
         for key, param in expected.items():
             param.copy_(tensors[key])
