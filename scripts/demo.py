@@ -48,6 +48,10 @@ def newer(output: Path, *inputs: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        print((ROOT / "configs" / "demo.yaml").read_text())
+        return 0
     cfg = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "demo.yaml"), OmegaConf.from_dotlist(argv))
     out = Path(cfg.output_dir)
     if cfg.threads:
