@@ -1,0 +1,241 @@
+"""Fit a Medusa tree to measured head accuracies.
+
+    python scripts/build_tree.py heads=outputs/medusa1/export nodes=64 calibration=packaged:sharegpt-v3
+
+Rank accuracies are measured where the heads will be used: on the backbone's own greedy
+continuations of calibration prompts (user turns through the chat template). For head k (0-based)
+and rank i, ``rank_accuracies[k][i]`` is the fraction of continuation positions t at which head k's
+i-th most likely token (from the hidden state at t) equals the token at t + k + 2. ``build_tree``
+then keeps the ``nodes`` most likely paths, and the tree is written as a YAML that
+``scripts/evaluate.py tree=<file>`` and ``MedusaTree.from_name(<file>)`` read.
+
+MT-Bench is the evaluation set: it cannot be the calibration source, and calibration prompts that
+appear in it are dropped (``exclude``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
+from .decoding.tree import MedusaTree, build_tree, expected_accept_length
+from .eval_config import EvalModelConfig, default_output_dir, hydra_entry
+from .evaluate import encode_chat, eos_token_ids, load_medusa, plain_generate
+
+CONVERSATION_SOURCES = ("packaged:sharegpt-v3",)
+
+
+@dataclass
+class BuildTreeConfig:
+    heads_dir: str | None = None  #: exported heads folder (``heads=`` on the command line)
+    nodes: int = 64  #: tree size, root included
+    calibration: str = "packaged:sharegpt-v3"  #: packaged:sharegpt-v3 or a .jsonl of prompts (not MT-Bench)
+    num_prompts: int = 16  #: calibration prompts (their first user turn)
+    max_new_tokens: int = 96  #: greedy continuation length per prompt
+    max_prompt_tokens: int = 256  #: longer prompts are passed over
+    top_k: int = 10  #: ranks measured per head
+    exclude: str | None = "packaged:mt-bench"  #: drop calibration prompts found in this benchmark (null: keep all)
+    output: str | None = None  #: tree YAML path; default outputs/trees/<heads name>-n<nodes>.yaml
+    model: EvalModelConfig = field(default_factory=EvalModelConfig)
+    device: str | None = None  #: default: cuda when available, else cpu
+    threads: int | None = None  #: torch CPU threads (null = torch's default)
+
+
+def build_build_tree_config(raw) -> BuildTreeConfig:
+    """A validated ``BuildTreeConfig``; every problem is reported at once (``ConfigError``)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from .backbone import DTYPES
+    from .config import ConfigError, _build
+
+    if isinstance(raw, DictConfig):
+        raw = OmegaConf.to_container(raw, resolve=True)
+    p: list[str] = []
+    c = _build(BuildTreeConfig, dict(raw or {}), "", p)
+
+    def need(ok: bool, key: str, value, rule: str):
+        if not ok:
+            p.append(f"{key}={value}: {rule}")
+
+    if not c.heads_dir:
+        p.append("heads: required; pass heads=<folder of exported heads>")
+    else:
+        need((Path(c.heads_dir).expanduser() / "config.json").is_file(), "heads", c.heads_dir,
+             "not a folder of exported heads (no config.json)")
+    need(c.nodes >= 1, "nodes", c.nodes, "must be >= 1 (the root)")
+    need(c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1")
+    need(c.max_new_tokens >= 4, "max_new_tokens", c.max_new_tokens, "must be >= 4")
+    need(c.max_prompt_tokens >= 1, "max_prompt_tokens", c.max_prompt_tokens, "must be >= 1")
+    need(c.top_k >= 1, "top_k", c.top_k, "must be >= 1")
+    need(c.calibration != c.exclude and "mt-bench" not in c.calibration, "calibration", c.calibration,
+         "MT-Bench is the evaluation set; calibrate on other prompts (default packaged:sharegpt-v3)")
+    need(c.calibration in CONVERSATION_SOURCES or Path(c.calibration).expanduser().is_file(), "calibration",
+         c.calibration, f"must be one of {', '.join(CONVERSATION_SOURCES)} or an existing .jsonl of prompts")
+    need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, "must be float32, bfloat16 or float16")
+    need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null")
+    if p:
+        raise ConfigError(p)
+    return c
+
+
+# ------------------------------------------------------------------------------------------- measuring
+def calibration_prompts(source: str, tokenizer, num_prompts: int, max_prompt_tokens: int,
+                        exclude: str | None = "packaged:mt-bench") -> list[str]:
+    """The first ``num_prompts`` first user turns of ``source`` that fit ``max_prompt_tokens`` (after the chat
+    template) and are not prompts of the ``exclude`` benchmark.
+
+    Args:
+        source: ``packaged:sharegpt-v3`` (or another conversation source of ``load_conversations``), or a
+            prompt file ``load_benchmark`` reads.
+        tokenizer: Tokenizer with a chat template.
+        num_prompts: How many prompts to return (fewer when the source runs out).
+        max_prompt_tokens: Longest prompt kept, in tokens.
+        exclude: Benchmark whose prompts are dropped (``None``: none).
+    """
+    if source in CONVERSATION_SOURCES:
+        from .data.sources import load_conversations
+
+        conversations, _ = load_conversations(source, max_samples=max(num_prompts * 8, 64))
+        candidates = [next((m["content"] for m in c if m["role"] == "user"), "") for c in conversations]
+    else:
+        candidates = [p.turns[0] for p in load_benchmark(source)]
+    banned = benchmark_prompt_texts(exclude) if exclude else set()
+    prompts = []
+    for text in candidates:
+        if len(prompts) == num_prompts:
+            break
+        if not text.strip() or normalise_prompt(text) in banned:
+            continue
+        if encode_chat(tokenizer, [{"role": "user", "content": text}]).shape[1] <= max_prompt_tokens:
+            prompts.append(text)
+    return prompts
+
+
+@torch.no_grad()
+def greedy_continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
+                         progress: bool = False) -> list[tuple[torch.Tensor, int]]:
+    """``(ids (1, len), prompt length)`` of the backbone's greedy answer to each prompt."""
+    from tqdm.auto import tqdm
+
+    device = model.lm_head.weight.device
+    eos = eos_token_ids(model.backbone)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    sequences = []
+    for text in tqdm(prompts, desc="greedy continuations", unit="prompt", disable=not progress):
+        ids = encode_chat(tokenizer, [{"role": "user", "content": text}]).to(device)
+        new, _ = plain_generate(model.backbone, ids, max_new_tokens, eos, pad)
+        sequences.append((torch.cat([ids[0], torch.tensor(new, dtype=ids.dtype, device=device)])[None], ids.shape[1]))
+    return sequences
+
+
+@torch.no_grad()
+def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]],
+                            top_k: int = 10) -> tuple[list[list[float]], list[int]]:
+    """Per head and rank, how often the head's rank-i guess is the token k + 2 ahead.
+
+    Only positions from the last prompt token on are counted (where decoding asks the heads).
+
+    Args:
+        model: A ``MedusaModel``.
+        sequences: ``(ids (1, len), prompt length)`` pairs, e.g. from ``greedy_continuations``.
+        top_k: Ranks measured.
+
+    Returns:
+        ``(rank_accuracies [num_heads][top_k], positions per head)``.
+    """
+    num_heads = model.config.num_heads
+    hits = torch.zeros(num_heads, top_k, dtype=torch.long)
+    counts = [0] * num_heads
+    for ids, prompt_len in sequences:
+        hidden = model(ids).hidden_states[0]
+        length = ids.shape[1]
+        for k in range(num_heads):
+            start, stop = prompt_len - 1, length - k - 2  # hidden at t predicts token t + k + 2 < length
+            if stop <= start:
+                continue
+            logits = model.head_logits(hidden[start:stop], k).float()
+            targets = ids[0, start + k + 2: stop + k + 2].to(logits.device)
+            target_logits = logits.gather(-1, targets[:, None])
+            ranks = (logits > target_logits).sum(-1)
+            hits[k] += torch.bincount(ranks[ranks < top_k].cpu(), minlength=top_k)[:top_k]
+            counts[k] += stop - start
+    accuracies = [[hits[k, i].item() / counts[k] if counts[k] else 0.0 for i in range(top_k)]
+                  for k in range(num_heads)]
+    return accuracies, counts
+
+
+# ------------------------------------------------------------------------------------------- writing
+def tree_yaml(choices: Sequence[Sequence[int]], rank_accuracies: Sequence[Sequence[float]],
+              comments: Sequence[str] = ()) -> str:
+    """A tree YAML (``choices:``, ``expected_accept_length:``, ``rank_accuracies:``) opening with ``comments``."""
+    expected = expected_accept_length(choices, rank_accuracies)
+    lines = [f"# {c}" for c in comments]
+    rows = [", ".join(str(list(c)) for c in choices[i: i + 8])
+            for i in range(0, len(choices), 8)]
+    lines += ["choices: [", *(f"  {row}," for row in rows), "]"] if choices else ["choices: []"]
+    lines.append(f"expected_accept_length: {expected:.4f}  # 1 + sum of path chances, heads taken as independent")
+    lines.append("rank_accuracies:  # [head][rank]: fraction of positions where the head's rank-i guess was right")
+    lines += [f"  - [{', '.join(f'{a:.4f}' for a in row)}]" for row in rank_accuracies]
+    return "\n".join(lines) + "\n"
+
+
+def write_tree(path: str | os.PathLike, rank_accuracies: Sequence[Sequence[float]], nodes: int,
+               comments: Sequence[str] = ()) -> tuple[Path, list[list[int]], float]:
+    """Build the ``nodes``-node tree for ``rank_accuracies`` and write it as YAML (temp file, then rename).
+
+    Returns:
+        ``(path, choices, expected accepted length)``.
+    """
+    choices = build_tree(rank_accuracies, nodes)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(tree_yaml(choices, rank_accuracies, comments))
+    os.replace(tmp, path)
+    return path, choices, expected_accept_length(choices, rank_accuracies)
+
+
+def run(cfg: BuildTreeConfig) -> dict:
+    """Measure, build and write the tree; print where it went and (last) the expected accepted length."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, tokenizer = load_medusa(cfg.heads_dir, cfg.model, cfg.device)
+    prompts = calibration_prompts(cfg.calibration, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.exclude)
+    if not prompts:
+        raise SystemExit(f"calibration={cfg.calibration}: no usable prompts (all too long, empty or excluded)")
+    sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
+    accuracies, counts = measure_rank_accuracies(model, sequences, cfg.top_k)
+    name = Path(default_output_dir(cfg.heads_dir)).name
+    output = cfg.output or str(Path("outputs") / "trees" / f"{name}-n{cfg.nodes}.yaml")
+    command = (f"python scripts/build_tree.py heads={cfg.heads_dir} nodes={cfg.nodes} calibration={cfg.calibration} "
+               f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "
+               f"model.dtype={cfg.model.dtype}")
+    nodes = len(build_tree(accuracies, cfg.nodes)) + 1
+    comments = [command, f"use: python scripts/evaluate.py heads={cfg.heads_dir} tree={output}",
+                f"{nodes} nodes (root + paths), most likely path first, fitted to rank accuracies measured on "
+                f"{len(sequences)} greedy continuations ({counts[0]} positions for head 1)."]
+    path, choices, expected = write_tree(output, accuracies, cfg.nodes, comments)
+    default = MedusaTree.from_name("default").truncated(max_nodes=cfg.nodes, max_depth=len(accuracies))
+    default_expected = expected_accept_length([c for c in default.choices if max(c) < cfg.top_k], accuracies)
+    print("top-1 accuracy by head: " + ", ".join(f"{row[0]:.3f}" for row in accuracies))
+    print(f"top-{cfg.top_k} accuracy by head: " + ", ".join(f"{sum(row):.3f}" for row in accuracies))
+    print(f"tree: {path} ({len(choices) + 1} nodes)")
+    if len(choices) + 1 < cfg.nodes:
+        print(f"note: only {len(choices)} paths have a measured accuracy above 0 (asked for {cfg.nodes - 1}); "
+              "calibrate on more prompts for a bigger tree")
+    print(f"the built-in default tree cut to {default.num_nodes} nodes, under these accuracies: "
+          f"{default_expected:.2f} tokens per step")
+    print(f"expected accepted length: {expected:.2f}")
+    return {"path": str(path), "choices": choices, "rank_accuracies": accuracies, "positions": counts,
+            "expected_accept_length": expected}
+
+
+def main() -> None:
+    """Hydra entry point of ``scripts/build_tree.py``."""
+    hydra_entry("build_tree", build_build_tree_config, run, {"heads": "heads_dir"})
+

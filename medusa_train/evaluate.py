@@ -1,0 +1,370 @@
+"""Measure Medusa heads: accepted length, per-head acceptance, speedup over plain decoding, losslessness.
+
+    python scripts/evaluate.py heads=outputs/medusa1/export                    # MT-Bench, 80 x 2 turns
+    python scripts/evaluate.py heads=outputs/medusa1/export bench.limit=5 generation.max_new_tokens=64
+
+Every prompt goes through the tokenizer's chat template (``add_generation_prompt=True``) and is
+decoded twice with the same settings: by ``medusa_generate`` and by the backbone's own
+``generate`` (plain decoding). A second turn is asked after the *plain* answer to the first, so
+both methods see the same context. Under greedy decoding the two outputs must be identical; each
+difference is reported with the first differing position and the base model's top-2 logit gap
+there (a tiny gap is a floating-point near-tie, a large one a bug).
+
+Definitions (all totals over every prompt and turn):
+
+- mean accepted length = medusa new tokens / verify steps (plain decoding = 1.00);
+- per-head acceptance = fraction of verify steps in which head k's guess was kept;
+- ``speedup`` = medusa tokens/s / plain tokens/s, wall clock of the whole generation (prefill +
+  decode, as a user sees it); ``decode_speedup`` uses decode time only (after the first new token).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import torch
+
+from .data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
+from .decoding import MedusaTree, medusa_generate
+from .eval_config import (
+    CLI_RENAMES,
+    DecodeConfig,
+    EvalConfig,
+    EvalModelConfig,
+    build_eval_config,
+    default_output_dir,
+    heads_metadata,
+    hydra_entry,
+    resolve_tree,
+)
+
+WARMUP_TOKENS = 16
+
+
+# ------------------------------------------------------------------------------------------- loading
+def load_medusa(heads_dir: str | os.PathLike, model: EvalModelConfig | None = None, device: str | None = None):
+    """Load a backbone and the heads in ``heads_dir``, in the backbone's dtype, on ``device``.
+
+    Args:
+        heads_dir: Folder of exported heads (any layout ``MedusaModel.from_pretrained`` reads).
+        model: Backbone settings; its ``name_or_path`` defaults to the base model of the heads.
+        device: ``cuda`` when available, else ``cpu`` by default.
+
+    Returns:
+        ``(MedusaModel, tokenizer)`` in eval mode.
+    """
+    from .backbone import load_backbone
+    from .model import MedusaModel
+
+    model = model or EvalModelConfig()
+    name = model.name_or_path or heads_metadata(heads_dir)[1]
+    backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
+                                        attn_implementation=model.attn_implementation)
+    backbone.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    medusa = MedusaModel.from_pretrained(heads_dir, backbone=backbone)
+    medusa.heads.to(backbone.get_output_embeddings().weight.dtype)
+    return medusa.eval(), tokenizer
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """(1, len) ids of ``messages`` through the chat template, ready for the assistant's reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; evaluation prompts go through one "
+                         "(use an instruct/chat model, or set tokenizer.chat_template)")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+
+
+def eos_token_ids(backbone) -> list[int]:
+    """The backbone's eos id(s): its generation config's, else its config's."""
+    eos = getattr(getattr(backbone, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = backbone.config.eos_token_id
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+
+
+# ------------------------------------------------------------------------------------------- decoding
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class _FirstTokenClock:
+    """A ``generate`` streamer that notes when the first new token arrives (the end of the prefill)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.calls, self.first_token_at = device, 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:  # call 1 is the prompt, call 2 the first new token
+            self.first_token_at = _now(self.device)
+
+    def end(self) -> None:
+        pass
+
+
+def plain_generate(backbone, input_ids: torch.Tensor, max_new_tokens: int, eos: list[int], pad_token_id: int,
+                   temperature: float = 0.0, top_p: float = 1.0) -> tuple[list[int], dict[str, float]]:
+    """Plain decoding with ``backbone.generate``: greedy argmax (or sampling at ``temperature > 0``).
+
+    The model's own generation defaults (penalties, beams, top-k) are overridden so that the
+    output is exactly what Medusa must reproduce.
+
+    Returns:
+        The new token ids and ``{prefill_s, decode_s, wall_s}``.
+    """
+    from transformers import GenerationConfig
+
+    sampling = temperature > 0
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=sampling, num_beams=1, repetition_penalty=1.0,
+        no_repeat_ngram_size=0, temperature=temperature if sampling else 1.0, top_p=top_p if sampling else 1.0,
+        top_k=0 if sampling else 50, typical_p=1.0, eos_token_id=eos or None, pad_token_id=pad_token_id)
+    device = input_ids.device
+    clock = _FirstTokenClock(device)
+    start = _now(device)
+    out = backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
+                            streamer=clock)
+    wall = _now(device) - start
+    prefill = (clock.first_token_at or start + wall) - start
+    return out[0, input_ids.shape[1]:].tolist(), {"prefill_s": prefill, "decode_s": wall - prefill, "wall_s": wall}
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """First index where ``a`` and ``b`` differ (a length difference counts); ``None`` if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.no_grad()
+def mismatch_detail(model, input_ids: torch.Tensor, plain: list[int], medusa: list[int], position: int) -> dict:
+    """The base model's view of the first differing position: its top-2 logit gap and both tokens' logits.
+
+    The logits come from one teacher-forced pass over the prompt and the plain tokens before
+    ``position``. A gap near zero (far below 1) is a floating-point near-tie, not a decoding bug.
+    """
+    context = torch.cat([input_ids[0], torch.tensor(plain[:position], dtype=input_ids.dtype,
+                                                    device=input_ids.device)])
+    hidden = model(context[None]).hidden_states[0, -1]
+    logits = model.base_logits(hidden).float()
+    top = logits.topk(2)
+    plain_token = plain[position] if position < len(plain) else None
+    medusa_token = medusa[position] if position < len(medusa) else None
+    diff = (logits[plain_token] - logits[medusa_token]).item() \
+        if plain_token is not None and medusa_token is not None else None
+    return {"position": position, "plain_token": plain_token, "medusa_token": medusa_token,
+            "top2_gap": (top.values[0] - top.values[1]).item(), "plain_minus_medusa_logit": diff}
+
+
+def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen: DecodeConfig, eos: list[int],
+                   pad: int) -> tuple[dict, list[int]]:
+    """Decode one turn with both methods; returns the per-prompt record and the plain answer's ids."""
+    device = model.lm_head.weight.device
+    input_ids = encode_chat(tokenizer, messages).to(device)
+    sampling = gen.temperature > 0
+    if sampling:
+        torch.manual_seed(gen.seed)
+    plain, plain_time = plain_generate(model.backbone, input_ids, gen.max_new_tokens, eos, pad,
+                                       gen.temperature, gen.top_p)
+    generator = torch.Generator(device).manual_seed(gen.seed) if sampling else None
+    start = _now(device)
+    out = medusa_generate(model, input_ids, tree, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
+                          acceptance=gen.acceptance, top_p=gen.top_p, typical_threshold=gen.typical_threshold,
+                          typical_alpha=gen.typical_alpha, eos_token_id=eos, generator=generator)
+    wall = _now(device) - start
+    medusa = out.sequences[0, input_ids.shape[1]:].tolist()
+    record = {
+        "prompt_tokens": input_ids.shape[1], "new_tokens": out.new_tokens, "steps": out.steps,
+        "accepted_length": out.new_tokens / max(out.steps, 1), "plain_new_tokens": len(plain),
+        "accept_lengths": out.accept_lengths, "accepted_depths": out.accepted_depths,
+        "medusa_s": {**out.timings, "wall_s": wall}, "plain_s": plain_time, "match": None, "mismatch": None,
+    }
+    if not sampling:
+        position = first_difference(plain, medusa)
+        record["match"] = position is None
+        if position is not None:
+            record["mismatch"] = mismatch_detail(model, input_ids, plain, medusa, position)
+    return record, plain
+
+
+# ------------------------------------------------------------------------------------------- evaluate
+def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BENCHMARK,
+             tree: MedusaTree | str = "default", *, turns: int = 2, limit: int | None = None,
+             generation: DecodeConfig | None = None, warmup: bool = True, output_dir: str | os.PathLike | None = None,
+             progress: bool = True, settings: dict | None = None, **generation_kwargs) -> dict:
+    """Run a benchmark with Medusa and plain decoding and return the report.
+
+    Args:
+        model: A ``MedusaModel`` (see ``load_medusa``).
+        tokenizer: Its tokenizer (with a chat template).
+        prompts: ``BenchPrompt``s, or a source for ``load_benchmark``.
+        tree: Tree name, YAML path or ``MedusaTree`` (see ``resolve_tree``).
+        turns: Turns asked per prompt (at most the prompt's own).
+        limit: Evaluate the first ``limit`` prompts only.
+        generation: Decoding settings; ``generation_kwargs`` (``max_new_tokens=64``, ...) override fields.
+        warmup: Run one short untimed generation of each method first.
+        output_dir: When given, ``report.json``, ``report.md`` and ``report.png`` are written there.
+        progress: Show a tqdm bar over prompts with the running accepted length.
+        settings: Extra entries for the report's ``settings`` (the model, the heads, ...).
+
+    Returns:
+        The report dict (keys described in ``summarise``).
+    """
+    from tqdm.auto import tqdm
+
+    load_at_start = os.getloadavg()[0]
+    if isinstance(prompts, str | os.PathLike):
+        prompts = load_benchmark(prompts, limit)
+    elif limit is not None:
+        prompts = list(prompts)[:limit]
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    gen = DecodeConfig(**{**asdict(generation or DecodeConfig()), **generation_kwargs})
+    tree_spec = tree if isinstance(tree, str) else "custom"
+    tree = resolve_tree(tree, model.config.num_heads)
+    eos = eos_token_ids(model.backbone)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    model.eval()
+
+    if warmup:
+        short = DecodeConfig(**{**asdict(gen), "max_new_tokens": min(gen.max_new_tokens, WARMUP_TOKENS)})
+        _generate_turn(model, tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], tree, short, eos, pad)
+
+    records: list[dict] = []
+    tokens = steps = 0
+    bar = tqdm(prompts, desc="evaluate", unit="prompt", disable=not progress)
+    for prompt in bar:
+        messages: list[dict] = []
+        for turn, text in enumerate(prompt.turns[:turns], start=1):
+            messages.append({"role": "user", "content": text})
+            record, plain = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad)
+            records.append({"id": prompt.id, "category": prompt.category, "turn": turn, **record})
+            messages.append({"role": "assistant", "content": tokenizer.decode(plain, skip_special_tokens=True)})
+            tokens, steps = tokens + record["new_tokens"], steps + record["steps"]
+            bar.set_postfix(accepted_length=f"{tokens / max(steps, 1):.2f}")
+    bar.close()
+
+    report = summarise(records, model.config.num_heads)
+    report["settings"] = {
+        **(settings or {}), "tree": tree_spec, "tree_nodes": tree.num_nodes, "tree_depth": tree.depth,
+        "tree_choices": [list(c) for c in tree.listed_choices], "turns": turns, **asdict(gen),
+        "sampling": gen.temperature > 0, "eos_token_ids": eos, "num_heads": model.config.num_heads,
+        "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
+        "device": str(model.lm_head.weight.device), "torch_threads": torch.get_num_threads(),
+        "warmup": warmup, "cpu_load_average_at_start": round(load_at_start, 2),
+        "speedup": "medusa tokens/s / plain tokens/s, wall clock of whole generations (prefill + decode); "
+                   "decode_speedup: decode time only, tokens after the first",
+    }
+    report["per_prompt"] = records
+    if output_dir is not None:
+        from .report import write_report
+
+        report["files"] = {k: str(v) for k, v in write_report(report, output_dir).items()}
+    return report
+
+
+def _totals(records: list[dict]) -> dict:
+    """Accepted length, tokens/s and speedups of a group of per-prompt records."""
+    def total(key, sub=None):
+        return sum(r[key][sub] if sub else r[key] for r in records)
+
+    tokens, plain_tokens, steps = total("new_tokens"), total("plain_new_tokens"), total("steps")
+    n = len(records)
+    tps = {"medusa": tokens / max(total("medusa_s", "wall_s"), 1e-9),
+           "plain": plain_tokens / max(total("plain_s", "wall_s"), 1e-9)}
+    decode_tps = {"medusa": (tokens - n) / max(total("medusa_s", "decode_s"), 1e-9),
+                  "plain": (plain_tokens - n) / max(total("plain_s", "decode_s"), 1e-9)}
+    checked = [r for r in records if r["match"] is not None]
+    return {
+        "count": n, "accepted_length": tokens / max(steps, 1), "speedup": tps["medusa"] / max(tps["plain"], 1e-9),
+        "decode_speedup": decode_tps["medusa"] / max(decode_tps["plain"], 1e-9),
+        "tokens_per_s": tps, "decode_tokens_per_s": decode_tps,
+        "mismatches": sum(not r["match"] for r in checked) if checked else None,
+        "new_tokens": {"medusa": tokens, "plain": plain_tokens}, "steps": steps,
+    }
+
+
+def summarise(records: list[dict], num_heads: int) -> dict:
+    """The report's headline numbers from per-prompt records.
+
+    Returns:
+        ``mean_accepted_length`` (medusa tokens / verify steps), ``speedup`` and ``decode_speedup``,
+        ``tokens_per_s`` and ``decode_tokens_per_s`` ({medusa, plain}), ``mismatches`` (greedy
+        outputs differing from plain decoding; ``None`` when sampling) with ``mismatch_details``,
+        ``per_head_acceptance``, ``accept_length_histogram`` ({tokens per step: steps}),
+        ``per_category`` ({category: count, accepted_length, speedup, ...}) and ``totals``.
+    """
+    overall = _totals(records)
+    steps = max(overall["steps"], 1)
+    depths = [d for r in records for d in r["accepted_depths"]]
+    categories = sorted({r["category"] for r in records})
+    return {
+        "mean_accepted_length": overall["accepted_length"],
+        "speedup": overall["speedup"],
+        "decode_speedup": overall["decode_speedup"],
+        "tokens_per_s": overall["tokens_per_s"],
+        "decode_tokens_per_s": overall["decode_tokens_per_s"],
+        "mismatches": overall["mismatches"],
+        "mismatch_details": [{"id": r["id"], "category": r["category"], "turn": r["turn"], **r["mismatch"]}
+                             for r in records if r["mismatch"]],
+        "per_head_acceptance": [sum(d > k for d in depths) / steps for k in range(num_heads)],
+        "accept_length_histogram": dict(sorted(Counter(n for r in records for n in r["accept_lengths"]).items())),
+        "per_category": {c: _totals([r for r in records if r["category"] == c]) for c in categories},
+        "totals": {k: overall[k] for k in ("count", "new_tokens", "steps")},
+    }
+
+
+# ------------------------------------------------------------------------------------------- command line
+def busy_cpu_note() -> None:
+    """Say so when other processes keep the CPU busy: with several torch threads, every parallel op then
+    waits for a descheduled thread, and timings come out many times too slow (one thread is steadier)."""
+    load, cores, threads = os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads()
+    if threads > 1 and load >= 0.75 * cores:
+        print(f"note: the CPU is busy (load average {load:.1f} on {cores} cores) and torch uses {threads} threads: "
+              "timings will be noisy and slow; threads=1 gives steadier numbers on a shared machine")
+
+
+def run(cfg: EvalConfig) -> dict:
+    """Load what ``cfg`` names, evaluate, write the report, and print the summary (last two lines:
+    ``mean accepted length: X.XX`` and ``speedup: Y.YYx``)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    prompts = load_benchmark(cfg.bench.source, cfg.bench.limit)
+    model, tokenizer = load_medusa(cfg.heads_dir, cfg.model, cfg.device)
+    if model.lm_head.weight.device.type == "cpu":
+        busy_cpu_note()
+    output_dir = cfg.output_dir or default_output_dir(cfg.heads_dir)
+    settings = {"heads": str(cfg.heads_dir), "model": model.backbone.name_or_path, "bench": asdict(cfg.bench),
+                "attn_implementation": cfg.model.attn_implementation}
+    report = evaluate(model, tokenizer, prompts, cfg.tree_name, turns=cfg.bench.turns, generation=cfg.generation,
+                      warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress, settings=settings)
+    tps = report["tokens_per_s"]
+    print(f"report: {report['files']['json']}")
+    print(f"prompts: {len(prompts)} x up to {cfg.bench.turns} turns = {report['totals']['count']} generations; "
+          f"tree: {cfg.tree_name} ({report['settings']['tree_nodes']} nodes); dtype: {report['settings']['dtype']}")
+    print("per-head acceptance: " + ", ".join(f"{a:.3f}" for a in report["per_head_acceptance"]))
+    print(f"tokens/s (wall, prefill + decode): medusa {tps['medusa']:.1f}, plain {tps['plain']:.1f}; "
+          f"decode-only speedup {report['decode_speedup']:.2f}x")
+    if report["mismatches"] is not None:
+        print(f"greedy mismatches vs plain decoding: {report['mismatches']}")
+        for m in report["mismatch_details"]:
+            print(f"  id {m['id']} turn {m['turn']}: first difference at token {m['position']}, "
+                  f"base top-2 logit gap {m['top2_gap']:.3g}")
+    print(f"mean accepted length: {report['mean_accepted_length']:.2f}")
+    print(f"speedup: {report['speedup']:.2f}x")
+    return report
+
+
+def main() -> None:
+    """Hydra entry point of ``scripts/evaluate.py``."""
+    hydra_entry("eval", build_eval_config, run, CLI_RENAMES)

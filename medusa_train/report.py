@@ -1,0 +1,124 @@
+"""Writing an evaluation report: ``report.json``, ``report.md`` and ``report.png``.
+
+The PNG (accepted-length histogram + per-category bars) needs matplotlib (``pip install
+medusa-train[dev]``); without it the other two files are still written and a warning says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_report(report: dict, output_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write the report files into ``output_dir`` (created if needed).
+
+    Returns:
+        ``{"json": path, "markdown": path, "png": path}`` (no ``png`` without matplotlib).
+    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": out / "report.json", "markdown": out / "report.md", "png": out / "report.png"}
+    body = {k: v for k, v in report.items() if k != "files"}
+    body["files"] = {k: str(v) for k, v in files.items()}
+    if not plot_report(report, files["png"]):
+        del files["png"], body["files"]["png"]
+    _atomic_write(files["json"], json.dumps(body, indent=2) + "\n")
+    _atomic_write(files["markdown"], render_markdown(report))
+    return files
+
+
+def render_markdown(report: dict) -> str:
+    """A human-readable summary: headline numbers, per-head acceptance, per-category table, mismatches."""
+    s = report.get("settings", {})
+    tps, dtps = report["tokens_per_s"], report["decode_tokens_per_s"]
+    mism = report["mismatches"]
+    lines = [
+        "# Medusa evaluation",
+        "",
+        f"Heads `{s.get('heads', '?')}` on `{s.get('model', '?')}` ({s.get('dtype', '?')}, {s.get('device', '?')}, "
+        f"{s.get('torch_threads', '?')} threads); tree `{s.get('tree', '?')}` ({s.get('tree_nodes', '?')} nodes); "
+        f"{report['totals']['count']} generations of up to {s.get('max_new_tokens', '?')} tokens; "
+        f"acceptance `{s.get('acceptance', '?')}`, temperature {s.get('temperature', '?')}.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| mean accepted length (tokens / verify step) | {report['mean_accepted_length']:.2f} |",
+        f"| speedup (wall clock, prefill + decode) | {report['speedup']:.2f}x |",
+        f"| speedup (decode only) | {report['decode_speedup']:.2f}x |",
+        f"| tokens/s medusa / plain (wall) | {tps['medusa']:.1f} / {tps['plain']:.1f} |",
+        f"| tokens/s medusa / plain (decode) | {dtps['medusa']:.1f} / {dtps['plain']:.1f} |",
+        f"| greedy mismatches vs plain decoding | {'n/a (sampling)' if mism is None else mism} |",
+        "",
+        "## Per-head acceptance (fraction of verify steps in which head k's guess was kept)",
+        "",
+        "| head | " + " | ".join(str(k + 1) for k in range(len(report["per_head_acceptance"]))) + " |",
+        "|---|" + "---|" * len(report["per_head_acceptance"]),
+        "| acceptance | " + " | ".join(f"{a:.3f}" for a in report["per_head_acceptance"]) + " |",
+        "",
+        "## Per category",
+        "",
+        "| category | count | accepted length | speedup | mismatches |",
+        "|---|---|---|---|---|",
+    ]
+    for name, c in report["per_category"].items():
+        lines.append(f"| {name} | {c['count']} | {c['accepted_length']:.2f} | {c['speedup']:.2f}x | "
+                     f"{'n/a' if c['mismatches'] is None else c['mismatches']} |")
+    if report["mismatch_details"]:
+        lines += ["", "## Mismatches", "",
+                  "A top-2 logit gap near zero is a floating-point near-tie between the tree verify pass and "
+                  "one-token decoding; a large gap is a bug.", "",
+                  "| id | turn | first differing token | plain / medusa token | base top-2 logit gap |",
+                  "|---|---|---|---|---|"]
+        for m in report["mismatch_details"]:
+            lines.append(f"| {m['id']} | {m['turn']} | {m['position']} | {m['plain_token']} / {m['medusa_token']} | "
+                         f"{m['top2_gap']:.3g} |")
+    lines += ["", f"Speedup: {s.get('speedup', '')}.", ""]
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: str | os.PathLike) -> bool:
+    """Accepted-length histogram and per-category bars as a PNG; ``False`` when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("matplotlib is not installed: report.png skipped (pip install matplotlib)", stacklevel=2)
+        return False
+    hist = report["accept_length_histogram"]
+    cats = report["per_category"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lengths = sorted(int(k) for k in hist)
+    left.bar(lengths, [hist[k] if k in hist else hist[str(k)] for k in lengths], color="#4c72b0")
+    left.set_xlabel("tokens accepted per verify step")
+    left.set_ylabel("verify steps")
+    left.set_xticks(lengths)
+    left.set_title(f"accepted length (mean {report['mean_accepted_length']:.2f})")
+    names = list(cats)
+    x = range(len(names))
+    width = 0.4
+    right.bar([i - width / 2 for i in x], [cats[n]["accepted_length"] for n in names], width,
+              label="accepted length", color="#4c72b0")
+    right.bar([i + width / 2 for i in x], [cats[n]["speedup"] for n in names], width, label="speedup (x)",
+              color="#dd8452")
+    right.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    right.set_xticks(list(x))
+    right.set_xticklabels([f"{n}\n(n={cats[n]['count']})" for n in names], rotation=30, ha="right", fontsize=8)
+    right.set_title(f"per category (overall speedup {report['speedup']:.2f}x)")
+    right.legend()
+    fig.tight_layout()
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
