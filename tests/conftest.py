@@ -44,6 +44,16 @@ def make_tiny_backbone(arch: str = "llama", seed: int = 0, vocab_size: int = TIN
     return model.eval().requires_grad_(False)
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: tiny models gain nothing from more, and on a shared CPU two OpenMP
+    threads per process crawl (measured: ~7x slower generation steps under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def tiny_backbone(request):
     """Two architectures, so nothing silently depends on Llama's module names."""

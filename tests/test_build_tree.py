@@ -33,12 +33,7 @@ HAND_MADE = [  # [head][rank]
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def test_builder_picks_the_most_likely_paths(tmp_path):

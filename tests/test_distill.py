@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from train_fixtures import make_model_dir
 
@@ -67,13 +66,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine 2 OpenMP threads crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

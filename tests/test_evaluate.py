@@ -38,12 +38,7 @@ PROMPTS = [
 TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,7 @@ HAND_TOKENS = torch.tensor([5, 3, 7, 1, 2, 4, 9])
 V = 10
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def logits_from(probs_by_node: dict[int, dict[int, float]], n: int = 7, vocab: int = V) -> torch.Tensor:

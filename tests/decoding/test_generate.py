@@ -20,13 +20,7 @@ ARCHS = ["llama", "qwen2", "gpt_neox"]
 ATTNS = ["sdpa", "eager"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and the test machine is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def prompts(n: int, seed: int = 0, vocab: int = 256) -> list[torch.Tensor]:
