@@ -48,15 +48,16 @@ class BuildTreeConfig:
 
 def build_build_tree_config(raw) -> BuildTreeConfig:
     """A validated ``BuildTreeConfig``; every problem is reported at once (``ConfigError``)."""
-    from omegaconf import DictConfig, OmegaConf
+    from .config import parse_config
 
+    return parse_config(BuildTreeConfig, raw, check_build_tree_config)
+
+
+def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
+    """Range checks; every problem names its key."""
     from .backbone import DTYPES
-    from .config import ConfigError, _build
 
-    if isinstance(raw, DictConfig):
-        raw = OmegaConf.to_container(raw, resolve=True)
     p: list[str] = []
-    c = _build(BuildTreeConfig, dict(raw or {}), "", p)
 
     def need(ok: bool, key: str, value, rule: str):
         if not ok:
@@ -78,9 +79,7 @@ def build_build_tree_config(raw) -> BuildTreeConfig:
          c.calibration, f"must be one of {', '.join(CONVERSATION_SOURCES)} or an existing .jsonl of prompts")
     need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, "must be float32, bfloat16 or float16")
     need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null")
-    if p:
-        raise ConfigError(p)
-    return c
+    return p
 
 
 # ------------------------------------------------------------------------------------------- measuring

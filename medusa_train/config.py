@@ -123,25 +123,30 @@ class TrainConfig:
     logger: LoggerConfig | None = None  #: null | wandb
 
 
-def build_config(raw: Any) -> TrainConfig:
-    """Turn a Hydra ``DictConfig`` (or a plain dict) into a validated ``TrainConfig``.
+def parse_config(cls, raw: Any, check_fn):
+    """A validated ``cls`` (a config dataclass) from a Hydra ``DictConfig`` or a plain dict.
+
+    Unknown keys and wrong types are collected first, then ``check_fn(config)`` adds range and
+    consistency problems; every problem is reported at once.
 
     Raises:
-        ConfigError: listing every unknown key, wrong type and out-of-range value at once.
+        ConfigError: listing each problem with the key to change.
     """
-    try:
-        from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
-        if isinstance(raw, DictConfig):
-            raw = OmegaConf.to_container(raw, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(raw, DictConfig):
+        raw = OmegaConf.to_container(raw, resolve=True)
     problems: list[str] = []
-    config = _build(TrainConfig, raw or {}, "", problems)
-    problems += check(config)
+    config = _build(cls, dict(raw or {}), "", problems)
+    problems += check_fn(config)
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def build_config(raw: Any) -> TrainConfig:
+    """A validated ``TrainConfig`` (see ``parse_config``)."""
+    return parse_config(TrainConfig, raw, check)
 
 
 def _build(cls, raw: dict, prefix: str, problems: list[str]):

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, ModelConfig, _build
+from .config import ConfigError, ModelConfig, parse_config
 from .data.benchmarks import benchmark_prompt_texts, normalise_prompt
 
 Message = dict[str, str]
@@ -83,24 +83,8 @@ class DistillConfig:
 
 
 def build_distill_config(raw: Any) -> DistillConfig:
-    """Turn a Hydra ``DictConfig`` (or a plain dict) into a validated ``DistillConfig``.
-
-    Raises:
-        ConfigError: listing every unknown key, wrong type and out-of-range value at once.
-    """
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(raw, DictConfig):
-            raw = OmegaConf.to_container(raw, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    problems: list[str] = []
-    config = _build(DistillConfig, raw or {}, "", problems)
-    problems += check_distill_config(config)
-    if problems:
-        raise ConfigError(problems)
-    return config
+    """A validated ``DistillConfig`` (see ``config.parse_config``)."""
+    return parse_config(DistillConfig, raw, check_distill_config)
 
 
 def check_distill_config(c: DistillConfig) -> list[str]:

@@ -89,19 +89,10 @@ def build_eval_config(raw) -> EvalConfig:
     Raises:
         ConfigError: listing each invalid value with the key to change.
     """
-    from omegaconf import DictConfig, OmegaConf
-
     from .backbone import DTYPES
-    from .config import ConfigError, _build
+    from .config import parse_config
 
-    if isinstance(raw, DictConfig):
-        raw = OmegaConf.to_container(raw, resolve=True)
-    problems: list[str] = []
-    cfg = _build(EvalConfig, dict(raw or {}), "", problems)
-    problems += check_eval_config(cfg, DTYPES)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
+    return parse_config(EvalConfig, raw, lambda cfg: check_eval_config(cfg, DTYPES))
 
 
 def check_eval_config(c: EvalConfig, dtypes) -> list[str]:

@@ -254,9 +254,8 @@ class Medusa2Recipe(Medusa1Recipe):
 
     def build_model(self):
         from .backbone import load_backbone
-        from .model import MedusaModel
 
-        cfg, m, h, device = self.cfg, self.cfg.model, self.cfg.heads, self.accelerator.device
+        cfg, m, device = self.cfg, self.cfg.model, self.accelerator.device
         backbone, tokenizer = load_backbone(
             m.name_or_path, dtype=m.dtype, quantization=m.quantization, trust_remote_code=m.trust_remote_code,
             attn_implementation=m.attn_implementation, bnb_compute_dtype=m.bnb_compute_dtype,
@@ -270,19 +269,7 @@ class Medusa2Recipe(Medusa1Recipe):
             n_lora = sum(t.numel() for t in backbone.parameters() if t.requires_grad)
             self.log(f"LoRA r={p.r} alpha={p.alpha} on {p.target_modules}: {n_lora / 1e6:.2f} M parameters "
                      f"on a {m.quantization or m.dtype} backbone")
-        if h.init_from:
-            model = MedusaModel.from_pretrained(h.init_from, backbone=backbone)
-            if model.config.num_heads != h.num_heads or model.config.num_layers != h.num_layers:
-                raise ValueError(f"heads.init_from={h.init_from} has {model.config.num_heads} heads x "
-                                 f"{model.config.num_layers} layers; set heads.num_heads/num_layers to match")
-            model.heads.float()
-            model.config.dtype = "float32"
-            model.config.base_model_name_or_path = str(m.name_or_path)
-        else:
-            model = MedusaModel.from_backbone(backbone, h.num_heads, h.num_layers, h.share_lm_head, dtype="float32")
-        model.heads.requires_grad_(True)
-        model.heads.to(device)
-        return model, tokenizer
+        return self.build_heads(backbone), tokenizer
 
     def param_groups(self) -> list[dict]:
         lr = self.cfg.optim.lr

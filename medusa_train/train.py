@@ -95,15 +95,21 @@ class Medusa1Recipe:
 
     def build_model(self):
         from .backbone import load_backbone
-        from .model import MedusaModel
 
-        m, h = self.cfg.model, self.cfg.heads
+        m = self.cfg.model
         backbone, tokenizer = load_backbone(
             m.name_or_path, dtype=m.dtype, quantization=m.quantization, trust_remote_code=m.trust_remote_code,
             attn_implementation=m.attn_implementation, device_map={"": self.accelerator.device}
             if m.quantization else None)
         if not m.quantization:  # a quantized model is placed by device_map at load time
             backbone.to(self.accelerator.device)
+        return self.build_heads(backbone), tokenizer
+
+    def build_heads(self, backbone):
+        """Float32 trainable heads on ``backbone``: fresh, or from ``heads.init_from``."""
+        from .model import MedusaModel
+
+        m, h = self.cfg.model, self.cfg.heads
         if h.init_from:
             model = MedusaModel.from_pretrained(h.init_from, backbone=backbone)
             if model.config.num_heads != h.num_heads or model.config.num_layers != h.num_layers:
@@ -111,11 +117,12 @@ class Medusa1Recipe:
                                  f"{model.config.num_layers} layers; set heads.num_heads/num_layers to match")
             model.heads.float()
             model.config.dtype = "float32"
+            model.config.base_model_name_or_path = str(m.name_or_path)
         else:
             model = MedusaModel.from_backbone(backbone, h.num_heads, h.num_layers, h.share_lm_head, dtype="float32")
         model.heads.requires_grad_(True)
         model.heads.to(self.accelerator.device)
-        return model, tokenizer
+        return model
 
     def param_groups(self) -> list[dict]:
         return [{"params": list(self.parameters.values()), "lr": self.cfg.optim.lr}]
