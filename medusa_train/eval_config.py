@@ -20,6 +20,7 @@ import torch
 from .data.benchmarks import BENCHMARK_PACKAGES, DEFAULT_BENCHMARK
 from .decoding import ACCEPTANCE_METHODS, MedusaTree, tree_from_config
 from .decoding.tree import TREE_DIR
+from .formats import resolve_base_model
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
@@ -31,6 +32,7 @@ class EvalModelConfig:
     dtype: str = "float32"  #: float32 | bfloat16 | float16 (float32: greedy parity without near-ties)
     attn_implementation: str | None = "sdpa"  #: sdpa | eager | null (transformers' default)
     trust_remote_code: bool = False
+    form: str = "merged"  #: Medusa-2 exports: merged (plain transformers) | adapter (4-bit base + LoRA; peft, bitsandbytes)
 
 
 @dataclass
@@ -52,12 +54,24 @@ class DecodeConfig:
 
 
 @dataclass
+class DriftConfig:
+    """How far the evaluated backbone is from an original one (Medusa-2), on the benchmark's first turns."""
+
+    #: null (skip) | auto (Medusa-2 export: the 4-bit base it started from, rebuilt without peft or
+    #: bitsandbytes) | a model name or path (e.g. packaged:smollm2-135m-instruct, the unquantized original)
+    original: str | None = None
+    max_new_tokens: int = 64  #: length of the original's greedy answer to each prompt
+    limit: int | None = None  #: prompts compared (null = every evaluated prompt)
+
+
+@dataclass
 class EvalConfig:
     heads_dir: str | None = None  #: exported heads folder (``heads=`` on the command line)
     tree_name: str = "default"  #: default | chain | small | path to a tree YAML (``tree=`` on the command line)
     model: EvalModelConfig = field(default_factory=EvalModelConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     generation: DecodeConfig = field(default_factory=DecodeConfig)
+    drift: DriftConfig = field(default_factory=DriftConfig)
     output_dir: str | None = None  #: default: outputs/eval/<heads folder name>
     device: str | None = None  #: default: cuda when available, else cpu
     threads: int | None = None  #: torch CPU threads (null = torch's default)
@@ -75,12 +89,13 @@ def default_output_dir(heads_dir: str | None) -> str:
 
 
 def heads_metadata(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
-    """``(num_heads, base model)`` from a heads folder's ``config.json`` (any supported layout)."""
+    """``(num_heads, base model)`` from a heads folder's ``config.json`` (any supported layout); a base
+    model stored relative to the heads (Medusa-2's ``merged``) comes back as its path."""
     raw = json.loads((Path(heads_dir) / "config.json").read_text())
     num_heads = raw.get("num_heads", raw.get("medusa_num_heads"))
     if not isinstance(num_heads, int):
         raise ValueError(f"heads={heads_dir}: config.json does not say how many heads there are")
-    return num_heads, raw.get("base_model_name_or_path")
+    return num_heads, resolve_base_model(heads_dir, raw.get("base_model_name_or_path"))
 
 
 def build_eval_config(raw) -> EvalConfig:
@@ -118,6 +133,14 @@ def check_eval_config(c: EvalConfig, dtypes) -> list[str]:
     need(c.model.dtype in dtypes, "model.dtype", c.model.dtype, "must be float32, bfloat16 or float16")
     need(c.model.attn_implementation in (None, "sdpa", "eager"), "model.attn_implementation",
          c.model.attn_implementation, "must be sdpa, eager or null")
+    medusa2 = bool(c.heads_dir) and (Path(c.heads_dir).expanduser() / "backbone.json").is_file()
+    need(c.model.form in ("merged", "adapter"), "model.form", c.model.form, "must be merged or adapter")
+    need(c.model.form == "merged" or medusa2, "model.form", c.model.form,
+         "adapter needs a Medusa-2 export (no backbone.json in heads=)")
+    need(c.drift.original != "auto" or medusa2, "drift.original", c.drift.original,
+         "auto needs a Medusa-2 export (no backbone.json in heads=); name the original model instead")
+    need(c.drift.max_new_tokens >= 1, "drift.max_new_tokens", c.drift.max_new_tokens, "must be >= 1")
+    need(c.drift.limit is None or c.drift.limit >= 1, "drift.limit", c.drift.limit, "must be >= 1 or null (all)")
     src = c.bench.source
     need(src in BENCHMARK_PACKAGES or (not src.startswith("packaged:") and Path(src).expanduser().is_file()),
          "bench.source", src, f"must be one of {', '.join(BENCHMARK_PACKAGES)} or an existing .jsonl file")

@@ -33,6 +33,7 @@ from .decoding import MedusaTree, medusa_generate
 from .eval_config import (
     CLI_RENAMES,
     DecodeConfig,
+    DriftConfig,
     EvalConfig,
     EvalModelConfig,
     build_eval_config,
@@ -61,10 +62,17 @@ def load_medusa(heads_dir: str | os.PathLike, model: EvalModelConfig | None = No
     from .model import MedusaModel
 
     model = model or EvalModelConfig()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if model.form == "adapter":  # Medusa-2: the 4-bit base + LoRA, as in training (peft and bitsandbytes)
+        from .medusa2_export import load_medusa2_export
+
+        medusa, tokenizer = load_medusa2_export(heads_dir, "adapter", dtype=model.dtype,
+                                                device_map=device, attn_implementation=model.attn_implementation)
+        return medusa.eval(), tokenizer
     name = model.name_or_path or heads_metadata(heads_dir)[1]
     backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
                                         attn_implementation=model.attn_implementation)
-    backbone.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    backbone.to(device)
     medusa = MedusaModel.from_pretrained(heads_dir, backbone=backbone)
     medusa.heads.to(backbone.get_output_embeddings().weight.dtype)
     return medusa.eval(), tokenizer
@@ -201,7 +209,8 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
 def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BENCHMARK,
              tree: MedusaTree | str = "default", *, turns: int = 2, limit: int | None = None,
              generation: DecodeConfig | None = None, warmup: bool = True, output_dir: str | os.PathLike | None = None,
-             progress: bool = True, settings: dict | None = None, **generation_kwargs) -> dict:
+             progress: bool = True, settings: dict | None = None, extra: dict | None = None,
+             **generation_kwargs) -> dict:
     """Run a benchmark with Medusa and plain decoding and return the report.
 
     Args:
@@ -216,6 +225,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         output_dir: When given, ``report.json``, ``report.md`` and ``report.png`` are written there.
         progress: Show a tqdm bar over prompts with the running accepted length.
         settings: Extra entries for the report's ``settings`` (the model, the heads, ...).
+        extra: Extra top-level entries of the report (``drift``, ...), written with it.
 
     Returns:
         The report dict (keys described in ``summarise``).
@@ -265,6 +275,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         "speedup": "medusa tokens/s / plain tokens/s, wall clock of whole generations (prefill + decode); "
                    "decode_speedup: decode time only, tokens after the first",
     }
+    report.update(extra or {})
     report["per_prompt"] = records
     if output_dir is not None:
         from .report import write_report
@@ -324,6 +335,35 @@ def summarise(records: list[dict], num_heads: int) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------------- drift
+def measure_drift(backbone, tokenizer, prompts: Sequence[BenchPrompt], drift: DriftConfig, heads_dir,
+                  model: EvalModelConfig | None = None) -> dict:
+    """How far ``backbone`` is from ``drift.original`` on the prompts' first turns (see ``backbone_drift``).
+
+    Returns:
+        The report's ``drift`` entry: ``original`` (what was compared), ``mean_kl`` (KL(original ||
+        evaluated) per token of the original's greedy answers), ``greedy_agreement``, ``num_tokens``,
+        ``prompts`` and ``max_new_tokens``.
+    """
+    from .backbone import load_backbone
+    from .medusa2_export import backbone_drift, original_backbone
+
+    model = model or EvalModelConfig()
+    if drift.original == "auto":
+        original, _ = original_backbone(heads_dir, dtype=model.dtype, attn_implementation=model.attn_implementation)
+        described = "the Medusa-2 export's 4-bit base (dequantized, without the adapter)"
+    else:
+        original, _ = load_backbone(drift.original, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
+                                    attn_implementation=model.attn_implementation)
+        described = drift.original
+    original.to(next(backbone.parameters()).device)
+    chosen = list(prompts)[:drift.limit] if drift.limit else list(prompts)
+    ids = [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])[0].tolist() for p in chosen]
+    result = backbone_drift(original, backbone, tokenizer, ids, max_new_tokens=drift.max_new_tokens)
+    del original
+    return {"original": described, "prompts": len(ids), "max_new_tokens": drift.max_new_tokens, **result}
+
+
 # ------------------------------------------------------------------------------------------- command line
 def busy_cpu_note() -> None:
     """Say so when other processes keep the CPU busy: with several torch threads, every parallel op then
@@ -346,8 +386,15 @@ def run(cfg: EvalConfig) -> dict:
     output_dir = cfg.output_dir or default_output_dir(cfg.heads_dir)
     settings = {"heads": str(cfg.heads_dir), "model": model.backbone.name_or_path, "bench": asdict(cfg.bench),
                 "attn_implementation": cfg.model.attn_implementation}
+    extra = {}
+    if cfg.drift.original:
+        extra["drift"] = measure_drift(model.backbone, tokenizer, prompts, cfg.drift, cfg.heads_dir, cfg.model)
+        d = extra["drift"]
+        print(f"backbone drift from {d['original']}: mean KL {d['mean_kl']:.4f} per token, greedy agreement "
+              f"{d['greedy_agreement']:.1%} over {d['num_tokens']} tokens of {d['prompts']} prompts", flush=True)
     report = evaluate(model, tokenizer, prompts, cfg.tree_name, turns=cfg.bench.turns, generation=cfg.generation,
-                      warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress, settings=settings)
+                      warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress, settings=settings,
+                      extra=extra)
     tps = report["tokens_per_s"]
     print(f"report: {report['files']['json']}")
     print(f"prompts: {len(prompts)} x up to {cfg.bench.turns} turns = {report['totals']['count']} generations; "

@@ -180,6 +180,14 @@ def read_heads(directory: str | os.PathLike) -> tuple[MedusaConfig, dict[str, to
     return reader(directory, raw)
 
 
+def resolve_base_model(directory: str | os.PathLike, base: str | None) -> str | None:
+    """The heads' base model as a loadable reference: a relative folder beside the heads (Medusa-2's
+    ``merged``) becomes its path; anything else (hub id, absolute path, ``packaged:``) is kept."""
+    if base and not Path(base).is_absolute() and (Path(directory) / base / "config.json").is_file():
+        return str(Path(directory) / base)
+    return base
+
+
 def _require_file(path: Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")

@@ -22,15 +22,14 @@ The export (``<output_dir>/export``) holds the heads (native layout), the LoRA a
 (``adapter/``, peft), ``backbone.json`` (how to rebuild the backbone), and with
 ``trainer.merge_export=true`` a standalone backbone (``merged/``: the 4-bit weights dequantized,
 LoRA merged, plus the tokenizer) that needs neither peft nor bitsandbytes; the heads' config then
-names it (``"merged"``, relative to the heads folder). ``load_medusa2_export`` loads either form;
-``backbone_drift`` measures how far the backbone moved from the original model.
+names it (``"merged"``, relative to the heads folder). ``medusa2_export`` loads either form and
+measures how far the backbone moved from the original model.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +40,16 @@ from torch.utils.data import DataLoader
 from . import assets
 from .config import to_dict
 from .losses import IGNORE_INDEX, LossResult, head_weights, medusa_loss_backward
+from .medusa2_export import (  # noqa: F401  (re-exported: the export side of this recipe)
+    ADAPTER_DIR,
+    BACKBONE_INFO,
+    MERGED_DIR,
+    backbone_drift,
+    load_medusa2_export,
+    merge_backbone,
+    read_backbone_info,
+)
 from .train import Medusa1Recipe, MetricsLog
-
-ADAPTER_DIR = "adapter"
-MERGED_DIR = "merged"
-BACKBONE_INFO = "backbone.json"
 
 
 # ------------------------------------------------------------------------------------ schedule
@@ -421,159 +425,3 @@ def _base_record(bases: list[BaseMetrics]) -> dict[str, float]:
         return {}
     return {f"base/{name}": sum(getattr(b, name) * b.count for b in bases) / n
             for name in ("ce", "kl", "top1", "agreement")}
-
-
-# ------------------------------------------------------------------------------------ merge and load
-def dequantize_into(quantized: torch.nn.Module, dense: torch.nn.Module) -> int:
-    """Copy every bitsandbytes layer's dequantized weight into the same-named layer of ``dense``.
-
-    Args:
-        quantized: The trained model (a peft model's base model, or a plain quantized model).
-        dense: The same architecture loaded unquantized.
-
-    Returns:
-        How many layers were copied (0 when nothing is quantized).
-    """
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return 0
-    from peft.utils.integrations import dequantize_bnb_weight
-
-    copied = 0
-    with torch.no_grad():
-        for name, module in quantized.named_modules():
-            if not isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
-                continue
-            if getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False):
-                raise RuntimeError(f"{name}: 4-bit weight repacked for CPU inference; load it with load_backbone, "
-                                   "which turns the repacking off")
-            target = dense.get_submodule(name.removesuffix(".base_layer"))  # peft wraps the layer as base_layer
-            weight = dequantize_bnb_weight(module.weight, getattr(module, "state", None))
-            target.weight.copy_(weight.reshape(target.weight.shape).to(target.weight.dtype))
-            copied += 1
-    return copied
-
-
-def merge_backbone(trained, adapter_dir: str | os.PathLike | None, base_name_or_path: str,
-                   dtype: str = "bfloat16", **load_kwargs):
-    """A standalone backbone: the trained model's quantized weights dequantized, the adapter merged.
-
-    The original model is loaded unquantized in ``dtype``, each quantized layer's weight is replaced
-    by the dequantized weight the adapter was trained against, then the saved adapter is applied and
-    merged (``merge_and_unload``). The result needs neither peft nor bitsandbytes.
-
-    Args:
-        trained: The trained backbone (a peft model or a plain, possibly quantized, model).
-        adapter_dir: The adapter saved by peft's ``save_pretrained``; ``None`` to merge nothing.
-        base_name_or_path: What the trained backbone was loaded from (``model.name_or_path``).
-        dtype: Weight dtype of the result (the 4-bit weights' own dtype, ``model.dtype``).
-        **load_kwargs: Passed to ``load_backbone`` (``trust_remote_code``, ``attn_implementation``).
-    """
-    from .backbone import load_backbone
-
-    dense, _ = load_backbone(base_name_or_path, dtype=dtype, **load_kwargs)
-    dequantize_into(trained.get_base_model() if hasattr(trained, "get_base_model") else trained, dense)
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        dense = PeftModel.from_pretrained(dense, str(adapter_dir)).merge_and_unload()
-    dense.name_or_path = str(base_name_or_path)
-    return dense.eval().requires_grad_(False)
-
-
-def read_backbone_info(directory: str | os.PathLike) -> dict:
-    """The ``backbone.json`` of a Medusa-2 export (base model, quantization, adapter, merged folder)."""
-    path = Path(directory) / BACKBONE_INFO
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory}: no {BACKBONE_INFO}; not a Medusa-2 export (medusa1 heads load "
-                                "with MedusaModel.from_pretrained)")
-    return json.loads(path.read_text())
-
-
-def load_medusa2_export(directory: str | os.PathLike, form: str = "merged", dtype: str | None = None,
-                        device_map: str | dict | None = None, attn_implementation: str | None = None):
-    """Load a Medusa-2 export as ``(MedusaModel, tokenizer)`` in eval mode.
-
-    Args:
-        directory: ``<output_dir>/export`` of a medusa2 run.
-        form: ``merged`` (the standalone ``merged/`` backbone; plain transformers) or ``adapter``
-            (the original model quantized as in training, plus the LoRA adapter; needs peft and
-            bitsandbytes; stage-1 exports have no adapter and load the quantized backbone alone).
-        dtype: Backbone dtype (default: the training ``model.dtype``).
-        device_map: Passed to ``from_pretrained`` for the quantized load.
-        attn_implementation: ``sdpa`` / ``eager``; ``None`` keeps transformers' default.
-    """
-    from .backbone import load_backbone
-    from .model import MedusaModel
-
-    directory = Path(directory)
-    info = read_backbone_info(directory)
-    dtype = dtype or info["dtype"]
-    if form == "merged":
-        if not info.get("merged"):
-            raise ValueError(f"{directory} holds no merged backbone (train with trainer.merge_export=true); "
-                             "use form='adapter'")
-        backbone, tokenizer = load_backbone(directory / info["merged"], dtype=dtype,
-                                            attn_implementation=attn_implementation)
-    elif form == "adapter":
-        backbone, tokenizer = load_backbone(
-            info["base_model_name_or_path"], dtype=dtype, quantization=info["quantization"],
-            bnb_compute_dtype=info.get("bnb_compute_dtype"), bnb_double_quant=info.get("bnb_double_quant", True),
-            device_map=device_map, attn_implementation=attn_implementation)
-        if info.get("adapter"):
-            from peft import PeftModel
-
-            backbone = PeftModel.from_pretrained(backbone, str(directory / info["adapter"]))
-    else:
-        raise ValueError(f"form={form!r}: must be merged or adapter")
-    model = MedusaModel.from_pretrained(directory, backbone=backbone)
-    return model.eval().requires_grad_(False), tokenizer
-
-
-# ------------------------------------------------------------------------------------ drift
-@torch.no_grad()
-def backbone_drift(original, adapted, tokenizer, prompts: Sequence[str | Sequence[int]],
-                   max_new_tokens: int = 64) -> dict[str, float]:
-    """How far the adapted backbone moved from the original, on the original's own greedy answers.
-
-    For each prompt the original model answers greedily; both models then read prompt + answer,
-    and at every answer position we compare their next-token distributions.
-
-    Args:
-        original: The original causal LM (e.g. ``load_backbone(base)``). Pass the adapted peft model
-            itself to use it with its adapters disabled (the 4-bit original the adapter started from).
-        adapted: The adapted causal LM (merged backbone or peft model).
-        tokenizer: Tokenizes string prompts as they are (apply the chat template first).
-        prompts: Strings or token id lists.
-        max_new_tokens: Length of the original's greedy answer (shorter when it ends with eos).
-
-    Returns:
-        ``mean_kl``: mean KL(original || adapted) per answer token; ``greedy_agreement``: fraction
-        of answer positions where both models' top-1 tokens agree; ``num_tokens``: positions compared.
-    """
-    from contextlib import nullcontext
-
-    same = original is adapted
-    modes = [(m, m.training) for m in {id(original): original, id(adapted): adapted}.values()]
-    for model, _ in modes:
-        model.eval()
-    kl_sum, agree, count = 0.0, 0, 0
-    device = next(adapted.parameters()).device
-    try:
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids if isinstance(prompt, str) \
-                else torch.tensor([list(prompt)])
-            ids = ids.to(device)
-            with original.disable_adapter() if same else nullcontext():
-                sequence = original.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-                log_p = original(input_ids=sequence).logits[0, ids.shape[1] - 1:-1].float().log_softmax(-1)
-            log_q = adapted(input_ids=sequence).logits[0, ids.shape[1] - 1:-1].float().log_softmax(-1)
-            kl_sum += (log_p.exp() * (log_p - log_q)).sum().item()
-            agree += int((log_p.argmax(-1) == log_q.argmax(-1)).sum())
-            count += log_p.shape[0]
-    finally:
-        for model, training in modes:
-            model.train(training)
-    return {"mean_kl": kl_sum / max(count, 1), "greedy_agreement": agree / max(count, 1), "num_tokens": count}

@@ -21,6 +21,7 @@ from .formats import (
     check_shared_lm_head,
     check_tensors,
     read_heads,
+    resolve_base_model,
 )
 from .heads import MedusaHead
 
@@ -177,11 +178,8 @@ class MedusaModel(nn.Module):
                 raise ValueError(f"{directory}/config.json names no base model; pass backbone=")
             from .backbone import load_backbone
 
-            base = config.base_model_name_or_path
-            beside = Path(directory) / base  # a relative folder beside the heads, e.g. Medusa-2's "merged"
-            if not Path(base).is_absolute() and (beside / "config.json").is_file():
-                base = str(beside)
-            backbone, _ = load_backbone(base, **backbone_kwargs)
+            backbone, _ = load_backbone(resolve_base_model(directory, config.base_model_name_or_path),
+                                        **backbone_kwargs)
         model = cls(backbone, config)
         if stored_lm_head is not None:
             check_shared_lm_head(stored_lm_head, model.lm_head.weight, source=str(directory))

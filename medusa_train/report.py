@@ -72,6 +72,13 @@ def render_markdown(report: dict) -> str:
     for name, c in report["per_category"].items():
         lines.append(f"| {name} | {c['count']} | {c['accepted_length']:.2f} | {c['speedup']:.2f}x | "
                      f"{'n/a' if c['mismatches'] is None else c['mismatches']} |")
+    if report.get("drift"):
+        d = report["drift"]
+        lines += ["", "## Backbone drift", "",
+                  f"Compared with {d['original']} on the original's greedy answers ({d['prompts']} prompts, "
+                  f"up to {d['max_new_tokens']} tokens each, {d['num_tokens']} positions):", "",
+                  "| mean KL(original \\|\\| evaluated) per token | greedy agreement |", "|---|---|",
+                  f"| {d['mean_kl']:.4f} | {d['greedy_agreement']:.1%} |"]
     if report["mismatch_details"]:
         lines += ["", "## Mismatches", "",
                   "A top-2 logit gap near zero is a floating-point near-tie between the tree verify pass and "

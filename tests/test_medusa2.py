@@ -276,6 +276,69 @@ def test_stage_1_trains_heads_only_then_stage_2_starts_from_them_and_merges(tiny
     assert (a - original).abs().max() > 1e-4  # the adapter did move the backbone
 
 
+BLOCKED_EVALUATE = textwrap.dedent("""
+    import json, runpy, sys
+    for name in ("peft", "bitsandbytes"):
+        sys.modules[name] = None  # import raises ModuleNotFoundError, as if not installed
+    sys.argv = ["scripts/evaluate.py", *sys.argv[1:]]
+    try:
+        runpy.run_path("scripts/evaluate.py", run_name="__main__")
+    finally:
+        loaded = [k for k, v in sys.modules.items() if k.split(".")[0] in ("peft", "bitsandbytes") and v is not None]
+        print(json.dumps({"loaded": loaded}))
+""")
+
+
+def test_scripts_evaluate_reads_a_merged_export_without_peft_or_bitsandbytes_and_reports_drift(tiny_setup, tmp_path):
+    model_dir, data = tiny_setup
+    out = tmp_path / "run"
+    run(compose_config(tiny_overrides(model_dir, data, out, **{"trainer.max_steps": 3, "trainer.merge_export": "true",
+                                                               "optim.lr": 5e-3})))
+    export = out / "export"
+    # the original a drift is measured against: merged/ minus the LoRA update equals the adapter-disabled model
+    from medusa_train.medusa2_export import original_backbone
+
+    original, _ = original_backbone(export, dtype="float32")
+    adapted, _ = load_medusa2_export(export, "adapter")
+    ids = torch.tensor([[5, 17, 42, 99, 123, 7, 250, 31, 64, 200]])
+    with torch.no_grad():
+        with adapted.backbone.disable_adapter():
+            expected = adapted(ids, return_base_logits=True).base_logits
+        moved = (adapted(ids, return_base_logits=True).base_logits - expected).abs().max()
+        rebuilt = original(ids).logits
+    assert moved > 1e-3  # the adapter changed the backbone...
+    torch.testing.assert_close(rebuilt, expected, rtol=1e-4, atol=1e-5)  # ...and its update is undone exactly
+
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps({"turns": [t], "category": "test", "id": i}) + "\n" for i, t in
+                             enumerate(["Name three colours.", "What is two plus two?"])))
+    report_dir = tmp_path / "eval"
+    args = [f"heads={export}", "tree=chain", f"bench.source={bench}", "bench.turns=1", "generation.max_new_tokens=8",
+            "drift.original=auto", "drift.max_new_tokens=12", f"output_dir={report_dir}", "progress=false",
+            "threads=1"]
+    result = subprocess.run([sys.executable, "-c", BLOCKED_EVALUATE, *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["loaded"] == []
+    assert "speedup: " in result.stdout
+    report = json.loads((report_dir / "report.json").read_text())
+    assert report["mismatches"] == 0 and report["settings"]["model"].endswith("merged")
+    drift = report["drift"]
+    assert drift["prompts"] == 2 and 2 <= drift["num_tokens"] <= 24
+    assert drift["mean_kl"] > 0 and 0 <= drift["greedy_agreement"] <= 1
+    assert "## Backbone drift" in (report_dir / "report.md").read_text()
+    # the same figures from the library, with the model rebuilt here
+    from medusa_train.medusa2_export import backbone_drift
+
+    merged, tokenizer = load_medusa2_export(export, "merged")
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=False) for t in ("Name three colours.", "What is two plus two?")]
+    ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    again = backbone_drift(original, merged.backbone, tokenizer, ids, max_new_tokens=12)
+    assert again["num_tokens"] == drift["num_tokens"]
+    assert again["mean_kl"] == pytest.approx(drift["mean_kl"], rel=1e-4)
+
+
 BLOCKED_LOAD = textwrap.dedent("""
     import json, sys
     for name in ("peft", "bitsandbytes"):
