@@ -42,6 +42,7 @@ import torch
 
 from .config import ConfigError, ModelConfig, parse_config
 from .data.benchmarks import benchmark_prompt_texts, normalise_prompt
+from .repetition import LoopStopper, loop_start, repeated_fraction
 
 Message = dict[str, str]
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -63,6 +64,9 @@ class FilterConfig:
     skip_truncated: bool = True  #: drop replies with no end-of-turn token within max_new_tokens
     repetition_ngram: int = 8  #: n-gram size (tokens) of the repetition test
     max_repeated_fraction: float | None = 0.5  #: drop replies whose repeated n-grams cover this share (null = off)
+    #: stop a reply once its last ``loop_window`` n-grams all repeat earlier ones (null = generate on to the limit)
+    loop_window: int | None = 64
+    trim_loops: bool = True  #: keep a stopped reply's text before its loop (else skip it as ``repetition``)
 
 
 @dataclass
@@ -114,6 +118,7 @@ def check_distill_config(c: DistillConfig) -> list[str]:
     need(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0 (0 = greedy)")
     need(0 < g.top_p <= 1, "generation.top_p", g.top_p, "must be in (0, 1]")
     need(f.repetition_ngram >= 1, "filters.repetition_ngram", f.repetition_ngram, "must be >= 1")
+    need(f.loop_window is None or f.loop_window >= 1, "filters.loop_window", f.loop_window, "must be >= 1 or null (off)")
     need(f.max_repeated_fraction is None or 0 < f.max_repeated_fraction <= 1, "filters.max_repeated_fraction",
          f.max_repeated_fraction, "must be in (0, 1] or null (off)")
     return p
@@ -230,34 +235,21 @@ def plan_batches(selected: Sequence[Prompt], done: set[str], batch_size: int, so
 
 
 # ------------------------------------------------------------------------------------ replies
-def repeated_fraction(tokens: Sequence[int], n: int) -> float:
-    """Share of ``tokens`` covered by n-grams that already occurred earlier in the same sequence.
+def degenerate_reason(text: str, tokens: Sequence[int], finished: bool, filters: FilterConfig,
+                      looped: bool = False) -> str | None:
+    """Why a reply should not be trained on (``empty``, ``repetition``, ``length``), or ``None``.
 
-    A reply stuck in a loop of period ``p`` scores about ``1 - (start + p) / len``; ordinary text
-    repeats few 8-grams.
+    ``looped``: generation was stopped in a sustained loop; ``tokens`` then end where it began
+    (kept with ``filters.trim_loops``, else the reply counts as ``repetition``).
     """
-    if len(tokens) < 2 * n:
-        return 0.0
-    seen: set[tuple[int, ...]] = set()
-    covered = covered_until = 0
-    for i in range(len(tokens) - n + 1):
-        gram = tuple(tokens[i:i + n])
-        if gram in seen:
-            covered += i + n - max(i, covered_until)
-            covered_until = i + n
-        else:
-            seen.add(gram)
-    return covered / len(tokens)
-
-
-def degenerate_reason(text: str, tokens: Sequence[int], finished: bool, filters: FilterConfig) -> str | None:
-    """Why a reply should not be trained on (``empty``, ``repetition``, ``length``), or ``None``."""
     if not text.strip():
         return "empty"
+    if looped and not filters.trim_loops:
+        return "repetition"
     if filters.max_repeated_fraction is not None and \
             repeated_fraction(tokens, filters.repetition_ngram) >= filters.max_repeated_fraction:
         return "repetition"
-    if not finished and filters.skip_truncated:
+    if not finished and not looped and filters.skip_truncated:
         return "length"
     return None
 
@@ -265,12 +257,10 @@ def degenerate_reason(text: str, tokens: Sequence[int], finished: bool, filters:
 @dataclass
 class Reply:
     text: str
-    tokens: list[int]  # generated tokens before the end-of-turn token
+    tokens: list[int]  # the reply's tokens, before the end-of-turn token (or before its loop)
     finished: bool  # an end-of-turn token was generated within max_new_tokens
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) + int(self.finished)
+    generated: int  # tokens generated for it (with the end-of-turn token and any cut-off loop)
+    looped: bool = False  # stopped in a sustained loop; ``tokens`` end where the loop began
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -286,10 +276,15 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 @torch.inference_mode()
 def generate_replies(model, tokenizer, contexts: list[list[Message]], settings: GenerationSettings,
-                     eos_ids: list[int]) -> list[Reply]:
-    """One reply per context, generated as one left-padded batch."""
-    from transformers import GenerationConfig
+                     eos_ids: list[int], filters: FilterConfig | None = None) -> list[Reply]:
+    """One reply per context, generated as one left-padded batch.
 
+    With ``filters.loop_window``, a row stops as soon as it is stuck in a loop (see
+    ``repetition.LoopStopper``) and its tokens end where the loop began.
+    """
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    filters = filters or FilterConfig()
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in contexts]
     # generation continues from the last column, so pad on the left (the tokenizer's own setting is left alone)
     batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
@@ -299,12 +294,23 @@ def generate_replies(model, tokenizer, contexts: list[list[Message]], settings: 
                               temperature=settings.temperature if sampling else None,
                               top_p=settings.top_p if sampling else None, top_k=0 if sampling else None,
                               eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
-    sequences = model.generate(**batch, generation_config=config)
+    prompt_length = batch["input_ids"].shape[1]
+    stopper = LoopStopper(prompt_length, filters.repetition_ngram, filters.loop_window) \
+        if filters.loop_window else None
+    sequences = model.generate(**batch, generation_config=config,
+                               stopping_criteria=StoppingCriteriaList([stopper] if stopper else []))
     replies = []
-    for row in sequences[:, batch["input_ids"].shape[1]:].tolist():
+    for r, row in enumerate(sequences[:, prompt_length:].tolist()):
         end = next((i for i, t in enumerate(row) if t in eos_ids), None)
-        tokens = row if end is None else row[:end]
-        replies.append(Reply(tokenizer.decode(tokens, skip_special_tokens=True), tokens, end is not None))
+        stopped = stopper.stopped_at[r] if stopper and stopper.stopped_at else None
+        if end is not None and (stopped is None or end < stopped):
+            replies.append(Reply(tokenizer.decode(row[:end], skip_special_tokens=True), row[:end], True, end + 1))
+        elif stopped is not None:
+            tokens = row[:loop_start(row[:stopped], filters.repetition_ngram, filters.loop_window)]
+            replies.append(Reply(tokenizer.decode(tokens, skip_special_tokens=True), tokens, False, stopped,
+                                 looped=True))
+        else:
+            replies.append(Reply(tokenizer.decode(row, skip_special_tokens=True), row, False, len(row)))
     return replies
 
 
@@ -314,8 +320,9 @@ class Outcome:
 
     id: str
     messages: list[Message]
-    new_tokens: int
+    new_tokens: int  # tokens of the kept replies (with their end-of-turn tokens)
     stopped: str | None  # why fewer turns than asked were answered (None: all answered)
+    generated: int = 0  # tokens generated, kept or not
 
     def line(self) -> dict:
         if not any(m["role"] == "assistant" for m in self.messages):
@@ -339,16 +346,20 @@ def distill_batch(model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, e
             ready.append((i, context))
         if not ready:
             break
-        replies = generate_replies(model, tokenizer, [c for _, c in ready], cfg.generation, eos_ids)
+        replies = generate_replies(model, tokenizer, [c for _, c in ready], cfg.generation, eos_ids, cfg.filters)
         active = []
         for (i, context), reply in zip(ready, replies):
-            outcomes[i].new_tokens += reply.num_generated
-            reason = degenerate_reason(reply.text, reply.tokens, reply.finished, cfg.filters)
+            outcomes[i].generated += reply.generated
+            reason = degenerate_reason(reply.text, reply.tokens, reply.finished, cfg.filters, reply.looped)
             if reason:
                 outcomes[i].stopped = reason
                 continue
+            outcomes[i].new_tokens += len(reply.tokens) + int(reply.finished)
             outcomes[i].messages = context + [{"role": "assistant", "content": reply.text}]
-            active.append(i)
+            if reply.looped:  # its text was cut where the loop began: the conversation ends here
+                outcomes[i].stopped = "loop_trimmed"
+            else:
+                active.append(i)
     return outcomes
 
 
@@ -477,11 +488,11 @@ class DistillStats:
     skipped: dict[str, int]  # conversations with no usable reply, by reason
     replies: int  # assistant turns written
     stopped_early: dict[str, int]  # records with fewer turns than asked, by reason
-    new_tokens: int  # generated tokens of the written records
+    new_tokens: int  # tokens of the written replies (the training text)
     resumed_records: int  # records (+ skips) found in the files when this run started
     dropped_torn_line: bool
     run_conversations: int  # conversations generated by this run
-    run_new_tokens: int
+    run_new_tokens: int  # tokens generated by this run (kept or not)
     run_seconds: float
     run_cpu_seconds: float  # CPU time of all threads: on a shared machine, seconds / cpu_seconds shows contention
     threads: int  # torch threads
@@ -561,7 +572,7 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
             for outcome in distill_batch(model, tokenizer, batch, cfg, eos_ids):
                 line = outcome.line()
                 (records_file if "messages" in line else skipped_file).append(line)
-                run_tokens += outcome.new_tokens
+                run_tokens += outcome.generated
             run_conversations += len(batch)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{run_tokens / (time.perf_counter() - started):.1f}",

@@ -17,6 +17,7 @@ from medusa_train.data import build_datasets, load_conversations
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
 from medusa_train.distill import (
     CONFIG_DIR,
+    FilterConfig,
     JsonlAppender,
     Prompt,
     build_distill_config,
@@ -30,6 +31,7 @@ from medusa_train.distill import (
     prompt_segments,
     repeated_fraction,
 )
+from medusa_train.repetition import loop_start
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the a one two three quick brown fox jumps over lazy dog hello there how are you today fine".split()
@@ -181,6 +183,49 @@ def test_multiturn_records_answer_each_user_turn_with_the_models_own_context(tin
     assert len(train) == len(records)
     saved = json.loads((tmp_path / "out" / "d.stats.json").read_text())
     assert saved["complete"] and saved["records"] == stats.records and saved["tokens_per_s"] > 0
+
+
+def test_loops_stop_generation_early_and_keep_exactly_the_text_before_the_loop(tiny, tmp_path):
+    model_dir, (model, tokenizer) = tiny
+    cfg = build_distill_config(tiny_config(model_dir, tmp_path / "x.jsonl", tmp_path / "o.jsonl",
+                                           generation={"max_new_tokens": 96}))
+    contexts = [[{"role": "user", "content": " ".join(WORDS[i:i + 3 + i % 4])}] for i in range(8)]
+    eos = eos_token_ids(model, tokenizer)
+    full = generate_replies(model, tokenizer, contexts, cfg.generation, eos, FilterConfig(loop_window=None))
+    loop = FilterConfig(loop_window=16)
+    stopped = generate_replies(model, tokenizer, contexts, cfg.generation, eos, loop)
+    looped = [i for i, r in enumerate(stopped) if r.looped]
+    assert looped, "a random model loops: some rows must be stopped"
+    assert sum(r.generated for r in stopped) < sum(r.generated for r in full)
+    for f, s in zip(full, stopped):
+        if not s.looped:
+            assert (s.tokens, s.finished, s.generated) == (f.tokens, f.finished, f.generated)
+            continue
+        # the stopped row is the full row's start, cut where its loop (sustained for 16 n-grams) began
+        assert s.generated < f.generated and s.tokens == f.tokens[:len(s.tokens)] and not s.finished
+        assert loop_start(f.tokens[:s.generated], loop.repetition_ngram, 16) == len(s.tokens)
+        assert loop_start(f.tokens[:s.generated - 1], loop.repetition_ngram, 16) is None
+        assert s.text == tokenizer.decode(s.tokens, skip_special_tokens=True)
+
+
+def test_trimmed_loops_are_kept_and_counted_or_skipped_as_repetition(tiny, tmp_path):
+    model_dir, (model, tokenizer) = tiny
+    source = make_multiturn_jsonl(tmp_path / "chat.jsonl", 12)
+    common = {"generation": {"max_new_tokens": 96}, "max_turns": 1}
+    trim = distill(tiny_config(model_dir, source, tmp_path / "trim.jsonl", **common,
+                               filters={"loop_window": 16, "skip_truncated": True}), model, tokenizer)
+    drop = distill(tiny_config(model_dir, source, tmp_path / "drop.jsonl", **common,
+                               filters={"loop_window": 16, "trim_loops": False, "skip_truncated": True}),
+                   model, tokenizer)
+    trimmed = trim.stopped_early.get("loop_trimmed", 0)
+    assert trimmed > 0 and trim.records == drop.records + trimmed
+    assert drop.skipped.get("repetition", 0) >= trimmed and "loop_trimmed" not in drop.stopped_early
+    records = read_jsonl(tmp_path / "trim.jsonl")
+    assert sum(r["stopped"] == "loop_trimmed" for r in records) == trimmed
+    for r in records:  # new_tokens counts the kept text, not the loop that was cut off
+        reply = tokenizer(r["messages"][-1]["content"], add_special_tokens=False).input_ids
+        assert r["new_tokens"] <= len(reply) + 2
+    assert trim.new_tokens < trim.run_new_tokens
 
 
 def test_degenerate_replies_are_skipped_counted_and_not_redone(tiny, tmp_path):
