@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .data.benchmarks import BENCHMARK_PACKAGES, DEFAULT_BENCHMARK
+from .data.benchmarks import BENCH_PICKS, BENCHMARK_PACKAGES, DEFAULT_BENCHMARK
 from .decoding import ACCEPTANCE_METHODS, MedusaTree, tree_from_config
 from .decoding.tree import TREE_DIR
 from .formats import resolve_base_model
@@ -38,7 +38,8 @@ class EvalModelConfig:
 @dataclass
 class BenchConfig:
     source: str = DEFAULT_BENCHMARK  #: packaged:mt-bench or a .jsonl of prompts (see data/benchmarks.py)
-    limit: int | None = None  #: first N prompts (null = all)
+    limit: int | None = None  #: N prompts (null = all)
+    pick: str = "spread"  #: which N: spread (round-robin over categories) | first (file order)
     turns: int = 2  #: turns asked per prompt (MT-Bench has 2; turn 2 follows the plain answer to turn 1)
 
 
@@ -145,6 +146,7 @@ def check_eval_config(c: EvalConfig, dtypes) -> list[str]:
     need(src in BENCHMARK_PACKAGES or (not src.startswith("packaged:") and Path(src).expanduser().is_file()),
          "bench.source", src, f"must be one of {', '.join(BENCHMARK_PACKAGES)} or an existing .jsonl file")
     need(c.bench.limit is None or c.bench.limit >= 1, "bench.limit", c.bench.limit, "must be >= 1 or null (all)")
+    need(c.bench.pick in BENCH_PICKS, "bench.pick", c.bench.pick, f"must be one of {', '.join(BENCH_PICKS)}")
     need(c.bench.turns >= 1, "bench.turns", c.bench.turns, "must be >= 1")
     g = c.generation
     need(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")

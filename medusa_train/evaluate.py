@@ -379,7 +379,7 @@ def run(cfg: EvalConfig) -> dict:
     ``mean accepted length: X.XX`` and ``speedup: Y.YYx``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    prompts = load_benchmark(cfg.bench.source, cfg.bench.limit)
+    prompts = load_benchmark(cfg.bench.source, cfg.bench.limit, pick=cfg.bench.pick)
     model, tokenizer = load_medusa(cfg.heads_dir, cfg.model, cfg.device)
     if model.lm_head.weight.device.type == "cpu":
         busy_cpu_note()

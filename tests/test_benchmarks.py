@@ -88,3 +88,19 @@ def test_packaged_mt_bench():
     assert len({p.category for p in prompts}) == 8
     assert all(len(p.turns) == 2 for p in prompts)
     assert len(benchmark_prompt_texts()) >= 159  # 160 turns; identical turns collapse
+
+
+def test_spread_takes_prompts_round_robin_over_categories():
+    everything = load_benchmark("packaged:mt-bench")
+    spread = load_benchmark("packaged:mt-bench", limit=20, pick="spread")
+    first = load_benchmark("packaged:mt-bench", limit=20, pick="first")
+    assert set(Counter(p.category for p in first)) == {"writing", "roleplay"}  # the file is sorted by category
+    assert Counter(p.category for p in spread) == {c: 3 if i < 4 else 2 for i, c in enumerate(
+        dict.fromkeys(p.category for p in everything))}
+    for category in {p.category for p in spread}:  # each category's own first prompts, in file order
+        mine = [p.id for p in spread if p.category == category]
+        assert mine == [p.id for p in everything if p.category == category][:len(mine)]
+    assert [p.id for p in load_benchmark("packaged:mt-bench", limit=None, pick="spread")] == \
+        [p.id for p in everything]
+    with pytest.raises(ValueError, match="bench.pick='random'"):
+        load_benchmark("packaged:mt-bench", limit=3, pick="random")

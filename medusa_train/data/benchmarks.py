@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,15 +143,33 @@ def resolve_benchmark_path(source: str | os.PathLike) -> Path:
     return path
 
 
+BENCH_PICKS = ("first", "spread")
+
+
+def spread_over_categories(prompts: Sequence[BenchPrompt], limit: int) -> list[BenchPrompt]:
+    """``limit`` prompts taken round-robin over the categories (in order of first appearance)."""
+    by_category: dict[str, list[BenchPrompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    queues = list(by_category.values())
+    chosen: list[BenchPrompt] = []
+    for rank in range(max(map(len, queues), default=0)):
+        chosen += [q[rank] for q in queues if rank < len(q)]
+    return chosen[:limit]
+
+
 def load_benchmark(source: str | os.PathLike = DEFAULT_BENCHMARK, limit: int | None = None,
-                   stats: SkipStats | None = None) -> list[BenchPrompt]:
-    """Read a benchmark's prompts, in file order.
+                   stats: SkipStats | None = None, pick: str = "first") -> list[BenchPrompt]:
+    """Read a benchmark's prompts.
 
     Args:
         source: ``packaged:mt-bench`` or a local ``.jsonl`` / ``.json`` file (record shapes in the
             module docstring).
-        limit: Keep the first ``limit`` prompts (``None``: all).
+        limit: Keep ``limit`` prompts (``None``: all).
         stats: When given, filled with how many records were kept and skipped (and why).
+        pick: Which ``limit`` prompts: ``first`` (file order) or ``spread`` (round-robin over the
+            categories, each in file order: MT-Bench files its 8 categories one after another, so
+            its first 20 prompts are all writing and roleplay).
 
     Returns:
         The prompts. Broken records are skipped with one warning that counts them.
@@ -162,6 +180,10 @@ def load_benchmark(source: str | os.PathLike = DEFAULT_BENCHMARK, limit: int | N
     """
     if limit is not None and limit < 1:
         raise ValueError(f"bench.limit={limit}: must be >= 1 or null (all)")
+    if pick not in BENCH_PICKS:
+        raise ValueError(f"bench.pick={pick!r}: must be one of {', '.join(BENCH_PICKS)}")
+    if pick == "spread" and limit is not None:
+        return spread_over_categories(load_benchmark(source, None, stats), limit)
     path = resolve_benchmark_path(source)
     stats = stats if stats is not None else SkipStats()
     prompts: list[BenchPrompt] = []
