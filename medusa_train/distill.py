@@ -42,7 +42,7 @@ import torch
 
 from .config import ConfigError, ModelConfig, parse_config
 from .data.benchmarks import benchmark_prompt_texts, normalise_prompt
-from .repetition import LoopStopper, loop_start, repeated_fraction
+from .repetition import LoopTracker, loop_start, repeated_fraction
 
 Message = dict[str, str]
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -274,44 +274,72 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return ids
 
 
+def next_tokens(logits: torch.Tensor, settings: GenerationSettings) -> torch.Tensor:
+    """(rows,) next token per row: the argmax, or a draw from the temperature / top-p distribution."""
+    if settings.temperature <= 0:
+        return logits.argmax(-1)
+    probs = (logits.float() / settings.temperature).softmax(-1)
+    if settings.top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= settings.top_p  # the most likely token always stays
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
 @torch.inference_mode()
 def generate_replies(model, tokenizer, contexts: list[list[Message]], settings: GenerationSettings,
                      eos_ids: list[int], filters: FilterConfig | None = None) -> list[Reply]:
-    """One reply per context, generated as one left-padded batch.
+    """One reply per context, generated together from one left-padded batch.
 
-    With ``filters.loop_window``, a row stops as soon as it is stuck in a loop (see
-    ``repetition.LoopStopper``) and its tokens end where the loop began.
+    A row leaves the batch (and its KV cache) as soon as it is done: it generated an end-of-turn
+    token, reached ``max_new_tokens``, or (with ``filters.loop_window``) got stuck in a loop, in
+    which case its tokens end where the loop began. So no compute goes to finished rows, and
+    long-looping rows do not hold the batch up. Greedy replies equal ``model.generate``'s.
     """
-    from transformers import GenerationConfig, StoppingCriteriaList
+    from transformers import DynamicCache
 
     filters = filters or FilterConfig()
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in contexts]
     # generation continues from the last column, so pad on the left (the tokenizer's own setting is left alone)
     batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
                       add_special_tokens=False).to(model.device)
-    sampling = settings.temperature > 0
-    config = GenerationConfig(max_new_tokens=settings.max_new_tokens, do_sample=sampling,
-                              temperature=settings.temperature if sampling else None,
-                              top_p=settings.top_p if sampling else None, top_k=0 if sampling else None,
-                              eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
-    prompt_length = batch["input_ids"].shape[1]
-    stopper = LoopStopper(prompt_length, filters.repetition_ngram, filters.loop_window) \
-        if filters.loop_window else None
-    sequences = model.generate(**batch, generation_config=config,
-                               stopping_criteria=StoppingCriteriaList([stopper] if stopper else []))
-    replies = []
-    for r, row in enumerate(sequences[:, prompt_length:].tolist()):
-        end = next((i for i, t in enumerate(row) if t in eos_ids), None)
-        stopped = stopper.stopped_at[r] if stopper and stopper.stopped_at else None
-        if end is not None and (stopped is None or end < stopped):
-            replies.append(Reply(tokenizer.decode(row[:end], skip_special_tokens=True), row[:end], True, end + 1))
-        elif stopped is not None:
-            tokens = row[:loop_start(row[:stopped], filters.repetition_ngram, filters.loop_window)]
-            replies.append(Reply(tokenizer.decode(tokens, skip_special_tokens=True), tokens, False, stopped,
-                                 looped=True))
-        else:
-            replies.append(Reply(tokenizer.decode(row, skip_special_tokens=True), row, False, len(row)))
+    mask = batch["attention_mask"]
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                   past_key_values=cache, use_cache=True).logits[:, -1]
+    window = filters.loop_window or settings.max_new_tokens + 1  # (no loop can last longer: never stops)
+    trackers = [LoopTracker(filters.repetition_ngram, window) for _ in contexts]
+    replies: list[Reply | None] = [None] * len(contexts)
+    rows = list(range(len(contexts)))  # the context of each batch row
+    eos = set(eos_ids)
+    for step in range(1, settings.max_new_tokens + 1):
+        keep = []
+        for position, (row, token) in enumerate(zip(rows, next_tokens(logits, settings).tolist())):
+            tracker = trackers[row]
+            if token in eos:
+                replies[row] = Reply(_decode(tokenizer, tracker.tokens), list(tracker.tokens), True, step)
+            elif tracker.push(token):
+                tokens = tracker.tokens[:loop_start(tracker.tokens, filters.repetition_ngram, window)]
+                replies[row] = Reply(_decode(tokenizer, tokens), tokens, False, step, looped=True)
+            elif step == settings.max_new_tokens:
+                replies[row] = Reply(_decode(tokenizer, tracker.tokens), list(tracker.tokens), False, step)
+            else:
+                keep.append(position)
+        if not keep:
+            break
+        if len(keep) < len(rows):  # finished rows leave the batch and the cache
+            index = torch.tensor(keep, device=mask.device)
+            cache.batch_select_indices(index)
+            mask, rows = mask[index], [rows[i] for i in keep]
+        tokens = torch.tensor([[trackers[row].tokens[-1]] for row in rows], device=mask.device)
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        logits = model(input_ids=tokens, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                       past_key_values=cache, use_cache=True).logits[:, -1]
     return replies
+
+
+def _decode(tokenizer, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 @dataclass

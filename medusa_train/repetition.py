@@ -7,18 +7,13 @@ should not spend its generation time on it either:
 - ``repeated_fraction`` scores a finished reply (share of tokens covered by n-grams seen earlier);
 - ``loop_start`` finds a *sustained* loop (the last ``window`` n-grams all repeat earlier ones)
   and returns where it begins: the text before it said everything once;
-- ``LoopStopper`` is a ``transformers`` stopping criterion that ends each batch row as soon as
-  its loop is sustained, so a batch is not held up by rows that can only loop.
-
-A row stopped by ``LoopStopper`` satisfies ``loop_start(row, n, window) is not None``: both use
-the same definition, one incrementally and one on the whole reply.
+- ``LoopTracker`` follows a reply as it is generated and says when its loop is sustained, so
+  generation can stop that reply there instead of looping on to ``max_new_tokens``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
 
 
 def repeated_grams(tokens: Sequence[int], n: int) -> list[bool]:
@@ -64,34 +59,26 @@ def loop_start(tokens: Sequence[int], n: int, window: int) -> int | None:
     return len(flags) - run if run >= window else None
 
 
-class LoopStopper:
-    """Stopping criterion: a row stops once its last ``window`` generated n-grams all repeat earlier ones.
+class LoopTracker:
+    """One reply's loop detector, fed a token at a time: ``push`` returns True once the loop is sustained.
 
-    Pass it in ``stopping_criteria`` to ``model.generate``; it is stateful, so use one per call.
-    Only generated tokens count (columns from ``prompt_length`` on). ``stopped_at[r]`` is the
-    number of generated tokens row ``r`` had when it was stopped (``None``: never stopped); the
-    columns after it are padding.
+    After ``push`` has returned True for the token that made the reply ``m`` tokens long,
+    ``loop_start(tokens[:m], n, window)`` is not None and it was None for ``tokens[:m - 1]``:
+    the same definition, computed incrementally (O(1) per token).
     """
 
-    def __init__(self, prompt_length: int, n: int, window: int):
+    def __init__(self, n: int, window: int):
         if n < 1 or window < 1:
             raise ValueError(f"n={n}, window={window}: both must be >= 1")
-        self.prompt_length, self.n, self.window = prompt_length, n, window
-        self.seen: list[set[tuple[int, ...]]] = []
-        self.run: list[int] = []
-        self.stopped_at: list[int | None] = []
-        self.checked = 0  # generated columns already read
+        self.n, self.window = n, window
+        self.tokens: list[int] = []
+        self.seen: set[tuple[int, ...]] = set()
+        self.run = 0  # trailing n-grams that all occurred earlier
 
-    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
-        rows, generated = input_ids.shape[0], input_ids.shape[1] - self.prompt_length
-        if not self.seen:
-            self.seen, self.run, self.stopped_at = [set() for _ in range(rows)], [0] * rows, [None] * rows
-        gen = input_ids[:, self.prompt_length:]
-        for end in range(max(self.checked, self.n - 1) + 1, generated + 1):  # n-grams gen[:, end - n:end]
-            for r, gram in enumerate(map(tuple, gen[:, end - self.n:end].tolist())):
-                self.run[r] = self.run[r] + 1 if gram in self.seen[r] else 0
-                self.seen[r].add(gram)
-                if self.run[r] >= self.window and self.stopped_at[r] is None:
-                    self.stopped_at[r] = end
-        self.checked = max(self.checked, generated)
-        return torch.tensor([at is not None for at in self.stopped_at], dtype=torch.bool, device=input_ids.device)
+    def push(self, token: int) -> bool:
+        self.tokens.append(int(token))
+        if len(self.tokens) >= self.n:
+            gram = tuple(self.tokens[-self.n:])
+            self.run = self.run + 1 if gram in self.seen else 0
+            self.seen.add(gram)
+        return self.run >= self.window

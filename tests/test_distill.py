@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from train_fixtures import make_model_dir
 
@@ -18,6 +19,7 @@ from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark,
 from medusa_train.distill import (
     CONFIG_DIR,
     FilterConfig,
+    GenerationSettings,
     JsonlAppender,
     Prompt,
     build_distill_config,
@@ -183,6 +185,26 @@ def test_multiturn_records_answer_each_user_turn_with_the_models_own_context(tin
     assert len(train) == len(records)
     saved = json.loads((tmp_path / "out" / "d.stats.json").read_text())
     assert saved["complete"] and saved["records"] == stats.records and saved["tokens_per_s"] > 0
+
+
+def test_greedy_replies_equal_model_generate_although_finished_rows_leave_the_batch(tiny, tmp_path):
+    model_dir, (model, tokenizer) = tiny
+    settings = GenerationSettings(max_new_tokens=40)
+    contexts = [[{"role": "user", "content": " ".join(WORDS[i:i + 2 + 3 * (i % 4)])}] for i in range(6)]
+    free = generate_replies(model, tokenizer, contexts, settings, [], FilterConfig(loop_window=None))
+    # an end-of-turn id some rows generate and others never do: rows leave the batch at different steps
+    eos = [next(t for t in free[0].tokens[5:] if any(t not in r.tokens for r in free))]
+    replies = generate_replies(model, tokenizer, contexts, settings, eos, FilterConfig(loop_window=None))
+    assert len({r.generated for r in replies}) >= 2 and any(not r.finished for r in replies)
+    for context, reply in zip(contexts, replies):  # one at a time: no padding, no batch
+        ids = tokenizer.apply_chat_template(context, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                             eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        expected = out[:out.index(next(t for t in out if t in eos))] if any(t in eos for t in out) else out
+        assert reply.tokens == expected
+        assert reply.finished == (len(expected) < len(out) or (len(out) > 0 and out[-1] in eos))
+        assert reply.generated == len(expected) + int(reply.finished)
 
 
 def test_loops_stop_generation_early_and_keep_exactly_the_text_before_the_loop(tiny, tmp_path):
