@@ -10,7 +10,10 @@ then keeps the ``nodes`` most likely paths, and the tree is written as a YAML th
 ``scripts/evaluate.py tree=<file>`` and ``MedusaTree.from_name(<file>)`` read.
 
 MT-Bench is the evaluation set: it cannot be the calibration source, and calibration prompts that
-appear in it are dropped (``exclude``).
+appear in it are dropped (``exclude``). Prompts the heads were trained on (the ``data.source`` of
+the heads' ``training_config.json``) are dropped too: heads guess their own training text far
+better than new text, so accuracies measured there would make the tree (and its expected
+accepted length) fit a memory rather than the heads.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class BuildTreeConfig:
     max_prompt_tokens: int = 256  #: longer prompts are passed over
     top_k: int = 10  #: ranks measured per head
     exclude: str | None = "packaged:mt-bench"  #: drop calibration prompts found in this benchmark (null: keep all)
+    exclude_training_data: bool = True  #: drop prompts of the heads' training data (their training_config.json)
     output: str | None = None  #: tree YAML path; default outputs/trees/<heads name>-n<nodes>.yaml
     model: EvalModelConfig = field(default_factory=EvalModelConfig)
     device: str | None = None  #: default: cuda when available, else cpu
@@ -83,10 +87,28 @@ def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- measuring
+def training_prompts(heads_dir: str | os.PathLike) -> set[str]:
+    """Normalised user turns of the data the heads were trained on (empty when the heads carry no
+    ``training_config.json``, e.g. heads converted from another format)."""
+    import json
+
+    path = Path(heads_dir) / "training_config.json"
+    if not path.is_file():
+        return set()
+    data = json.loads(path.read_text()).get("data", {})
+    if not data.get("source"):
+        return set()
+    from .data.sources import load_conversations
+
+    conversations, _ = load_conversations(data["source"], max_samples=data.get("max_samples"))
+    return {normalise_prompt(m["content"]) for c in conversations for m in c if m["role"] == "user"}
+
+
 def calibration_prompts(source: str, tokenizer, num_prompts: int, max_prompt_tokens: int,
-                        exclude: str | None = "packaged:mt-bench") -> list[str]:
+                        exclude: str | None = "packaged:mt-bench", seen: set[str] | frozenset = frozenset()) -> list[str]:
     """The first ``num_prompts`` first user turns of ``source`` that fit ``max_prompt_tokens`` (after the chat
-    template) and are not prompts of the ``exclude`` benchmark.
+    template), are not prompts of the ``exclude`` benchmark, and are not in ``seen`` (normalised texts, e.g.
+    ``training_prompts``).
 
     Args:
         source: ``packaged:sharegpt-v3`` (or another conversation source of ``load_conversations``), or a
@@ -95,11 +117,12 @@ def calibration_prompts(source: str, tokenizer, num_prompts: int, max_prompt_tok
         num_prompts: How many prompts to return (fewer when the source runs out).
         max_prompt_tokens: Longest prompt kept, in tokens.
         exclude: Benchmark whose prompts are dropped (``None``: none).
+        seen: Normalised prompts to pass over as well.
     """
     if source in CONVERSATION_SOURCES:
         from .data.sources import load_conversations
 
-        conversations, _ = load_conversations(source, max_samples=max(num_prompts * 8, 64))
+        conversations, _ = load_conversations(source, max_samples=max(num_prompts * 8, 64) + len(seen))
         candidates = [next((m["content"] for m in c if m["role"] == "user"), "") for c in conversations]
     else:
         candidates = [p.turns[0] for p in load_benchmark(source)]
@@ -108,7 +131,7 @@ def calibration_prompts(source: str, tokenizer, num_prompts: int, max_prompt_tok
     for text in candidates:
         if len(prompts) == num_prompts:
             break
-        if not text.strip() or normalise_prompt(text) in banned:
+        if not text.strip() or normalise_prompt(text) in banned or normalise_prompt(text) in seen:
             continue
         if encode_chat(tokenizer, [{"role": "user", "content": text}]).shape[1] <= max_prompt_tokens:
             prompts.append(text)
@@ -204,9 +227,15 @@ def run(cfg: BuildTreeConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model, tokenizer = load_medusa(cfg.heads_dir, cfg.model, cfg.device)
-    prompts = calibration_prompts(cfg.calibration, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.exclude)
+    seen = training_prompts(cfg.heads_dir) if cfg.exclude_training_data else set()
+    prompts = calibration_prompts(cfg.calibration, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.exclude,
+                                  seen)
     if not prompts:
-        raise SystemExit(f"calibration={cfg.calibration}: no usable prompts (all too long, empty or excluded)")
+        raise SystemExit(f"calibration={cfg.calibration}: no usable prompts (all too long, empty, excluded or "
+                         "in the heads' training data); pass calibration=<a .jsonl of held-out prompts>")
+    if seen:
+        print(f"calibration: {len(prompts)} prompts of {cfg.calibration} the heads were not trained on "
+              f"({len(seen):,} training prompts passed over)")
     sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
     accuracies, counts = measure_rank_accuracies(model, sequences, cfg.top_k)
     name = Path(default_output_dir(cfg.heads_dir)).name

@@ -19,9 +19,11 @@ from medusa_train.calibrate import (
     greedy_continuations,
     measure_rank_accuracies,
     run,
+    training_prompts,
     write_tree,
 )
 from medusa_train.config import ConfigError
+from medusa_train.data.benchmarks import normalise_prompt
 from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.tree import expected_accept_length
 from medusa_train.evaluate import load_medusa
@@ -115,6 +117,24 @@ def test_calibration_prompts_skip_benchmark_and_long_prompts(heads_dir, tmp_path
     assert calibration_prompts(str(source), tokenizer, 2, 64, exclude=str(bench)) == ["Hello there!", "Bye"]
     assert calibration_prompts(str(source), tokenizer, 9, 64, exclude=None) == [
         "Hello there!", "write a  POEM.", "Bye", "More"]
+
+
+def test_prompts_the_heads_were_trained_on_are_not_calibration_prompts(heads_dir, tmp_path):
+    import shutil
+
+    heads = tmp_path / "heads"
+    shutil.copytree(heads_dir, heads)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]})
+                            + "\n" for q in ["hello  THERE!", "Bye"]))
+    (heads / "training_config.json").write_text(json.dumps({"data": {"source": str(data), "max_samples": None}}))
+    _, tokenizer = load_medusa(heads, device="cpu")
+    seen = training_prompts(heads)
+    assert seen == {normalise_prompt("Hello there!"), normalise_prompt("bye")}
+    source = write_prompts(tmp_path / "calib.jsonl", ["Hello there!", "Bye", "More", "Again"])
+    assert calibration_prompts(str(source), tokenizer, 2, 64, exclude=None, seen=seen) == ["More", "Again"]
+    assert calibration_prompts(str(source), tokenizer, 2, 64, exclude=None) == ["Hello there!", "Bye"]
+    assert training_prompts(heads_dir) == set()  # heads without a training_config.json
 
 
 def test_script_run_writes_a_tree_evaluate_can_use(heads_dir, tmp_path, capsys):
