@@ -4,11 +4,12 @@
     .venv/bin/python scripts/demo.py distill.num_prompts=1500 train.epochs=4 eval.limit=80   # a longer run
 
 Stages (each prints the command it runs, which you can run yourself):
-  1. self-distill ShareGPT prompts with the backbone  -> <output_dir>/distill.jsonl
-  2. train Medusa-1 heads on it (hidden states cached) -> <output_dir>/train/export
-  3. fit a tree to the heads' measured accuracies      -> <output_dir>/tree.yaml
-  4. evaluate on MT-Bench against plain decoding       -> <output_dir>/eval/report.{json,md,png}
-A stage whose output is complete and newer than its inputs is skipped, so re-running is fast.
+  1. self-distill ShareGPT prompts with the backbone  -> <output_dir>/distill-<n>-<key>.jsonl
+  2. train Medusa-1 heads on it (hidden states cached) -> <output_dir>/train-<key>/export
+  3. fit a tree to the heads' measured accuracies      -> <output_dir>/train-<key>/tree-<key>.yaml
+  4. evaluate on MT-Bench against plain decoding       -> <output_dir>/train-<key>/eval-<key>/report.{json,md,png}
+Each <key> hashes the settings of its stage and the stages before it, so changing a setting starts
+that stage afresh (earlier results are kept), and a stage whose output is complete is skipped.
 Ends with ``mean accepted length: X.XX`` and ``speedup: Y.YYx``.
 """
 
@@ -61,7 +62,9 @@ def main(argv: list[str]) -> int:
     # folders are keyed by their settings: changing one starts that stage afresh, keeping the old results
     data = out / f"distill-{d.num_prompts}-{_key(cfg.model, d)}.jsonl"
     run_dir = out / f"train-{_key(cfg.model, d, t)}"
-    export, tree, report = run_dir / "export", run_dir / "tree.yaml", run_dir / "eval"
+    export = run_dir / "export"
+    tree = run_dir / f"tree-{_key(tr)}.yaml"
+    report = run_dir / f"eval-{_key(tr, e)}"
     times = {}
 
     stats = data.with_suffix(".stats.json")
@@ -70,6 +73,7 @@ def main(argv: list[str]) -> int:
         py, "scripts/distill.py", f"model.name_or_path={cfg.model}", f"model.dtype={d.dtype}",
         f"num_prompts={d.num_prompts}", f"max_prompt_tokens={d.max_prompt_tokens}", f"max_turns={d.max_turns}", f"generation.max_new_tokens={d.max_new_tokens}",
         f"batch_size={d.batch_size}", f"filters.skip_truncated={str(not d.keep_truncated).lower()}",
+        f"filters.trim_loops={str(d.trim_loops).lower()}",
         f"output={data}"], done=distilled)
 
     train_cmd = [
