@@ -126,12 +126,12 @@ def calibration_prompts(source: str, tokenizer, num_prompts: int, max_prompt_tok
         candidates = [next((m["content"] for m in c if m["role"] == "user"), "") for c in conversations]
     else:
         candidates = [p.turns[0] for p in load_benchmark(source)]
-    banned = benchmark_prompt_texts(exclude) if exclude else set()
+    banned = (benchmark_prompt_texts(exclude) if exclude else set()) | set(seen)
     prompts = []
     for text in candidates:
         if len(prompts) == num_prompts:
             break
-        if not text.strip() or normalise_prompt(text) in banned or normalise_prompt(text) in seen:
+        if not text.strip() or normalise_prompt(text) in banned:
             continue
         if encode_chat(tokenizer, [{"role": "user", "content": text}]).shape[1] <= max_prompt_tokens:
             prompts.append(text)

@@ -211,6 +211,16 @@ def _coerce(kind, value, key: str, problems: list[str]):
     return _INVALID
 
 
+def check_model(m: ModelConfig) -> list[str]:
+    """Problems of a ``model`` section (shared by training and distillation), each naming its key."""
+    rules = [(bool(m.name_or_path), "name_or_path", m.name_or_path, "must name a model"),
+             (m.dtype in ("bfloat16", "float32", "float16"), "dtype", m.dtype, "must be bfloat16, float32 or float16"),
+             (m.quantization in (None, "nf4", "int8"), "quantization", m.quantization, "must be null, nf4 or int8"),
+             (m.attn_implementation in (None, "sdpa", "eager"), "attn_implementation", m.attn_implementation,
+              "must be sdpa, eager or null")]
+    return [f"model.{key}={value!r}: {rule}" for ok, key, value, rule in rules if not ok]
+
+
 def check(c: TrainConfig) -> list[str]:
     """Range and consistency checks; returns every problem found."""
     p: list[str] = []
@@ -224,13 +234,7 @@ def check(c: TrainConfig) -> list[str]:
     need(c.stage is None or c.method == "medusa2", "stage", c.stage, "only applies to +recipe=medusa2")
     need(not (c.method == "medusa2" and c.stage == 2 and not c.heads.init_from), "heads.init_from", None,
          "stage=2 starts from stage 1's heads: set heads.init_from=<stage-1 output_dir>/export")
-    need(c.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", c.model.dtype,
-         "must be bfloat16, float32 or float16")
-    need(c.model.quantization in (None, "nf4", "int8"), "model.quantization", c.model.quantization,
-         "must be null, nf4 or int8")
-    need(c.model.attn_implementation in (None, "sdpa", "eager"), "model.attn_implementation",
-         c.model.attn_implementation, "must be sdpa, eager or null")
-    need(bool(c.model.name_or_path), "model.name_or_path", c.model.name_or_path, "must name a model")
+    p += check_model(c.model)
     need(c.heads.num_heads >= 1, "heads.num_heads", c.heads.num_heads, "must be >= 1")
     need(c.heads.num_layers >= 0, "heads.num_layers", c.heads.num_layers, "must be >= 0")
     need(c.data.max_length >= 8, "data.max_length", c.data.max_length, "must be >= 8")

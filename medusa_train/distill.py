@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -40,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, ModelConfig, parse_config
+from .config import ConfigError, ModelConfig, check_model, parse_config
 from .data.benchmarks import benchmark_prompt_texts, normalise_prompt
 from .repetition import LoopTracker, loop_start, repeated_fraction
 
@@ -99,13 +98,7 @@ def check_distill_config(c: DistillConfig) -> list[str]:
         if not ok:
             p.append(f"{key}={value!r}: {rule}")
 
-    need(bool(c.model.name_or_path), "model.name_or_path", c.model.name_or_path, "must name a model")
-    need(c.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", c.model.dtype,
-         "must be bfloat16, float32 or float16")
-    need(c.model.quantization in (None, "nf4", "int8"), "model.quantization", c.model.quantization,
-         "must be null, nf4 or int8")
-    need(c.model.attn_implementation in (None, "sdpa", "eager"), "model.attn_implementation",
-         c.model.attn_implementation, "must be sdpa, eager or null")
+    p += check_model(c.model)
     need(bool(c.source), "source", c.source, "must name a conversation source")
     need(c.num_prompts is None or c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1 or null (all)")
     need(c.max_turns >= 1, "max_turns", c.max_turns, "must be >= 1")
@@ -641,19 +634,15 @@ def _stats(cfg, selection: Selection, records_file: JsonlAppender, skipped_file:
         record_settings=_flat_settings(cfg))
 
 
+def report(cfg: DistillConfig) -> DistillStats:
+    """Distill and print the summary line (what ``scripts/distill.py`` runs)."""
+    stats = distill(cfg)
+    print(f"[medusa_train] distilled: {stats.summary()}", flush=True)
+    return stats
+
+
 def main() -> None:
     """Hydra entry point (``scripts/distill.py`` calls this)."""
-    import hydra
+    from .eval_config import hydra_entry
 
-    @hydra.main(config_path=CONFIG_DIR, config_name="distill", version_base="1.3")
-    def _main(raw) -> None:
-        try:
-            cfg = build_distill_config(raw)
-        except ConfigError as err:
-            print(err, file=sys.stderr)
-            sys.exit(2)
-        stats = distill(cfg)
-        print(f"[medusa_train] distilled: {stats.summary()}", flush=True)
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _main()
+    hydra_entry("distill", build_distill_config, report, {})
