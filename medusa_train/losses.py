@@ -82,6 +82,48 @@ def shift_labels_for_head(labels: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def head_targets(labels: torch.Tensor, num_heads: int, predictions: torch.Tensor | None = None) -> torch.Tensor:
+    """Every head's targets, (num_heads, batch, seq): ``out[k, :, t]`` is what head ``k`` learns at ``t``.
+
+    Without ``predictions`` head ``k`` learns the text: ``labels[:, t + k + 2]``.
+
+    With ``predictions`` (``predictions[:, t]`` = the frozen backbone's greedy next token after
+    position ``t``) head ``k`` learns what greedy decoding from position ``t`` would emit
+    ``k + 2`` tokens on, and only where that is known from this one forward pass: the text's
+    next ``k + 1`` tokens must be the backbone's own greedy choices, so the states it ran on are
+    those of its greedy continuation. The target is then ``predictions[:, t + k + 1]``, taken
+    only where ``labels[:, t + k + 2]`` is trained. On the backbone's own greedy replies almost
+    every position qualifies; on someone else's text (ShareGPT's original replies) fewer do,
+    and the targets are still exactly what the heads meet when decoding.
+    """
+    if predictions is None:
+        return torch.stack([shift_labels_for_head(labels, k) for k in range(num_heads)])
+    if predictions.shape != labels.shape:
+        raise ValueError(f"predictions {tuple(predictions.shape)} and labels {tuple(labels.shape)} differ")
+    greedy = torch.full_like(labels, IGNORE_INDEX)  # aligned like labels: greedy[:, j] = choice for token j
+    greedy[:, 1:] = predictions[:, :-1]
+    # agrees[:, t]: the text's token t + 1 is the backbone's greedy choice after t (and is trained text).
+    agrees = torch.zeros_like(labels, dtype=torch.bool)
+    agrees[:, :-1] = (labels[:, 1:] == greedy[:, 1:]) & (labels[:, 1:] != IGNORE_INDEX)
+    out, run = [], torch.ones_like(agrees)
+    for k in range(num_heads):
+        run = run & _shift_left(agrees, k)  # text agrees with greedy at t, ..., t + k
+        target = shift_labels_for_head(greedy, k)
+        trained = shift_labels_for_head(labels, k) != IGNORE_INDEX
+        out.append(torch.where(run & trained, target, IGNORE_INDEX))
+    return torch.stack(out)
+
+
+def _shift_left(x: torch.Tensor, by: int) -> torch.Tensor:
+    """``out[:, t] = x[:, t + by]``, False past the end."""
+    if by == 0:
+        return x
+    out = torch.zeros_like(x)
+    if by < x.shape[-1]:
+        out[..., :-by] = x[..., by:]
+    return out
+
+
 def head_weights(num_heads: int, head_decay: float) -> list[float]:
     """Loss weights ``decay**k`` normalised to sum to 1, so the head count does not change the loss scale."""
     if num_heads < 1:
@@ -101,6 +143,7 @@ def medusa_loss_backward(
     chunk_size: int | None = None,
     backward: Callable[[torch.Tensor], None] | None = torch.Tensor.backward,
     loss_scale: float = 1.0,
+    predictions: torch.Tensor | None = None,
 ) -> LossResult:
     """Medusa loss, forward and backward one head (and one sequence chunk) at a time.
 
@@ -125,6 +168,8 @@ def medusa_loss_backward(
             ``None`` computes metrics only, without gradients (evaluation).
         loss_scale: Factor on what is backpropagated (e.g. ``1 / grad_accum_steps``); the
             returned loss is not scaled.
+        predictions: (batch, seq) the frozen backbone's greedy next token at each position;
+            when given, heads learn the greedy continuation (see ``head_targets``).
 
     Returns:
         The detached total loss and per-head metrics.
@@ -145,7 +190,7 @@ def medusa_loss_backward(
     leaf = hidden.detach().requires_grad_(to_backbone)
 
     # Counts first (one sync): every chunk's share is normalised by its head's total count.
-    targets = torch.stack([shift_labels_for_head(labels, k) for k in range(num_heads)])  # (K, B, T)
+    targets = head_targets(labels, num_heads, None if predictions is None else predictions.to(labels.device))
     valid = targets != IGNORE_INDEX
     chunk_counts = torch.stack([v.sum(dim=(1, 2)) for v in valid.split(step, dim=2)], dim=1).tolist()
     counts = [sum(c) for c in chunk_counts]
@@ -178,6 +223,7 @@ def medusa_loss_naive(
     labels: torch.Tensor,
     num_heads: int,
     head_decay: float = 0.8,
+    predictions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossResult]:
     """Reference Medusa loss: every head's logits at once, one differentiable total.
 
@@ -188,11 +234,12 @@ def medusa_loss_naive(
     weights = head_weights(num_heads, head_decay)
     labels = labels.to(hidden.device)
     logits = [head_logits_fn(hidden, k) for k in range(num_heads)]
+    all_targets = head_targets(labels, num_heads, predictions)
     total = torch.zeros((), device=hidden.device)
     stats = torch.zeros(num_heads, 3, device=hidden.device)
     counts = []
     for k, head_logits in enumerate(logits):
-        targets = shift_labels_for_head(labels, k)
+        targets = all_targets[k]
         count = int((targets != IGNORE_INDEX).sum())
         ce_sum = F.cross_entropy(head_logits.flatten(0, -2).float(), targets.flatten(),
                                  ignore_index=IGNORE_INDEX, reduction="sum")

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint
 from .config import TrainConfig, build_config, to_dict
-from .losses import LossResult, medusa_loss_backward
+from .losses import IGNORE_INDEX, LossResult, head_targets, medusa_loss_backward
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
@@ -263,13 +263,22 @@ class Medusa1Recipe:
         with torch.set_grad_enabled(self.backbone_trains), self.accelerator.autocast():
             return self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
 
+    @torch.no_grad()
+    def greedy_predictions(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The frozen backbone's greedy next token at each position (``loss.targets=greedy``), else None."""
+        if self.cfg.loss.targets != "greedy":
+            return None
+        with self.accelerator.autocast():  # one sequence's logits at a time
+            return torch.cat([self.model.base_logits(row).argmax(-1) for row in hidden.split(1)])
+
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         hidden = self.hidden_states(batch)
         with self.accelerator.autocast():
             return medusa_loss_backward(self.model.head_logits, hidden, batch["labels"], self.model.num_heads,
                                         head_decay=self.cfg.loss.head_decay, chunk_size=self.cfg.loss.chunk_size,
-                                        backward=self.accelerator.backward, loss_scale=loss_scale)
+                                        backward=self.accelerator.backward, loss_scale=loss_scale,
+                                        predictions=self.greedy_predictions(hidden))
 
     def optimizer_step(self) -> None:
         params = list(self.parameters.values())
@@ -285,32 +294,44 @@ class Medusa1Recipe:
         """Loss and top-1/top-5 per head on this rank's share of the held-out split, averaged over ranks."""
         acc = self.accelerator
         batches = list(self.eval_sampler)[acc.process_index::acc.num_processes]
-        sums = torch.zeros(self.model.num_heads, 4, dtype=torch.float64)  # loss*n, top1*n, top5*n, n
+        k_heads = self.model.num_heads
+        sums = torch.zeros(k_heads, 5, dtype=torch.float64)  # loss*n, top1*n, top5*n, n, text targets
         for batch in DataLoader(self.eval_examples, batch_sampler=batches, collate_fn=self.collator):
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             hidden = self.hidden_states(batch)
             with acc.autocast():
-                result = medusa_loss_backward(self.model.head_logits, hidden, batch["labels"], self.model.num_heads,
+                result = medusa_loss_backward(self.model.head_logits, hidden, batch["labels"], k_heads,
                                               head_decay=self.cfg.loss.head_decay,
-                                              chunk_size=self.cfg.loss.chunk_size, backward=None)
+                                              chunk_size=self.cfg.loss.chunk_size, backward=None,
+                                              predictions=self.greedy_predictions(hidden))
+            text = (head_targets(batch["labels"], k_heads) != IGNORE_INDEX).sum(dim=(1, 2)).tolist()
             for k, h in enumerate(result.per_head):
-                sums[k] += torch.tensor([h.loss * h.count, h.top1 * h.count, h.top5 * h.count, h.count],
+                sums[k] += torch.tensor([h.loss * h.count, h.top1 * h.count, h.top5 * h.count, h.count, text[k]],
                                         dtype=torch.float64)
         if acc.num_processes > 1:
             sums = acc.reduce(sums.to(acc.device), reduction="sum").cpu()
         record = {"step": self.step, "split": "eval"}
-        weights = _head_weights(self.model.num_heads, self.cfg.loss.head_decay)
+        weights = _head_weights(k_heads, self.cfg.loss.head_decay)
         total = 0.0
-        for k in range(self.model.num_heads):
+        for k in range(k_heads):
             n = max(sums[k, 3].item(), 1.0)
             record.update({f"head{k + 1}/loss": sums[k, 0].item() / n, f"head{k + 1}/top1": sums[k, 1].item() / n,
                            f"head{k + 1}/top5": sums[k, 2].item() / n})
+            if self.cfg.loss.targets == "greedy":  # share of the text's targets that greedy targets keep
+                record[f"head{k + 1}/kept"] = sums[k, 3].item() / max(sums[k, 4].item(), 1.0)
             total += weights[k] * sums[k, 0].item() / n
         record["loss"] = total
         self.metrics.write(record)
         if acc.is_main_process:
-            tops = " ".join(f"{record[f'head{k + 1}/top1']:.3f}" for k in range(self.model.num_heads))
-            self.log(f"eval @ step {self.step}: loss {total:.4f}, top-1 by head {tops}")
+            tops = " ".join(f"{record[f'head{k + 1}/top1']:.3f}" for k in range(k_heads))
+            kept = " ".join(f"{record[f'head{k + 1}/kept']:.0%}" for k in range(k_heads)) \
+                if self.cfg.loss.targets == "greedy" else ""
+            self.log(f"eval @ step {self.step}: loss {total:.4f}, top-1 by head {tops}"
+                     + (f"; greedy targets keep {kept} of the text's" if kept else ""))
+        if self.cfg.loss.targets == "greedy" and sums[0, 3] == 0 and sums[0, 4] > 0:
+            raise ValueError(
+                "loss.targets=greedy: the held-out text never agrees with the backbone's own greedy choices, so "
+                "no head has a target. Train on text this backbone wrote (scripts/distill.py), or use loss.targets=text")
         return record
 
     def check_ranks_agree(self) -> None:

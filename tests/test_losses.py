@@ -111,6 +111,27 @@ def test_gradients_match_naive(chunk_size, backbone):
     assert_same(result, naive_loss, naive_result, got, naive_grads)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_greedy_targets_match_naive(chunk_size):
+    """With ``predictions`` each head keeps its own subset of positions; head-by-head still equals naive."""
+    model = make_model()
+    input_ids, attention_mask, labels = make_batch()
+    predictions = torch.roll(input_ids, -1, dims=1)  # the text agrees with "greedy" ...
+    predictions[0, 9] += 1  # ... except at a few positions, which cut different runs per head
+    predictions[1, 6] += 1
+    hidden = model(input_ids, attention_mask).hidden_states
+    loss, naive = medusa_loss_naive(model.head_logits, hidden, labels, NUM_HEADS, predictions=predictions)
+    loss.backward()
+    naive_grads = grads(model)
+    zero_grads(model)
+    result, got = run_head_by_head(model, input_ids, attention_mask, labels, chunk_size=chunk_size,
+                                   predictions=predictions)
+    assert_same(result, loss.detach(), naive, got, naive_grads)
+    text_counts = [m.count for m in run_head_by_head(model, input_ids, attention_mask, labels)[0].per_head]
+    counts = [m.count for m in result.per_head]
+    assert all(0 < c < t for c, t in zip(counts, text_counts)) and counts == sorted(counts, reverse=True)
+
+
 def test_loss_scale_scales_gradients_not_loss():
     model = make_model()
     batch = make_batch()
