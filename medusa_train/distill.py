@@ -41,7 +41,7 @@ import torch
 
 from .config import ConfigError, ModelConfig, check_model, parse_config
 from .data.benchmarks import benchmark_prompt_texts, normalise_prompt
-from .repetition import LoopTracker, loop_start, repeated_fraction
+from .repetition import LoopTracker, repeated_fraction
 
 Message = dict[str, str]
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -312,7 +312,7 @@ def generate_replies(model, tokenizer, contexts: list[list[Message]], settings: 
             if token in eos:
                 replies[row] = Reply(_decode(tokenizer, tracker.tokens), list(tracker.tokens), True, step)
             elif tracker.push(token):
-                tokens = tracker.tokens[:loop_start(tracker.tokens, filters.repetition_ngram, window)]
+                tokens = tracker.tokens[:tracker.loop_start]
                 replies[row] = Reply(_decode(tokenizer, tokens), tokens, False, step, looped=True)
             elif step == settings.max_new_tokens:
                 replies[row] = Reply(_decode(tokenizer, tracker.tokens), list(tracker.tokens), False, step)

@@ -75,6 +75,11 @@ class LoopTracker:
         self.seen: set[tuple[int, ...]] = set()
         self.run = 0  # trailing n-grams that all occurred earlier
 
+    @property
+    def loop_start(self) -> int:
+        """Where the current run of repeated n-grams begins (``loop_start``'s answer once ``push`` said True)."""
+        return max(len(self.tokens) - self.n + 1, 0) - self.run
+
     def push(self, token: int) -> bool:
         self.tokens.append(int(token))
         if len(self.tokens) >= self.n:

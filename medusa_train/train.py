@@ -268,8 +268,7 @@ class Medusa1Recipe:
         """The frozen backbone's greedy next token at each position (``loss.targets=greedy``), else None."""
         if self.cfg.loss.targets != "greedy":
             return None
-        with self.accelerator.autocast():  # one sequence's logits at a time
-            return torch.cat([self.model.base_logits(row).argmax(-1) for row in hidden.split(1)])
+        return torch.cat([self.model.base_logits(row).argmax(-1) for row in hidden.split(1)])  # a row's logits at a time
 
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
@@ -294,8 +293,8 @@ class Medusa1Recipe:
         """Loss and top-1/top-5 per head on this rank's share of the held-out split, averaged over ranks."""
         acc = self.accelerator
         batches = list(self.eval_sampler)[acc.process_index::acc.num_processes]
-        k_heads = self.model.num_heads
-        sums = torch.zeros(k_heads, 5, dtype=torch.float64)  # loss*n, top1*n, top5*n, n, text targets
+        k_heads, greedy = self.model.num_heads, self.cfg.loss.targets == "greedy"
+        sums = torch.zeros(k_heads, 5, dtype=torch.float64)  # loss*n, top1*n, top5*n, n, text targets (greedy)
         for batch in DataLoader(self.eval_examples, batch_sampler=batches, collate_fn=self.collator):
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             hidden = self.hidden_states(batch)
@@ -304,7 +303,8 @@ class Medusa1Recipe:
                                               head_decay=self.cfg.loss.head_decay,
                                               chunk_size=self.cfg.loss.chunk_size, backward=None,
                                               predictions=self.greedy_predictions(hidden))
-            text = (head_targets(batch["labels"], k_heads) != IGNORE_INDEX).sum(dim=(1, 2)).tolist()
+            text = (head_targets(batch["labels"], k_heads) != IGNORE_INDEX).sum(dim=(1, 2)).tolist() if greedy \
+                else [0] * k_heads
             for k, h in enumerate(result.per_head):
                 sums[k] += torch.tensor([h.loss * h.count, h.top1 * h.count, h.top5 * h.count, h.count, text[k]],
                                         dtype=torch.float64)
@@ -317,18 +317,17 @@ class Medusa1Recipe:
             n = max(sums[k, 3].item(), 1.0)
             record.update({f"head{k + 1}/loss": sums[k, 0].item() / n, f"head{k + 1}/top1": sums[k, 1].item() / n,
                            f"head{k + 1}/top5": sums[k, 2].item() / n})
-            if self.cfg.loss.targets == "greedy":  # share of the text's targets that greedy targets keep
+            if greedy:  # share of the text's targets that greedy targets keep
                 record[f"head{k + 1}/kept"] = sums[k, 3].item() / max(sums[k, 4].item(), 1.0)
             total += weights[k] * sums[k, 0].item() / n
         record["loss"] = total
         self.metrics.write(record)
         if acc.is_main_process:
             tops = " ".join(f"{record[f'head{k + 1}/top1']:.3f}" for k in range(k_heads))
-            kept = " ".join(f"{record[f'head{k + 1}/kept']:.0%}" for k in range(k_heads)) \
-                if self.cfg.loss.targets == "greedy" else ""
+            kept = " ".join(f"{record[f'head{k + 1}/kept']:.0%}" for k in range(k_heads)) if greedy else ""
             self.log(f"eval @ step {self.step}: loss {total:.4f}, top-1 by head {tops}"
                      + (f"; greedy targets keep {kept} of the text's" if kept else ""))
-        if self.cfg.loss.targets == "greedy" and sums[0, 3] == 0 and sums[0, 4] > 0:
+        if greedy and sums[0, 3] == 0 and sums[0, 4] > 0:
             raise ValueError(
                 "loss.targets=greedy: the held-out text never agrees with the backbone's own greedy choices, so "
                 "no head has a target. Train on text this backbone wrote (scripts/distill.py), or use loss.targets=text")

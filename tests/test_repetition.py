@@ -36,7 +36,7 @@ def test_loop_tracker_says_sustained_exactly_when_loop_start_first_finds_the_loo
         row = looping(prefix, period, 160, seed=seed)
         tracker = LoopTracker(n=8, window=16)
         first = next(m for m, token in enumerate(row, start=1) if tracker.push(token))
-        assert loop_start(row[:first], 8, 16) == prefix + period
+        assert loop_start(row[:first], 8, 16) == prefix + period == tracker.loop_start
         assert loop_start(row[:first - 1], 8, 16) is None
     tracker = LoopTracker(n=8, window=16)
     assert not any(tracker.push(t) for t in range(300))
