@@ -175,12 +175,13 @@ def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]]
     counts = [0] * num_heads
     for ids, prompt_len in sequences:
         hidden = model(ids).hidden_states[0]
+        inputs = model.head_inputs(hidden[:-1], ids[0, 1:])  # the next token is the continuation's own (greedy)
         length = ids.shape[1]
         for k in range(num_heads):
             start, stop = prompt_len - 1, length - k - 2  # hidden at t predicts token t + k + 2 < length
             if stop <= start:
                 continue
-            logits = model.head_logits(hidden[start:stop], k).float()
+            logits = model.head_logits(inputs[start:stop], k).float()
             targets = ids[0, start + k + 2: stop + k + 2].to(logits.device)
             target_logits = logits.gather(-1, targets[:, None])
             ranks = (logits > target_logits).sum(-1)

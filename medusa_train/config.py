@@ -52,6 +52,7 @@ class HeadsConfig:
     num_layers: int = 1  #: ResBlocks per head
     share_lm_head: bool = False  #: project through the frozen LM head instead of a trainable clone
     init_from: str | None = None  #: start from heads saved earlier (an export folder)
+    next_token_input: bool = False  #: heads also read the base model's next token (native export only)
 
 
 @dataclass
@@ -238,6 +239,8 @@ def check(c: TrainConfig) -> list[str]:
     p += check_model(c.model)
     need(c.heads.num_heads >= 1, "heads.num_heads", c.heads.num_heads, "must be >= 1")
     need(c.heads.num_layers >= 0, "heads.num_layers", c.heads.num_layers, "must be >= 0")
+    need(not c.heads.next_token_input or c.heads.num_layers >= 1, "heads.next_token_input", True,
+         "the next token enters the first ResBlock: needs heads.num_layers >= 1")
     need(c.data.max_length >= 8, "data.max_length", c.data.max_length, "must be >= 8")
     need(c.data.max_samples is None or c.data.max_samples >= 1, "data.max_samples", c.data.max_samples,
          "must be >= 1 or null (all)")

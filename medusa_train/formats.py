@@ -6,7 +6,8 @@ guessed from a model name:
 ``native``
     ``config.json`` (``"format": "medusa_train"``, the fields of ``MedusaConfig``) and
     ``model.safetensors`` with ``heads.{h}.blocks.{l}.linear.weight|bias`` and
-    ``heads.{h}.lm_head.weight`` (absent when the heads share the backbone's LM head).
+    ``heads.{h}.lm_head.weight`` (absent when the heads share the backbone's LM head); heads
+    with ``next_token_input`` also have ``heads.{h}.blocks.0.token.weight`` (native only).
 ``medusa_v1``
     The original Medusa (FasterDecoding) / TensorRT-LLM layout: ``config.json`` with
     ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``; tensors
@@ -56,6 +57,9 @@ class MedusaConfig:
         hidden_size: Backbone hidden size the heads read.
         vocab_size: Output vocabulary of every head.
         share_lm_head: Heads project through the backbone's frozen LM head instead of their own.
+        next_token_input: Each head also reads the embedding of the base model's next token (the
+            tree's root), added inside its first ResBlock: ``x + SiLU(W x + b + U e)``. Only the
+            native layout can hold such heads.
         base_model_name_or_path: The backbone these heads were trained on.
         dtype: Dtype the head weights were saved in.
         format_version: Version of this layout.
@@ -66,6 +70,7 @@ class MedusaConfig:
     hidden_size: int
     vocab_size: int
     share_lm_head: bool = False
+    next_token_input: bool = False
     base_model_name_or_path: str | None = None
     dtype: str = "float32"
     format_version: int = FORMAT_VERSION
@@ -101,6 +106,8 @@ def native_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
         for layer in range(config.num_layers):
             shapes[f"heads.{h}.blocks.{layer}.linear.weight"] = (hidden, hidden)
             shapes[f"heads.{h}.blocks.{layer}.linear.bias"] = (hidden,)
+        if config.next_token_input:
+            shapes[f"heads.{h}.blocks.0.token.weight"] = (hidden, hidden)
         if not config.share_lm_head:
             shapes[f"heads.{h}.lm_head.weight"] = (vocab, hidden)
     return shapes

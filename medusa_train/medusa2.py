@@ -309,7 +309,8 @@ class Medusa2Recipe(Medusa1Recipe):
             if cfg.loss.base is not None:
                 base = base_loss_backward(self.model.base_logits, leaf, batch["labels"], cfg.loss.base, original,
                                           cfg.loss.chunk_size, backward=acc.backward, loss_scale=loss_scale)
-            heads = medusa_loss_backward(self.model.head_logits, leaf, batch["labels"], self.model.num_heads,
+            heads = medusa_loss_backward(self.model.head_logits, self.model.head_inputs(leaf), batch["labels"],
+                                         self.model.num_heads,
                                          head_decay=cfg.loss.head_decay, chunk_size=cfg.loss.chunk_size,
                                          backward=acc.backward if lam > 0 else None, loss_scale=loss_scale * lam)
         if leaf.grad is not None:
@@ -344,9 +345,9 @@ class Medusa2Recipe(Medusa1Recipe):
             original = self.original_hidden_states(batch)
             with acc.autocast():
                 hidden = self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
-                result = medusa_loss_backward(self.model.head_logits, hidden, batch["labels"], k_heads,
-                                              head_decay=cfg.loss.head_decay, chunk_size=cfg.loss.chunk_size,
-                                              backward=None)
+                result = medusa_loss_backward(self.model.head_logits, self.model.head_inputs(hidden), batch["labels"],
+                                              k_heads, head_decay=cfg.loss.head_decay,
+                                              chunk_size=cfg.loss.chunk_size, backward=None)
                 base = base_loss_backward(self.model.base_logits, hidden, batch["labels"], None, original,
                                           cfg.loss.chunk_size, backward=None)
             for k, h in enumerate(result.per_head):

@@ -61,14 +61,16 @@ class MedusaModel(nn.Module):
         dtype = getattr(torch, config.dtype)
         device = self.lm_head.weight.device
         self.heads = nn.ModuleList(
-            MedusaHead(config.hidden_size, config.vocab_size, config.num_layers, init_weight, config.share_lm_head)
+            MedusaHead(config.hidden_size, config.vocab_size, config.num_layers, init_weight, config.share_lm_head,
+                       config.next_token_input)
             for _ in range(config.num_heads)
         ).to(device=device, dtype=dtype)
 
     # ----------------------------------------------------------------------------- building
     @classmethod
     def from_backbone(cls, backbone: PreTrainedModel, num_heads: int, num_layers: int = 1,
-                      share_lm_head: bool = False, dtype: str | torch.dtype | None = None) -> MedusaModel:
+                      share_lm_head: bool = False, dtype: str | torch.dtype | None = None,
+                      next_token_input: bool = False) -> MedusaModel:
         """Attach fresh heads to ``backbone``; each starts out reproducing the LM head exactly.
 
         Args:
@@ -77,6 +79,8 @@ class MedusaModel(nn.Module):
             num_layers: ResBlocks per head (>= 0).
             share_lm_head: Project through the backbone's frozen LM head instead of a trainable clone.
             dtype: Head weight dtype; defaults to the LM head's (use float32 for training).
+            next_token_input: Heads also read the embedding of the base model's next token (see
+                ``heads.py``); their inputs come from ``head_inputs``.
         """
         if num_heads < 1:
             raise ValueError(f"heads.num_heads={num_heads}: must be >= 1")
@@ -88,7 +92,7 @@ class MedusaModel(nn.Module):
         dtype = _dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
         config = MedusaConfig(
             num_heads=num_heads, num_layers=num_layers, hidden_size=_hidden_size(backbone),
-            vocab_size=lm_head.weight.shape[0], share_lm_head=share_lm_head,
+            vocab_size=lm_head.weight.shape[0], share_lm_head=share_lm_head, next_token_input=next_token_input,
             base_model_name_or_path=_base_reference(backbone), dtype=dtype,
         )
         return cls(backbone, config)
@@ -117,15 +121,41 @@ class MedusaModel(nn.Module):
         """The backbone's own next-token logits for ``hidden``."""
         return self.lm_head(hidden)
 
-    def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """Logits of head ``k`` (0-based; predicts the token k+2 positions after ``hidden``'s)."""
-        head = self.heads[k]
-        hidden = hidden.to(next(head.parameters(), self.lm_head.weight).dtype)
-        shared = self.lm_head if self.config.share_lm_head else None
-        return head(hidden, shared)
+    @torch.no_grad()
+    def next_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The base model's greedy next token at each position of ``hidden`` (..., hidden) -> (...), one
+        row's logits at a time."""
+        rows = hidden.reshape(-1, hidden.shape[-1]).split(512)
+        return torch.cat([self.base_logits(row).argmax(-1) for row in rows]).reshape(hidden.shape[:-1])
 
-    def all_head_logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        """Logits of the first ``num_heads`` heads stacked: (num_heads, *hidden.shape[:-1], vocab).
+    def head_inputs(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """What the heads read at each position: ``hidden`` itself, or with ``config.next_token_input``
+        ``cat([hidden, embedding of the next token], -1)``.
+
+        Args:
+            hidden: (..., hidden) final hidden states.
+            next_tokens: (...) the token after each position: in decoding the tree's root, in training
+                the base model's greedy choice. Default: ``next_tokens(hidden)``, the greedy choice.
+        """
+        if not self.config.next_token_input:
+            return hidden
+        if next_tokens is None:
+            next_tokens = self.next_tokens(hidden)
+        embedding = self.backbone.get_input_embeddings()(next_tokens.to(hidden.device))
+        return torch.cat([hidden, embedding.to(hidden.dtype)], dim=-1)
+
+    def head_logits(self, inputs: torch.Tensor, k: int) -> torch.Tensor:
+        """Logits of head ``k`` (0-based; predicts the token k+2 positions after the inputs' position).
+
+        ``inputs`` is what ``head_inputs`` returns (the hidden states themselves unless the heads read
+        the next token)."""
+        head = self.heads[k]
+        inputs = inputs.to(next(head.parameters(), self.lm_head.weight).dtype)
+        shared = self.lm_head if self.config.share_lm_head else None
+        return head(inputs, shared)
+
+    def all_head_logits(self, inputs: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits of the first ``num_heads`` heads stacked: (num_heads, *inputs.shape[:-1], vocab).
 
         With ``share_lm_head`` the heads' ResBlock outputs go through the LM head in one matmul,
         so its (vocab x hidden) weight is read once rather than once per head: at decode time,
@@ -133,10 +163,10 @@ class MedusaModel(nn.Module):
         """
         n = self.num_heads if num_heads is None else num_heads
         if not self.config.share_lm_head:
-            return torch.stack([self.head_logits(hidden, k) for k in range(n)])
+            return torch.stack([self.head_logits(inputs, k) for k in range(n)])
         dtype = next(self.heads[0].parameters(), self.lm_head.weight).dtype
-        blocks = torch.stack([self.heads[k].blocks(hidden.to(dtype)) for k in range(n)])
-        return self.lm_head(blocks.to(self.lm_head.weight.dtype))
+        features = torch.stack([self.heads[k].features(inputs.to(dtype)) for k in range(n)])
+        return self.lm_head(features.to(self.lm_head.weight.dtype))
 
     # ----------------------------------------------------------------------------- persistence
     def heads_state_dict(self) -> dict[str, torch.Tensor]:

@@ -112,14 +112,17 @@ class Medusa1Recipe:
         m, h = self.cfg.model, self.cfg.heads
         if h.init_from:
             model = MedusaModel.from_pretrained(h.init_from, backbone=backbone)
-            if model.config.num_heads != h.num_heads or model.config.num_layers != h.num_layers:
-                raise ValueError(f"heads.init_from={h.init_from} has {model.config.num_heads} heads x "
-                                 f"{model.config.num_layers} layers; set heads.num_heads/num_layers to match")
+            c = model.config
+            if (c.num_heads, c.num_layers, c.next_token_input) != (h.num_heads, h.num_layers, h.next_token_input):
+                raise ValueError(f"heads.init_from={h.init_from} has {c.num_heads} heads x {c.num_layers} layers, "
+                                 f"next_token_input={str(c.next_token_input).lower()}; set heads.num_heads, "
+                                 "heads.num_layers and heads.next_token_input to match")
             model.heads.float()
             model.config.dtype = "float32"
             model.config.base_model_name_or_path = str(m.name_or_path)
         else:
-            model = MedusaModel.from_backbone(backbone, h.num_heads, h.num_layers, h.share_lm_head, dtype="float32")
+            model = MedusaModel.from_backbone(backbone, h.num_heads, h.num_layers, h.share_lm_head, dtype="float32",
+                                              next_token_input=h.next_token_input)
         model.heads.requires_grad_(True)
         model.heads.to(self.accelerator.device)
         return model
@@ -263,21 +266,26 @@ class Medusa1Recipe:
         with torch.set_grad_enabled(self.backbone_trains), self.accelerator.autocast():
             return self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
 
-    @torch.no_grad()
-    def greedy_predictions(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The frozen backbone's greedy next token at each position (``loss.targets=greedy``), else None."""
-        if self.cfg.loss.targets != "greedy":
-            return None
-        return torch.cat([self.model.base_logits(row).argmax(-1) for row in hidden.split(1)])  # a row's logits at a time
+    def head_inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(what the heads read, greedy predictions for the loss or None)``.
+
+        The backbone's greedy next token at each position is computed once (no grad) when either
+        needs it: ``loss.targets=greedy`` (the targets) or ``heads.next_token_input`` (the heads'
+        second input; at decode time it is the tree's root, the base model's own choice).
+        """
+        greedy = self.cfg.loss.targets == "greedy"
+        tokens = self.model.next_tokens(hidden) if greedy or self.model.config.next_token_input else None
+        return self.model.head_inputs(hidden, tokens), tokens if greedy else None
 
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         hidden = self.hidden_states(batch)
         with self.accelerator.autocast():
-            return medusa_loss_backward(self.model.head_logits, hidden, batch["labels"], self.model.num_heads,
+            inputs, predictions = self.head_inputs(hidden)
+            return medusa_loss_backward(self.model.head_logits, inputs, batch["labels"], self.model.num_heads,
                                         head_decay=self.cfg.loss.head_decay, chunk_size=self.cfg.loss.chunk_size,
                                         backward=self.accelerator.backward, loss_scale=loss_scale,
-                                        predictions=self.greedy_predictions(hidden))
+                                        predictions=predictions)
 
     def optimizer_step(self) -> None:
         params = list(self.parameters.values())
@@ -299,10 +307,11 @@ class Medusa1Recipe:
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             hidden = self.hidden_states(batch)
             with acc.autocast():
-                result = medusa_loss_backward(self.model.head_logits, hidden, batch["labels"], k_heads,
+                inputs, predictions = self.head_inputs(hidden)
+                result = medusa_loss_backward(self.model.head_logits, inputs, batch["labels"], k_heads,
                                               head_decay=self.cfg.loss.head_decay,
                                               chunk_size=self.cfg.loss.chunk_size, backward=None,
-                                              predictions=self.greedy_predictions(hidden))
+                                              predictions=predictions)
             text = (head_targets(batch["labels"], k_heads) != IGNORE_INDEX).sum(dim=(1, 2)).tolist() if greedy \
                 else [0] * k_heads
             for k, h in enumerate(result.per_head):

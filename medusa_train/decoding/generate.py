@@ -210,7 +210,8 @@ def candidate_tokens(model, tree: MedusaTree, hidden: torch.Tensor, root_token: 
         return root
     width = max(tree.head_top_k)
     guesses = torch.zeros(tree.depth, width, dtype=torch.long, device=hidden.device)
-    logits = model.all_head_logits(hidden, tree.depth)  # (depth, 1, vocab); one LM-head read when shared
+    inputs = model.head_inputs(hidden, root)  # heads that read the next token read the root
+    logits = model.all_head_logits(inputs, tree.depth)  # (depth, 1, vocab); one LM-head read when shared
     for head, k in enumerate(tree.head_top_k):
         guesses[head, :k] = logits[head, 0].topk(k).indices
     return torch.cat([root, guesses[node_heads[1:], node_ranks[1:]]])

@@ -1,0 +1,179 @@
+"""Heads that also read the next token (``heads.next_token_input``): the formula, the zero start, the
+round trip, the layouts that cannot hold them, and that decoding, calibration and the loss feed them
+the token the base model chose."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_backbone
+
+from medusa_train import MedusaModel
+from medusa_train.calibrate import measure_rank_accuracies
+from medusa_train.config import ConfigError, build_config
+from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.export import export_heads
+from medusa_train.heads import MedusaHead
+from medusa_train.losses import medusa_loss_backward, medusa_loss_naive
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+
+def randomise(model: MedusaModel, seed: int = 0, scale: float = 0.3) -> MedusaModel:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def greedy_sequence(backbone, ids: torch.Tensor, n: int) -> torch.Tensor:
+    return backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             eos_token_id=10**6, pad_token_id=0)  # an id no model emits: exactly n tokens
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_fresh_heads_reproduce_the_lm_head_whatever_the_token(tiny_backbone, share_lm_head):
+    model = MedusaModel.from_backbone(tiny_backbone, num_heads=3, share_lm_head=share_lm_head, next_token_input=True)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        out = model(ids, return_base_logits=True)
+        for tokens in (None, torch.randint(0, 256, (2, 9))):
+            inputs = model.head_inputs(out.hidden_states, tokens)
+            for k in range(3):
+                assert torch.equal(model.head_logits(inputs, k), out.base_logits)
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_a_head_adds_the_next_tokens_embedding_inside_its_first_block(tiny_llama, share_lm_head, num_layers):
+    model = randomise(MedusaModel.from_backbone(tiny_llama, num_heads=2, num_layers=num_layers,
+                                                share_lm_head=share_lm_head, next_token_input=True))
+    ids = torch.randint(0, 256, (1, 7))
+    tokens = torch.randint(0, 256, (1, 7))
+    embedding = tiny_llama.get_input_embeddings().weight
+    with torch.no_grad():
+        hidden = model(ids).hidden_states
+        for k in range(2):
+            head = model.heads[k]
+            first = head.blocks[0]
+            x = hidden + F.silu(hidden @ first.linear.weight.T + first.linear.bias + embedding[tokens] @ first.token.weight.T)
+            for block in head.blocks[1:]:
+                assert block.token is None  # only the first block reads the token
+                x = x + F.silu(x @ block.linear.weight.T + block.linear.bias)
+            out_layer = tiny_llama.get_output_embeddings().weight if share_lm_head else head.lm_head.weight
+            torch.testing.assert_close(model.head_logits(model.head_inputs(hidden, tokens), k), x @ out_layer.T)
+        # the default next token is the base model's greedy choice, and the token changes the guess
+        greedy = model.base_logits(hidden).argmax(-1)
+        assert torch.equal(model.head_inputs(hidden), model.head_inputs(hidden, greedy))
+        assert not torch.equal(model.head_logits(model.head_inputs(hidden, greedy), 0),
+                               model.head_logits(model.head_inputs(hidden, (greedy + 1) % 256), 0))
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_all_head_logits_equals_each_head_alone(tiny_llama, share_lm_head):
+    model = randomise(MedusaModel.from_backbone(tiny_llama, num_heads=3, share_lm_head=share_lm_head,
+                                                next_token_input=True))
+    with torch.no_grad():
+        inputs = model.head_inputs(model(torch.randint(0, 256, (1, 5))).hidden_states)
+        stacked = model.all_head_logits(inputs)
+        for k in range(3):
+            torch.testing.assert_close(stacked[k], model.head_logits(inputs, k))
+
+
+def test_round_trip_and_layouts_that_cannot_hold_them(tmp_path, tiny_llama):
+    model = randomise(MedusaModel.from_backbone(tiny_llama, num_heads=2, next_token_input=True))
+    model.save_pretrained(tmp_path / "native")
+    loaded = MedusaModel.from_pretrained(tmp_path / "native", backbone=tiny_llama)
+    assert loaded.config.next_token_input
+    with torch.no_grad():
+        inputs = model.head_inputs(model(torch.randint(0, 256, (1, 6))).hidden_states)
+        for k in range(2):
+            assert torch.equal(loaded.head_logits(inputs, k), model.head_logits(inputs, k))
+    for layout in ("medusa_v1", "vllm"):
+        with pytest.raises(ValueError, match="next_token_input"):
+            export_heads(model, tmp_path / layout, layout)
+        assert not (tmp_path / layout).exists()  # refused before anything is written
+    with pytest.raises(ValueError, match="num_layers >= 1"):
+        MedusaHead(64, 256, num_layers=0, next_token_input=True)
+
+
+def test_config_names_the_key():
+    with pytest.raises(ConfigError, match="heads.next_token_input"):
+        build_config({"heads": {"next_token_input": True, "num_layers": 0}})
+
+
+def install_token_oracle(model: MedusaModel, reference: torch.Tensor, ranks=(0, 0, 1, 0, 2, 0)) -> None:
+    """Heads that know ``reference`` (1, L) but only when told its next token: a head given the hidden
+    state of position j *and* the embedding of ``reference[j + 1]`` puts the token k + 2 ahead at a rank
+    from ``ranks``; with any other token (or off the reference) its guesses are a fixed shuffle."""
+    with torch.no_grad():
+        ref_hidden = model(reference).hidden_states[0]
+    tokens = reference[0].tolist()
+    embedding = model.backbone.get_input_embeddings().weight
+    vocab = embedding.shape[0]
+
+    def head_logits(inputs: torch.Tensor, k: int) -> torch.Tensor:
+        hidden, token_embedding = inputs.reshape(-1, inputs.shape[-1]).chunk(2, dim=-1)
+        dist, pos = torch.cdist(hidden, ref_hidden).min(-1)
+        rows = []
+        for h_dist, j, e in zip(dist.tolist(), pos.tolist(), token_embedding):
+            order = torch.randperm(vocab, generator=torch.Generator().manual_seed(1000 * j + k)).tolist()
+            told = j + 1 < len(tokens) and torch.equal(e, embedding[tokens[j + 1]])
+            if h_dist < 1e-2 and told and j + k + 2 < len(tokens):
+                order.remove(tokens[j + k + 2])
+                order.insert(ranks[(j + 3 * k) % len(ranks)], tokens[j + k + 2])
+            logits = torch.empty(vocab)
+            logits[order] = torch.arange(vocab, 0, -1, dtype=torch.float)
+            rows.append(logits)
+        return torch.stack(rows).reshape(*inputs.shape[:-1], vocab)
+
+    model.head_logits = head_logits
+
+
+def test_decoding_tells_the_heads_the_root_token():
+    """Oracle heads that are right only when given the tree's root as the next token: decoding must
+    accept long paths (it could not if it fed them anything else) and stay identical to greedy."""
+    backbone = make_tiny_backbone("llama", seed=4)
+    model = MedusaModel.from_backbone(backbone, num_heads=4, next_token_input=True)
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    reference = greedy_sequence(backbone, ids, 40)
+    install_token_oracle(model, reference)
+    out = medusa_generate(model, ids, MedusaTree.from_name("default"), max_new_tokens=40, eos_token_id=[])
+    assert out.sequences.tolist() == reference.tolist()
+    assert max(out.accepted_depths) == 4 and out.mean_accept_length > 2.5
+
+
+def test_calibration_tells_the_heads_the_continuations_next_token():
+    backbone = make_tiny_backbone("llama", seed=4)
+    model = MedusaModel.from_backbone(backbone, num_heads=3, next_token_input=True)
+    ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(2))
+    reference = greedy_sequence(backbone, ids, 20)
+    install_token_oracle(model, reference, ranks=(0,))
+    accuracies, counts = measure_rank_accuracies(model, [(reference, ids.shape[1])], top_k=3)
+    assert accuracies == [[1.0, 0.0, 0.0]] * 3
+    assert counts == [20 - k - 1 for k in range(3)]
+
+
+def test_loss_gradients_reach_the_hidden_states_through_the_heads_inputs(tiny_llama):
+    """Medusa-2 trains the backbone through the heads' inputs: head-by-head equals the naive loss."""
+    model = randomise(MedusaModel.from_backbone(tiny_llama, num_heads=3, next_token_input=True))
+    ids = torch.randint(0, 256, (2, 12))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    with torch.no_grad():
+        base_hidden = model(ids).hidden_states
+    grads = []
+    for naive in (True, False):
+        hidden = base_hidden.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        if naive:
+            loss, _ = medusa_loss_naive(model.head_logits, model.head_inputs(hidden), labels, 3)
+            loss.backward()
+        else:
+            medusa_loss_backward(model.head_logits, model.head_inputs(hidden), labels, 3, chunk_size=5)
+        grads.append([hidden.grad.clone(), *(p.grad.clone() for p in model.heads.parameters())])
+    assert grads[0][0].abs().sum() > 0 and grads[0][-1].abs().sum() > 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
