@@ -123,8 +123,8 @@ class MedusaModel(nn.Module):
 
     @torch.no_grad()
     def next_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The base model's greedy next token at each position of ``hidden`` (..., hidden) -> (...), one
-        row's logits at a time."""
+        """The base model's greedy next token at each position of ``hidden`` (..., hidden) -> (...); the
+        logits of 512 positions exist at a time."""
         rows = hidden.reshape(-1, hidden.shape[-1]).split(512)
         return torch.cat([self.base_logits(row).argmax(-1) for row in rows]).reshape(hidden.shape[:-1])
 
