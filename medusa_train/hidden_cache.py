@@ -5,7 +5,8 @@ packaged model the backbone is a third of a step. ``build_hidden_cache`` runs th
 over the examples and stores, per example, its final-norm hidden states (in the backbone's
 dtype, bf16 by default: exactly what the uncached path feeds the heads) and labels, in
 safetensors shards. The folder is keyed by everything that changes the states (model, dtype,
-data, max_length, tokenizer) and is written to a temporary name and renamed when complete.
+data, max_length, tokenizer; the whole model section, so a 4-bit backbone never reads states cached
+for the unquantized one) and is written to a temporary name and renamed when complete.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -163,7 +164,8 @@ class Medusa1Recipe:
         from . import hidden_cache
 
         d, m, acc = self.cfg.data, self.cfg.model, self.accelerator
-        key = hidden_cache.cache_key(model=m.name_or_path, dtype=m.dtype, attn=m.attn_implementation,
+        # the whole model section: quantization and its settings change the states as much as the weights do
+        key = hidden_cache.cache_key(model=m.name_or_path, model_section=json.dumps(asdict(m), sort_keys=True),
                                      source=d.source, max_samples=d.max_samples, max_length=d.max_length,
                                      eval_size=d.eval_size, seed=d.seed, tokenizer=self.tokenizer.name_or_path,
                                      n_train=len(train), n_eval=len(evals))

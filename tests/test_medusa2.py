@@ -239,6 +239,23 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_stage_1_caches_the_quantized_backbones_own_states(tiny_setup, tmp_path):
+    """The hidden-state cache is keyed by the whole model section: a stage 1 run on the 4-bit backbone
+    must not reuse states an unquantized medusa1 run cached for the same data, and must train as it
+    would without the cache."""
+    model_dir, data = tiny_setup
+    steps = {"trainer.max_steps": 2, "trainer.eval_every": 1}
+    cache = {"data.cache_hidden_states": "true", "data.cache_dir": tmp_path / "hidden", **steps}
+    run(compose_config(train_overrides(model_dir, data, tmp_path / "medusa1", **cache), recipe="medusa1"))
+    run(compose_config(tiny_overrides(model_dir, data, tmp_path / "cached", stage=1, **cache)))
+    run(compose_config(tiny_overrides(model_dir, data, tmp_path / "plain", stage=1, **steps)))
+    assert len(list((tmp_path / "hidden").iterdir())) == 4  # train + eval, per backbone
+    plain, cached = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "cached")
+    assert [m["step"] for m in plain] == [m["step"] for m in cached]
+    for a, b in zip(plain, cached):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+
+
 def test_stage_1_trains_heads_only_then_stage_2_starts_from_them_and_merges(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
     stage1, stage2 = tmp_path / "stage1", tmp_path / "stage2"
