@@ -114,6 +114,18 @@ def head_targets(labels: torch.Tensor, num_heads: int, predictions: torch.Tensor
     return torch.stack(out)
 
 
+def next_token_inputs(labels: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
+    """The next token heads that read it (``heads.next_token_input``) are given at each position in
+    training: the text's own ``labels[:, t + 1]``, whose continuation the targets are, or where that
+    is not trained text, ``predictions[:, t]`` (the backbone's greedy choice, what decoding gives them).
+
+    On greedy targets the two agree wherever a head keeps a target (see ``head_targets``).
+    """
+    text = torch.full_like(labels, IGNORE_INDEX)
+    text[..., :-1] = labels[..., 1:]
+    return torch.where(text != IGNORE_INDEX, text, predictions.to(labels.device))
+
+
 def _shift_left(x: torch.Tensor, by: int) -> torch.Tensor:
     """``out[:, t] = x[:, t + by]``, False past the end."""
     if by == 0:

@@ -135,14 +135,15 @@ class MedusaModel(nn.Module):
         Args:
             hidden: (..., hidden) final hidden states.
             next_tokens: (...) the token after each position: in decoding the tree's root, in training
-                the base model's greedy choice. Default: ``next_tokens(hidden)``, the greedy choice.
+                the text's (``losses.next_token_inputs``). Default: ``next_tokens(hidden)``, the greedy choice.
         """
         if not self.config.next_token_input:
             return hidden
         if next_tokens is None:
             next_tokens = self.next_tokens(hidden)
-        embedding = self.backbone.get_input_embeddings()(next_tokens.to(hidden.device))
-        return torch.cat([hidden, embedding.to(hidden.dtype)], dim=-1)
+        table = self.backbone.get_input_embeddings()  # may sit on another device than the last layer
+        embedding = table(next_tokens.to(table.weight.device))
+        return torch.cat([hidden, embedding.to(device=hidden.device, dtype=hidden.dtype)], dim=-1)
 
     def head_logits(self, inputs: torch.Tensor, k: int) -> torch.Tensor:
         """Logits of head ``k`` (0-based; predicts the token k+2 positions after the inputs' position).

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint
 from .config import TrainConfig, build_config, to_dict
-from .losses import IGNORE_INDEX, LossResult, head_targets, medusa_loss_backward
+from .losses import IGNORE_INDEX, LossResult, head_targets, medusa_loss_backward, next_token_inputs
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
@@ -100,8 +100,8 @@ class Medusa1Recipe:
         m = self.cfg.model
         backbone, tokenizer = load_backbone(
             m.name_or_path, dtype=m.dtype, quantization=m.quantization, trust_remote_code=m.trust_remote_code,
-            attn_implementation=m.attn_implementation, device_map={"": self.accelerator.device}
-            if m.quantization else None)
+            attn_implementation=m.attn_implementation, bnb_compute_dtype=m.bnb_compute_dtype,
+            bnb_double_quant=m.bnb_double_quant, device_map={"": self.accelerator.device} if m.quantization else None)
         if not m.quantization:  # a quantized model is placed by device_map at load time
             backbone.to(self.accelerator.device)
         return self.build_heads(backbone), tokenizer
@@ -268,22 +268,24 @@ class Medusa1Recipe:
         with torch.set_grad_enabled(self.backbone_trains), self.accelerator.autocast():
             return self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
 
-    def head_inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def head_inputs(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(what the heads read, greedy predictions for the loss or None)``.
 
         The backbone's greedy next token at each position is computed once (no grad) when either
         needs it: ``loss.targets=greedy`` (the targets) or ``heads.next_token_input`` (the heads'
-        second input; at decode time it is the tree's root, the base model's own choice).
+        second input: the text's next token, whose continuation the targets are, or the greedy
+        choice where there is no trained text; see ``losses.next_token_inputs``).
         """
-        greedy = self.cfg.loss.targets == "greedy"
-        tokens = self.model.next_tokens(hidden) if greedy or self.model.config.next_token_input else None
-        return self.model.head_inputs(hidden, tokens), tokens if greedy else None
+        greedy, reads = self.cfg.loss.targets == "greedy", self.model.config.next_token_input
+        predictions = self.model.next_tokens(hidden) if greedy or reads else None
+        tokens = next_token_inputs(labels, predictions) if reads else None
+        return self.model.head_inputs(hidden, tokens), predictions if greedy else None
 
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         hidden = self.hidden_states(batch)
         with self.accelerator.autocast():
-            inputs, predictions = self.head_inputs(hidden)
+            inputs, predictions = self.head_inputs(hidden, batch["labels"])
             return medusa_loss_backward(self.model.head_logits, inputs, batch["labels"], self.model.num_heads,
                                         head_decay=self.cfg.loss.head_decay, chunk_size=self.cfg.loss.chunk_size,
                                         backward=self.accelerator.backward, loss_scale=loss_scale,
@@ -309,7 +311,7 @@ class Medusa1Recipe:
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             hidden = self.hidden_states(batch)
             with acc.autocast():
-                inputs, predictions = self.head_inputs(hidden)
+                inputs, predictions = self.head_inputs(hidden, batch["labels"])
                 result = medusa_loss_backward(self.model.head_logits, inputs, batch["labels"], k_heads,
                                               head_decay=self.cfg.loss.head_decay,
                                               chunk_size=self.cfg.loss.chunk_size, backward=None,

@@ -13,9 +13,10 @@ from medusa_train import MedusaModel
 from medusa_train.calibrate import measure_rank_accuracies
 from medusa_train.config import ConfigError, build_config
 from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding.generate import candidate_tokens
 from medusa_train.export import export_heads
 from medusa_train.heads import MedusaHead
-from medusa_train.losses import medusa_loss_backward, medusa_loss_naive
+from medusa_train.losses import IGNORE_INDEX, medusa_loss_backward, medusa_loss_naive, next_token_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -177,3 +178,29 @@ def test_loss_gradients_reach_the_hidden_states_through_the_heads_inputs(tiny_ll
     assert grads[0][0].abs().sum() > 0 and grads[0][-1].abs().sum() > 0
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_candidates_come_from_the_root_they_are_given(tiny_llama):
+    """The heads read the root passed in (with sampling it need not be the greedy token)."""
+    model = randomise(MedusaModel.from_backbone(tiny_llama, num_heads=3, next_token_input=True))
+    tree = MedusaTree.from_name("default").truncated(max_depth=3)
+    with torch.no_grad():
+        hidden = model(torch.randint(0, 256, (1, 6))).hidden_states[:, -1]
+        greedy = int(model.base_logits(hidden).argmax())
+        other = (greedy + 7) % 256
+        tokens = candidate_tokens(model, tree, hidden, other, tree.node_heads, tree.node_ranks)
+        logits = model.all_head_logits(model.head_inputs(hidden, torch.tensor([other])), 3)
+    assert tokens[0] == other
+    for node in range(1, tree.num_nodes):
+        head, rank = int(tree.node_heads[node]), int(tree.node_ranks[node])
+        assert tokens[node] == logits[head, 0].topk(rank + 1).indices[rank]
+    with torch.no_grad():  # another root, other guesses
+        assert not torch.equal(tokens[1:], candidate_tokens(model, tree, hidden, greedy, tree.node_heads,
+                                                            tree.node_ranks)[1:])
+
+
+def test_training_gives_heads_the_texts_next_token_else_the_greedy_one():
+    labels = torch.tensor([[IGNORE_INDEX, IGNORE_INDEX, 11, 12, 13, IGNORE_INDEX]])
+    predictions = torch.tensor([[21, 22, 23, 24, 25, 26]])
+    # position t reads labels[t + 1] (the text the targets continue) where it is trained text
+    assert next_token_inputs(labels, predictions).tolist() == [[21, 11, 12, 13, 25, 26]]
