@@ -114,16 +114,24 @@ def head_targets(labels: torch.Tensor, num_heads: int, predictions: torch.Tensor
     return torch.stack(out)
 
 
-def next_token_inputs(labels: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
+def next_token_inputs(labels: torch.Tensor, num_heads: int,
+                      greedy: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The next token heads that read it (``heads.next_token_input``) are given at each position in
-    training: the text's own ``labels[:, t + 1]``, whose continuation the targets are, or where that
-    is not trained text, ``predictions[:, t]`` (the backbone's greedy choice, what decoding gives them).
+    training: the text's own ``labels[:, t + 1]``, whose continuation the targets are. Where that is
+    not trained text but some head has a target (the last prompt token of a turn), the backbone's
+    greedy choice, what decoding gives them: ``greedy(mask)`` returns it for the positions of the
+    bool ``mask`` (batch, seq), so the LM head runs on those few positions only. Positions no head
+    learns at get token 0 (never read by the loss).
 
-    On greedy targets the two agree wherever a head keeps a target (see ``head_targets``).
+    On greedy targets the text and the greedy choice agree wherever a head keeps a target (see
+    ``head_targets``).
     """
-    text = torch.full_like(labels, IGNORE_INDEX)
-    text[..., :-1] = labels[..., 1:]
-    return torch.where(text != IGNORE_INDEX, text, predictions.to(labels.device))
+    tokens = torch.full_like(labels, IGNORE_INDEX)
+    tokens[..., :-1] = labels[..., 1:]
+    needed = (tokens == IGNORE_INDEX) & (head_targets(labels, num_heads) != IGNORE_INDEX).any(dim=0)
+    if needed.any():
+        tokens[needed] = greedy(needed).to(tokens.device)
+    return tokens.masked_fill_(tokens == IGNORE_INDEX, 0)
 
 
 def _shift_left(x: torch.Tensor, by: int) -> torch.Tensor:

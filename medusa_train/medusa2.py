@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 
 from . import assets
 from .config import to_dict
-from .losses import IGNORE_INDEX, LossResult, head_weights, medusa_loss_backward, next_token_inputs
+from .losses import IGNORE_INDEX, LossResult, head_weights, medusa_loss_backward
 from .medusa2_export import (  # noqa: F401  (re-exported: the export side of this recipe)
     ADAPTER_DIR,
     BACKBONE_INFO,
@@ -294,13 +294,6 @@ class Medusa2Recipe(Medusa1Recipe):
         with self.peft_model.disable_adapter(), self.accelerator.autocast():
             return self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
 
-    def joint_head_inputs(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """What the heads read in joint training: heads that read the next token get the text's, or where
-        there is none the adapted model's own greedy choice (what they are given when decoding with it)."""
-        if not self.model.config.next_token_input:
-            return hidden
-        return self.model.head_inputs(hidden, next_token_inputs(labels, self.model.next_tokens(hidden)))
-
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
         if not self.joint:
             return super().micro_step(batch, loss_scale)
@@ -316,7 +309,7 @@ class Medusa2Recipe(Medusa1Recipe):
             if cfg.loss.base is not None:
                 base = base_loss_backward(self.model.base_logits, leaf, batch["labels"], cfg.loss.base, original,
                                           cfg.loss.chunk_size, backward=acc.backward, loss_scale=loss_scale)
-            heads = medusa_loss_backward(self.model.head_logits, self.joint_head_inputs(leaf, batch["labels"]),
+            heads = medusa_loss_backward(self.model.head_logits, self.head_inputs(leaf, batch["labels"])[0],
                                          batch["labels"],
                                          self.model.num_heads,
                                          head_decay=cfg.loss.head_decay, chunk_size=cfg.loss.chunk_size,
@@ -353,7 +346,7 @@ class Medusa2Recipe(Medusa1Recipe):
             original = self.original_hidden_states(batch)
             with acc.autocast():
                 hidden = self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
-                result = medusa_loss_backward(self.model.head_logits, self.joint_head_inputs(hidden, batch["labels"]),
+                result = medusa_loss_backward(self.model.head_logits, self.head_inputs(hidden, batch["labels"])[0],
                                               batch["labels"], k_heads, head_decay=cfg.loss.head_decay,
                                               chunk_size=cfg.loss.chunk_size, backward=None)
                 base = base_loss_backward(self.model.base_logits, hidden, batch["labels"], None, original,

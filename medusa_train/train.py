@@ -271,15 +271,18 @@ class Medusa1Recipe:
     def head_inputs(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(what the heads read, greedy predictions for the loss or None)``.
 
-        The backbone's greedy next token at each position is computed once (no grad) when either
-        needs it: ``loss.targets=greedy`` (the targets) or ``heads.next_token_input`` (the heads'
-        second input: the text's next token, whose continuation the targets are, or the greedy
-        choice where there is no trained text; see ``losses.next_token_inputs``).
+        ``loss.targets=greedy`` needs the backbone's greedy next token at every position (no grad).
+        Heads that read the next token (``heads.next_token_input``) get the text's, and the greedy
+        choice only where there is no trained text (``losses.next_token_inputs``): from the
+        predictions when they exist, else from the LM head on those few positions.
         """
-        greedy, reads = self.cfg.loss.targets == "greedy", self.model.config.next_token_input
-        predictions = self.model.next_tokens(hidden) if greedy or reads else None
-        tokens = next_token_inputs(labels, predictions) if reads else None
-        return self.model.head_inputs(hidden, tokens), predictions if greedy else None
+        predictions = self.model.next_tokens(hidden) if self.cfg.loss.targets == "greedy" else None
+        if not self.model.config.next_token_input:
+            return hidden, predictions
+        greedy = (lambda mask: predictions[mask]) if predictions is not None else \
+            (lambda mask: self.model.next_tokens(hidden[mask]))
+        tokens = next_token_inputs(labels, self.model.num_heads, greedy)
+        return self.model.head_inputs(hidden, tokens), predictions
 
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}

@@ -200,7 +200,18 @@ def test_candidates_come_from_the_root_they_are_given(tiny_llama):
 
 
 def test_training_gives_heads_the_texts_next_token_else_the_greedy_one():
-    labels = torch.tensor([[IGNORE_INDEX, IGNORE_INDEX, 11, 12, 13, IGNORE_INDEX]])
-    predictions = torch.tensor([[21, 22, 23, 24, 25, 26]])
-    # position t reads labels[t + 1] (the text the targets continue) where it is trained text
-    assert next_token_inputs(labels, predictions).tolist() == [[21, 11, 12, 13, 25, 26]]
+    labels = torch.tensor([[IGNORE_INDEX, IGNORE_INDEX, 11, 12, 13, IGNORE_INDEX, IGNORE_INDEX]])
+    predictions = torch.tensor([[21, 22, 23, 24, 25, 26, 27]])
+    asked = []
+
+    def greedy(mask):
+        asked.append(mask.clone())
+        return predictions[mask]
+
+    # position t reads labels[t + 1] (the text the targets continue) where it is trained text; the greedy
+    # choice only where a head has a target but there is no text (t = 0, before the reply), nowhere else
+    tokens = next_token_inputs(labels, 2, greedy)
+    assert tokens[0, :4].tolist() == [21, 11, 12, 13]
+    assert [m[0].nonzero().flatten().tolist() for m in asked] == [[0]]
+    assert next_token_inputs(torch.full_like(labels, IGNORE_INDEX), 2, greedy).tolist() == [[0] * 7]
+    assert len(asked) == 1  # no target anywhere: the LM head is not asked at all
