@@ -53,6 +53,7 @@ class HeadsConfig:
     share_lm_head: bool = False  #: project through the frozen LM head instead of a trainable clone
     init_from: str | None = None  #: start from heads saved earlier (an export folder)
     next_token_input: bool = False  #: heads also read the base model's next token (native export only)
+    path_input: bool = False  #: with next_token_input: head k reads the k+1 tokens of its tree path (Hydra-style)
 
 
 @dataclass
@@ -241,6 +242,8 @@ def check(c: TrainConfig) -> list[str]:
     need(c.heads.num_layers >= 0, "heads.num_layers", c.heads.num_layers, "must be >= 0")
     need(not c.heads.next_token_input or c.heads.num_layers >= 1, "heads.next_token_input", True,
          "the next token enters the first ResBlock: needs heads.num_layers >= 1")
+    need(not c.heads.path_input or c.heads.next_token_input, "heads.path_input", True,
+         "the path starts with the next token: needs heads.next_token_input=true")
     need(c.data.max_length >= 8, "data.max_length", c.data.max_length, "must be >= 8")
     need(c.data.max_samples is None or c.data.max_samples >= 1, "data.max_samples", c.data.max_samples,
          "must be >= 1 or null (all)")

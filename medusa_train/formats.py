@@ -7,7 +7,8 @@ guessed from a model name:
     ``config.json`` (``"format": "medusa_train"``, the fields of ``MedusaConfig``) and
     ``model.safetensors`` with ``heads.{h}.blocks.{l}.linear.weight|bias`` and
     ``heads.{h}.lm_head.weight`` (absent when the heads share the backbone's LM head); heads
-    with ``next_token_input`` also have ``heads.{h}.blocks.0.token.weight`` (native only).
+    with ``next_token_input`` also have ``heads.{h}.blocks.0.token.weight`` (native only), of
+    shape (hidden, hidden), or (hidden, (h + 1) * hidden) with ``path_input``.
 ``medusa_v1``
     The original Medusa (FasterDecoding) / TensorRT-LLM layout: ``config.json`` with
     ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``; tensors
@@ -60,6 +61,8 @@ class MedusaConfig:
         next_token_input: Each head also reads the embedding of the base model's next token (the
             tree's root), added inside its first ResBlock: ``x + SiLU(W x + b + U e)``. Only the
             native layout can hold such heads.
+        path_input: With ``next_token_input``: head k reads the k + 1 tokens between its position
+            and its target (the tree root and its path's earlier guesses), not the next one alone.
         base_model_name_or_path: The backbone these heads were trained on.
         dtype: Dtype the head weights were saved in.
         format_version: Version of this layout.
@@ -71,9 +74,21 @@ class MedusaConfig:
     vocab_size: int
     share_lm_head: bool = False
     next_token_input: bool = False
+    path_input: bool = False
     base_model_name_or_path: str | None = None
     dtype: str = "float32"
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        if self.path_input and not self.next_token_input:
+            raise ValueError("path_input=true needs next_token_input=true: the path starts with the next token "
+                             "(set heads.next_token_input=true)")
+
+    def token_inputs(self, k: int) -> int:
+        """How many token embeddings head ``k`` reads: 0, 1 (the next token) or k + 1 (its path)."""
+        if not self.next_token_input:
+            return 0
+        return k + 1 if self.path_input else 1
 
     def to_dict(self) -> dict:
         return {"format": "medusa_train", **asdict(self)}
@@ -107,7 +122,7 @@ def native_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"heads.{h}.blocks.{layer}.linear.weight"] = (hidden, hidden)
             shapes[f"heads.{h}.blocks.{layer}.linear.bias"] = (hidden,)
         if config.next_token_input:
-            shapes[f"heads.{h}.blocks.0.token.weight"] = (hidden, hidden)
+            shapes[f"heads.{h}.blocks.0.token.weight"] = (hidden, config.token_inputs(h) * hidden)
         if not config.share_lm_head:
             shapes[f"heads.{h}.lm_head.weight"] = (vocab, hidden)
     return shapes

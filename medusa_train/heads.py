@@ -5,6 +5,11 @@ the position, which in tree decoding is the root every candidate hangs from. Its
 enters the first block, ``x + SiLU(W x + b + U e)``. The next token is a function of the hidden
 state (its argmax) that a small head cannot compute, and knowing it is most of what predicting
 the token after it needs (EAGLE feeds its draft head the same shifted token).
+
+With ``path_input`` head k reads every token between the position and its target: the root and
+the k guesses before it on its tree path, ``x + SiLU(W x + b + U [e_1; ...; e_{k+1}])`` (Hydra's
+sequentially dependent heads). Head k's guess then depends on its parent's, so the decoder asks
+the heads depth by depth.
 """
 
 from __future__ import annotations
@@ -16,17 +21,18 @@ from torch import nn
 class ResBlock(nn.Module):
     """``x + SiLU(W1 x + b [+ U e])``, with W1, b (and U) zero so the block starts as the identity.
 
-    ``token_input`` adds ``U`` (no bias): a projection of the next token's embedding ``e``.
+    ``token_inputs`` > 0 adds ``U`` (no bias): a projection of ``e``, the concatenated embeddings
+    of that many tokens (hidden_size each).
     """
 
-    def __init__(self, hidden_size: int, token_input: bool = False):
+    def __init__(self, hidden_size: int, token_inputs: int = 0):
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
         self.token: nn.Linear | None = None
-        if token_input:
-            self.token = nn.Linear(hidden_size, hidden_size, bias=False)
+        if token_inputs:
+            self.token = nn.Linear(token_inputs * hidden_size, hidden_size, bias=False)
             nn.init.zeros_(self.token.weight)
         self.act = nn.SiLU()
 
@@ -44,19 +50,22 @@ class MedusaHead(nn.Module):
     (the backbone's frozen LM head, shared by every head); otherwise ``self.lm_head`` is a
     trainable clone of ``init_weight``.
 
-    With ``next_token_input`` the head's input is ``cat([hidden, next token embedding], -1)``
-    (``MedusaModel.head_inputs`` builds it) and the first block reads both halves.
+    With ``token_inputs`` = n > 0 the head's input is ``cat([hidden, e_1, ..., e_m], -1)`` with
+    m >= n token embeddings (``MedusaModel.head_inputs`` builds it); the first block reads the
+    hidden state and the first n embeddings (1 with ``next_token_input``, k + 1 for head k with
+    ``path_input``).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, num_layers: int,
                  init_weight: torch.Tensor | None = None, share_lm_head: bool = False,
-                 next_token_input: bool = False):
+                 token_inputs: int = 0):
         super().__init__()
-        if next_token_input and num_layers < 1:
+        if token_inputs and num_layers < 1:
             raise ValueError("heads.next_token_input=true needs heads.num_layers >= 1: the next token enters "
                              "the first ResBlock")
-        self.next_token_input = next_token_input
-        self.blocks = nn.Sequential(*[ResBlock(hidden_size, token_input=next_token_input and i == 0)
+        self.hidden_size = hidden_size
+        self.token_inputs = token_inputs
+        self.blocks = nn.Sequential(*[ResBlock(hidden_size, token_inputs=token_inputs if i == 0 else 0)
                                       for i in range(num_layers)])
         self.lm_head: nn.Linear | None = None
         if not share_lm_head:
@@ -67,10 +76,13 @@ class MedusaHead(nn.Module):
 
     def features(self, inputs: torch.Tensor) -> torch.Tensor:
         """The blocks' output (what the output layer projects) for the head's ``inputs``."""
-        if not self.next_token_input:
+        if not self.token_inputs:
             return self.blocks(inputs)
-        hidden, token_embedding = inputs.chunk(2, dim=-1)
-        hidden = self.blocks[0](hidden, token_embedding)
+        h = self.hidden_size
+        if inputs.shape[-1] < h * (1 + self.token_inputs):
+            raise ValueError(f"this head reads {self.token_inputs} token embedding(s) but its inputs hold "
+                             f"{inputs.shape[-1] // h - 1}: build them with MedusaModel.head_inputs")
+        hidden = self.blocks[0](inputs[..., :h], inputs[..., h:h * (1 + self.token_inputs)])
         for block in self.blocks[1:]:
             hidden = block(hidden)
         return hidden

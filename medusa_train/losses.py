@@ -121,7 +121,11 @@ def next_token_inputs(labels: torch.Tensor, num_heads: int,
     not trained text but some head has a target (the last prompt token of a turn), the backbone's
     greedy choice, what decoding gives them: ``greedy(mask)`` returns it for the positions of the
     bool ``mask`` (batch, seq), so the LM head runs on those few positions only. Positions no head
-    learns at get token 0 (never read by the loss).
+    reads get token 0 (never read by the loss).
+
+    Heads that read their path (``heads.path_input``) take these tokens at ``t, ..., t + k`` (see
+    ``MedusaModel.head_inputs``); each of those positions is one where a shorter head has the same
+    target, so it already gets its token here.
 
     On greedy targets the text and the greedy choice agree wherever a head keeps a target (see
     ``head_targets``).

@@ -62,15 +62,15 @@ class MedusaModel(nn.Module):
         device = self.lm_head.weight.device
         self.heads = nn.ModuleList(
             MedusaHead(config.hidden_size, config.vocab_size, config.num_layers, init_weight, config.share_lm_head,
-                       config.next_token_input)
-            for _ in range(config.num_heads)
+                       config.token_inputs(k))
+            for k in range(config.num_heads)
         ).to(device=device, dtype=dtype)
 
     # ----------------------------------------------------------------------------- building
     @classmethod
     def from_backbone(cls, backbone: PreTrainedModel, num_heads: int, num_layers: int = 1,
                       share_lm_head: bool = False, dtype: str | torch.dtype | None = None,
-                      next_token_input: bool = False) -> MedusaModel:
+                      next_token_input: bool = False, path_input: bool = False) -> MedusaModel:
         """Attach fresh heads to ``backbone``; each starts out reproducing the LM head exactly.
 
         Args:
@@ -81,6 +81,7 @@ class MedusaModel(nn.Module):
             dtype: Head weight dtype; defaults to the LM head's (use float32 for training).
             next_token_input: Heads also read the embedding of the base model's next token (see
                 ``heads.py``); their inputs come from ``head_inputs``.
+            path_input: With ``next_token_input``: head k reads the k + 1 tokens of its path.
         """
         if num_heads < 1:
             raise ValueError(f"heads.num_heads={num_heads}: must be >= 1")
@@ -93,7 +94,7 @@ class MedusaModel(nn.Module):
         config = MedusaConfig(
             num_heads=num_heads, num_layers=num_layers, hidden_size=_hidden_size(backbone),
             vocab_size=lm_head.weight.shape[0], share_lm_head=share_lm_head, next_token_input=next_token_input,
-            base_model_name_or_path=_base_reference(backbone), dtype=dtype,
+            path_input=path_input, base_model_name_or_path=_base_reference(backbone), dtype=dtype,
         )
         return cls(backbone, config)
 
@@ -130,19 +131,28 @@ class MedusaModel(nn.Module):
 
     def head_inputs(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """What the heads read at each position: ``hidden`` itself, or with ``config.next_token_input``
-        ``cat([hidden, embedding of the next token], -1)``.
+        ``cat([hidden, embeddings of the tokens after the position], -1)``.
 
         Args:
             hidden: (..., hidden) final hidden states.
             next_tokens: (...) the token after each position: in decoding the tree's root, in training
-                the text's (``losses.next_token_inputs``). Default: ``next_tokens(hidden)``, the greedy choice.
+                the text's (``losses.next_token_inputs``). Default: ``next_tokens(hidden)``, the greedy
+                choice. With ``config.path_input`` the heads read paths: either (..., P) explicit tokens
+                after each position (the decoder's tree paths; head k needs P >= k + 1), or (...) as
+                above, the positions being consecutive along the last axis, so the path after position
+                t is ``next_tokens[..., t : t + num_heads]`` (token 0 past the end).
         """
         if not self.config.next_token_input:
             return hidden
         if next_tokens is None:
             next_tokens = self.next_tokens(hidden)
+        if next_tokens.dim() == hidden.dim() - 1:
+            next_tokens = path_tokens(next_tokens, self.num_heads) if self.config.path_input else next_tokens[..., None]
+        if next_tokens.shape[:-1] != hidden.shape[:-1] or (next_tokens.shape[-1] != 1 and not self.config.path_input):
+            raise ValueError(f"next_tokens {tuple(next_tokens.shape)} do not fit hidden {tuple(hidden.shape)}: give one "
+                             "token per position (or, for path_input heads, a path of tokens per position)")
         table = self.backbone.get_input_embeddings()  # may sit on another device than the last layer
-        embedding = table(next_tokens.to(table.weight.device))
+        embedding = table(next_tokens.to(table.weight.device)).flatten(-2)  # (..., P * hidden)
         return torch.cat([hidden, embedding.to(device=hidden.device, dtype=hidden.dtype)], dim=-1)
 
     def head_logits(self, inputs: torch.Tensor, k: int) -> torch.Tensor:
@@ -225,6 +235,15 @@ def load_heads_strict(heads: nn.ModuleList, tensors: dict[str, torch.Tensor], so
     with torch.no_grad():
         for key, param in expected.items():
             param.copy_(tensors[key])
+
+
+def path_tokens(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """``out[..., t, j] = tokens[..., t + j]`` for ``j < width``, 0 past the end: (..., seq) -> (..., seq, width)."""
+    out = torch.zeros(*tokens.shape, width, dtype=tokens.dtype, device=tokens.device)
+    for j in range(width):
+        if j < tokens.shape[-1]:
+            out[..., : tokens.shape[-1] - j, j] = tokens[..., j:]
+    return out
 
 
 def _hidden_size(backbone: PreTrainedModel) -> int:

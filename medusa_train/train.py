@@ -114,16 +114,18 @@ class Medusa1Recipe:
         if h.init_from:
             model = MedusaModel.from_pretrained(h.init_from, backbone=backbone)
             c = model.config
-            if (c.num_heads, c.num_layers, c.next_token_input) != (h.num_heads, h.num_layers, h.next_token_input):
+            shape = (c.num_heads, c.num_layers, c.next_token_input, c.path_input)
+            if shape != (h.num_heads, h.num_layers, h.next_token_input, h.path_input):
                 raise ValueError(f"heads.init_from={h.init_from} has {c.num_heads} heads x {c.num_layers} layers, "
-                                 f"next_token_input={str(c.next_token_input).lower()}; set heads.num_heads, "
-                                 "heads.num_layers and heads.next_token_input to match")
+                                 f"next_token_input={str(c.next_token_input).lower()}, "
+                                 f"path_input={str(c.path_input).lower()}; set heads.num_heads, heads.num_layers, "
+                                 "heads.next_token_input and heads.path_input to match")
             model.heads.float()
             model.config.dtype = "float32"
             model.config.base_model_name_or_path = str(m.name_or_path)
         else:
             model = MedusaModel.from_backbone(backbone, h.num_heads, h.num_layers, h.share_lm_head, dtype="float32",
-                                              next_token_input=h.next_token_input)
+                                              next_token_input=h.next_token_input, path_input=h.path_input)
         model.heads.requires_grad_(True)
         model.heads.to(self.accelerator.device)
         return model

@@ -77,13 +77,15 @@ def self_distilled_jsonl(model_dir, data, path):
     return path
 
 
-@pytest.mark.parametrize("targets, next_token", [("text", False), ("greedy", False), ("text", True)])
-def test_training_from_the_cache_matches_training_without_it(setup, tmp_path, targets, next_token):
+@pytest.mark.parametrize("targets, reads", [("text", "hidden"), ("greedy", "hidden"), ("text", "next_token"),
+                                            ("text", "path")])
+def test_training_from_the_cache_matches_training_without_it(setup, tmp_path, targets, reads):
     _, _, _, _, model_dir, data = setup
     if targets == "greedy":  # greedy targets need text the backbone wrote, or nothing is kept
         data = self_distilled_jsonl(model_dir, data, tmp_path / "distilled.jsonl")
+    next_token = reads != "hidden"
     common = {"trainer.max_steps": 12, "trainer.eval_every": 6, "trainer.epochs": 3, "loss.targets": targets,
-              "heads.next_token_input": str(next_token).lower()}
+              "heads.next_token_input": str(next_token).lower(), "heads.path_input": str(reads == "path").lower()}
     run(compose_config(train_overrides(model_dir, data, tmp_path / "plain", **common)))
     run(compose_config(train_overrides(model_dir, data, tmp_path / "cached", **common, **{
         "data.cache_hidden_states": "true", "data.cache_dir": tmp_path / "hidden"})))
@@ -96,7 +98,7 @@ def test_training_from_the_cache_matches_training_without_it(setup, tmp_path, ta
         assert all(0.1 < m[f"head{k}/kept"] < 1.0 for m in plain if m["split"] == "eval" for k in (1, 2, 3))
     assert len(list((tmp_path / "hidden").iterdir())) == 2  # train + eval
     exported = MedusaModel.from_pretrained(tmp_path / "cached" / "export", backbone=load_backbone(model_dir)[0])
-    assert exported.config.next_token_input == next_token
+    assert (exported.config.next_token_input, exported.config.path_input) == (next_token, reads == "path")
     if next_token:  # the token's projection was trained, not left at its zero start
         assert all(head.blocks[0].token.weight.abs().sum() > 0 for head in exported.heads)
     assert json.loads(next((tmp_path / "hidden").glob("*-train/index.json")).read_text())["examples"] > 0

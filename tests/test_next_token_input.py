@@ -97,7 +97,7 @@ def test_round_trip_and_layouts_that_cannot_hold_them(tmp_path, tiny_llama):
             export_heads(model, tmp_path / layout, layout)
         assert not (tmp_path / layout).exists()  # refused before anything is written
     with pytest.raises(ValueError, match="num_layers >= 1"):
-        MedusaHead(64, 256, num_layers=0, next_token_input=True)
+        MedusaHead(64, 256, num_layers=0, token_inputs=1)
 
 
 def test_config_names_the_key():

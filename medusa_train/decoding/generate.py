@@ -208,6 +208,8 @@ def candidate_tokens(model, tree: MedusaTree, hidden: torch.Tensor, root_token: 
     root = torch.tensor([root_token], dtype=torch.long, device=hidden.device)
     if tree.depth == 0:
         return root
+    if model.config.path_input:
+        return _path_candidate_tokens(model, tree, hidden, root)
     width = max(tree.head_top_k)
     guesses = torch.zeros(tree.depth, width, dtype=torch.long, device=hidden.device)
     inputs = model.head_inputs(hidden, root)  # heads that read the next token read the root
@@ -215,6 +217,21 @@ def candidate_tokens(model, tree: MedusaTree, hidden: torch.Tensor, root_token: 
     for head, k in enumerate(tree.head_top_k):
         guesses[head, :k] = logits[head, 0].topk(k).indices
     return torch.cat([root, guesses[node_heads[1:], node_ranks[1:]]])
+
+
+def _path_candidate_tokens(model, tree: MedusaTree, hidden: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+    """``candidate_tokens`` for heads that read their path: depth by depth, head d reads the path to
+    each depth-d node that has children (root first) and its top-k fill those children."""
+    tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=hidden.device)
+    tokens[0] = root[0]
+    ancestors = tree.ancestors.to(hidden.device)
+    for d, level in enumerate(tree.levels):
+        parents, children, rows, ranks = (t.to(hidden.device) for t in level)
+        paths = tokens[ancestors[parents, : d + 1]]  # (parents, d + 1): root, then the guesses on the way
+        inputs = model.head_inputs(hidden.expand(len(parents), -1), paths)
+        top = model.head_logits(inputs, d).topk(tree.head_top_k[d], dim=-1).indices
+        tokens[children] = top[rows, ranks]
+    return tokens
 
 
 def _check_arguments(model, input_ids, tree, max_new_tokens, temperature, acceptance, top_p) -> torch.Tensor:

@@ -60,6 +60,12 @@ class MedusaTree:
         head_top_k: Per head, how many top-k guesses the tree reads from it.
         retrieve_paths: (num_leaves, depth + 1) long, the node indices from the root to each leaf,
             padded with -1.
+        ancestors: (num_nodes, depth + 1) long, ``[i, d]`` the node on i's path at depth d (i itself
+            at its own depth), -1 below it.
+        levels: Per head d, ``(parents, children, rows, ranks)`` long tensors: the depth-d nodes that
+            have children, the depth-(d + 1) nodes, each child's parent as a row of ``parents`` and
+            its rank. A decoder whose heads read their path (``path_input``) runs head d once per
+            parent and fills the children from those rows.
     """
 
     def __init__(self, choices: Iterable[Sequence[int]], num_heads: int | None = None, top_k: int | None = None):
@@ -86,11 +92,22 @@ class MedusaTree:
         self.node_ranks = torch.tensor([node.path[-1] if node.path else -1 for node in nodes], dtype=torch.long)
         self.head_top_k = [1 + max(p[-1] for p in self.choices if len(p) == d + 1) for d in range(self.depth)]
 
+        self.ancestors = torch.full((n, self.depth + 1), -1, dtype=torch.long)
+        for i, node in enumerate(nodes):
+            self.ancestors[i, : len(node.path) + 1] = torch.tensor([index[node.path[:d]] for d in range(len(node.path) + 1)])
+        self.levels: list[tuple[torch.Tensor, ...]] = []
+        for d in range(self.depth):
+            kids = [i for i, node in enumerate(nodes) if len(node.path) == d + 1]
+            parents = sorted({nodes[i].parent for i in kids})
+            row = {p: r for r, p in enumerate(parents)}
+            self.levels.append(tuple(torch.tensor(v, dtype=torch.long) for v in (
+                parents, kids, [row[nodes[i].parent] for i in kids], [nodes[i].path[-1] for i in kids])))
+
         leaves = [i for i in range(n) if not self.children[i]]
         self.retrieve_paths = torch.full((len(leaves), self.depth + 1), -1, dtype=torch.long)
         for row, leaf in enumerate(leaves):
             path = nodes[leaf].path
-            self.retrieve_paths[row, : len(path) + 1] = torch.tensor([index[path[:d]] for d in range(len(path) + 1)])
+            self.retrieve_paths[row, : len(path) + 1] = self.ancestors[leaf, : len(path) + 1]
 
     # ----------------------------------------------------------------------------- buffers
     def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
