@@ -15,7 +15,9 @@ or the tree's expected value under the assumed head accuracies of ``default`` (h
 initialisation are used here: only cost is measured).
 
 Options (``key=value``): model, dtype (bfloat16), device (cuda if available, else cpu), context (256),
-repeats (20), warmup (3), num_heads (4), sizes (``1,chain,16,32,64``), threads, accept_length, seed.
+repeats (20), warmup (3), num_heads (4), sizes (``1,chain,16,32,64``), threads, accept_length, seed,
+reads (``plain``; ``next_token`` or ``path``: heads that read the next token or their tree path, whose
+candidates cost one head call per tree depth), share_lm_head (false).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from medusa_train.decoding.generate import candidate_tokens, compact_cache, veri
 from medusa_train.decoding.tree import assumed_rank_accuracies, expected_accept_length
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
-                warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0)
+                warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,
+                reads="plain", share_lm_head="false")
 
 
 def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]:
@@ -128,9 +131,14 @@ def main(**overrides) -> int:
     if opts["threads"]:
         torch.set_num_threads(int(opts["threads"]))
     num_heads, context = int(opts["num_heads"]), int(opts["context"])
+    if opts["reads"] not in ("plain", "next_token", "path"):
+        print(f"reads={opts['reads']}: must be plain, next_token or path")
+        return 2
     backbone, _ = load_backbone(opts["model"], dtype=opts["dtype"])
     backbone.to(device)
-    model = MedusaModel.from_backbone(backbone, num_heads=num_heads).eval()
+    model = MedusaModel.from_backbone(backbone, num_heads=num_heads, share_lm_head=opts["share_lm_head"] == "true",
+                                      next_token_input=opts["reads"] != "plain", path_input=opts["reads"] == "path")
+    model.eval()
     trees = trees_to_measure(opts["sizes"], num_heads)
     plain, plain_explicit, results = measure(model, trees, context, int(opts["repeats"]), int(opts["warmup"]), int(opts["seed"]))
 
@@ -138,7 +146,7 @@ def main(**overrides) -> int:
     given = opts["accept_length"]
     source = f"given ({given})" if given is not None else "expected under the assumed head accuracies"
     print(f"\nDecode cost: {opts['model']}, {opts['dtype']}, {device}, threads={torch.get_num_threads()}, "
-          f"context={context}, {num_heads} heads, median of {opts['repeats']}. "
+          f"context={context}, {num_heads} heads reading {opts['reads']}, median of {opts['repeats']}. "
           f"Plain step: {plain * 1e3:.2f} ms ({plain_explicit * 1e3:.2f} ms when given an explicit 4D mask). "
           f"Accept length: {source}.\n")
     print("| tree | nodes | verify step (ms) | relative cost (= break-even accept length) | accept length | "
