@@ -310,9 +310,7 @@ class Medusa2Recipe(Medusa1Recipe):
                 base = base_loss_backward(self.model.base_logits, leaf, batch["labels"], cfg.loss.base, original,
                                           cfg.loss.chunk_size, backward=acc.backward, loss_scale=loss_scale)
             heads = medusa_loss_backward(self.model.head_logits, self.head_inputs(leaf, batch["labels"])[0],
-                                         batch["labels"],
-                                         self.model.num_heads,
-                                         head_decay=cfg.loss.head_decay, chunk_size=cfg.loss.chunk_size,
+                                         batch["labels"], self.model.num_heads, head_decay=cfg.loss.head_decay, chunk_size=cfg.loss.chunk_size,
                                          backward=acc.backward if lam > 0 else None, loss_scale=loss_scale * lam)
         if leaf.grad is not None:
             hidden.backward(leaf.grad)  # one backward through the backbone for the base loss and every head

@@ -106,23 +106,26 @@ def test_config_names_the_key():
 
 
 def install_token_oracle(model: MedusaModel, reference: torch.Tensor, ranks=(0, 0, 1, 0, 2, 0)) -> None:
-    """Heads that know ``reference`` (1, L) but only when told its next token: a head given the hidden
-    state of position j *and* the embedding of ``reference[j + 1]`` puts the token k + 2 ahead at a rank
-    from ``ranks``; with any other token (or off the reference) its guesses are a fixed shuffle."""
+    """Heads that know ``reference`` (1, L) but only when told what they read: head k given the hidden
+    state of position j *and* the embedding of ``reference[j + 1]`` (with ``path_input``: of
+    ``reference[j + 1 .. j + k + 1]``, its whole path) puts the token k + 2 ahead at a rank from
+    ``ranks``; told anything else (or off the reference) its guesses are a fixed shuffle."""
     with torch.no_grad():
         ref_hidden = model(reference).hidden_states[0]
     tokens = reference[0].tolist()
     embedding = model.backbone.get_input_embeddings().weight
-    vocab = embedding.shape[0]
+    size, vocab = embedding.shape[1], embedding.shape[0]
 
     def head_logits(inputs: torch.Tensor, k: int) -> torch.Tensor:
-        hidden, token_embedding = inputs.reshape(-1, inputs.shape[-1]).chunk(2, dim=-1)
-        dist, pos = torch.cdist(hidden, ref_hidden).min(-1)
+        flat = inputs.reshape(-1, inputs.shape[-1])
+        dist, pos = torch.cdist(flat[:, :size], ref_hidden).min(-1)
         rows = []
-        for h_dist, j, e in zip(dist.tolist(), pos.tolist(), token_embedding):
+        for h_dist, j, row in zip(dist.tolist(), pos.tolist(), flat):
             order = torch.randperm(vocab, generator=torch.Generator().manual_seed(1000 * j + k)).tolist()
-            told = j + 1 < len(tokens) and torch.equal(e, embedding[tokens[j + 1]])
-            if h_dist < 1e-2 and told and j + k + 2 < len(tokens):
+            told = j + k + 2 < len(tokens) and all(
+                torch.equal(row[size * (i + 1): size * (i + 2)], embedding[tokens[j + 1 + i]])
+                for i in range(model.config.token_inputs(k)))
+            if h_dist < 1e-2 and told:
                 order.remove(tokens[j + k + 2])
                 order.insert(ranks[(j + 3 * k) % len(ranks)], tokens[j + k + 2])
             logits = torch.empty(vocab)

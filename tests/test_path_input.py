@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_tiny_backbone
-from test_next_token_input import greedy_sequence, randomise
+from test_next_token_input import greedy_sequence, install_token_oracle, randomise
 
 from medusa_train import MedusaModel
 from medusa_train.calibrate import measure_rank_accuracies
@@ -92,44 +92,16 @@ def test_round_trip_refusals_and_config_errors(tiny_llama, tmp_path):
         build_config({"heads": {"path_input": True}})
 
 
-def install_path_oracle(model: MedusaModel, reference: torch.Tensor, ranks=(0, 0, 1, 0, 2, 0)) -> None:
-    """Heads that know ``reference`` (1, L) but only when told its whole path: head k given the hidden
-    state of position j *and* the embeddings of ``reference[j + 1 .. j + k + 1]`` puts the token k + 2
-    ahead at a rank from ``ranks``; told anything else its guesses are a fixed shuffle."""
-    with torch.no_grad():
-        ref_hidden = model(reference).hidden_states[0]
-    tokens = reference[0].tolist()
-    embedding = model.backbone.get_input_embeddings().weight
-    size, vocab = embedding.shape[1], embedding.shape[0]
-
-    def head_logits(inputs: torch.Tensor, k: int) -> torch.Tensor:
-        flat = inputs.reshape(-1, inputs.shape[-1])
-        dist, pos = torch.cdist(flat[:, :size], ref_hidden).min(-1)
-        rows = []
-        for h_dist, j, row in zip(dist.tolist(), pos.tolist(), flat):
-            order = torch.randperm(vocab, generator=torch.Generator().manual_seed(1000 * j + k)).tolist()
-            told = j + k + 2 < len(tokens) and all(
-                torch.equal(row[size * (i + 1): size * (i + 2)], embedding[tokens[j + 1 + i]]) for i in range(k + 1))
-            if h_dist < 1e-2 and told:
-                order.remove(tokens[j + k + 2])
-                order.insert(ranks[(j + 3 * k) % len(ranks)], tokens[j + k + 2])
-            logits = torch.empty(vocab)
-            logits[order] = torch.arange(vocab, 0, -1, dtype=torch.float)
-            rows.append(logits)
-        return torch.stack(rows).reshape(*inputs.shape[:-1], vocab)
-
-    model.head_logits = head_logits
-
-
 def test_decoding_tells_each_head_its_path():
-    """Oracle heads that are right only when told their whole path: decoding must reach depth 4 (it
+    """Oracle heads that are right only when told their whole path (``install_token_oracle`` on path
+    heads): decoding must reach depth 4 (it
     cannot if a deeper head is given only the root, or a path other than its parent's) and stay
     identical to greedy."""
     backbone = make_tiny_backbone("llama", seed=4)
     model = path_model(backbone, num_heads=4)
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(1))
     reference = greedy_sequence(backbone, ids, 40)
-    install_path_oracle(model, reference)
+    install_token_oracle(model, reference)
     out = medusa_generate(model, ids, MedusaTree.from_name("default"), max_new_tokens=40, eos_token_id=[])
     assert out.sequences.tolist() == reference.tolist()
     assert max(out.accepted_depths) == 4 and out.mean_accept_length > 2.5
@@ -173,7 +145,7 @@ def test_calibration_tells_each_head_the_continuations_path():
     model = path_model(backbone)
     ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(2))
     reference = greedy_sequence(backbone, ids, 20)
-    install_path_oracle(model, reference, ranks=(0,))
+    install_token_oracle(model, reference, ranks=(0,))
     accuracies, counts = measure_rank_accuracies(model, [(reference, ids.shape[1])], top_k=3)
     assert accuracies == [[1.0, 0.0, 0.0]] * 3
     assert counts == [20 - k - 1 for k in range(3)]

@@ -224,9 +224,8 @@ def _path_candidate_tokens(model, tree: MedusaTree, hidden: torch.Tensor, root: 
     each depth-d node that has children (root first) and its top-k fill those children."""
     tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=hidden.device)
     tokens[0] = root[0]
-    ancestors = tree.ancestors.to(hidden.device)
-    for d, level in enumerate(tree.levels):
-        parents, children, rows, ranks = (t.to(hidden.device) for t in level)
+    ancestors, levels = tree.path_buffers(hidden.device)
+    for d, (parents, children, rows, ranks) in enumerate(levels):
         paths = tokens[ancestors[parents, : d + 1]]  # (parents, d + 1): root, then the guesses on the way
         inputs = model.head_inputs(hidden.expand(len(parents), -1), paths)
         top = model.head_logits(inputs, d).topk(tree.head_top_k[d], dim=-1).indices

@@ -96,6 +96,7 @@ class MedusaTree:
         for i, node in enumerate(nodes):
             self.ancestors[i, : len(node.path) + 1] = torch.tensor([index[node.path[:d]] for d in range(len(node.path) + 1)])
         self.levels: list[tuple[torch.Tensor, ...]] = []
+        self._on_device: dict[str, tuple] = {}  # see path_buffers
         for d in range(self.depth):
             kids = [i for i, node in enumerate(nodes) if len(node.path) == d + 1]
             parents = sorted({nodes[i].parent for i in kids})
@@ -114,6 +115,13 @@ class MedusaTree:
         """The additive tree mask (num_nodes, num_nodes): 0 where visible, ``finfo(dtype).min`` elsewhere."""
         mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=dtype)
         return mask.masked_fill_(~self.visibility, torch.finfo(dtype).min)
+
+    def path_buffers(self, device: torch.device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        """``(ancestors, levels)`` on ``device``, copied there once: the decoder reads them every step."""
+        key = str(torch.device(device))
+        if key not in self._on_device:
+            self._on_device[key] = (self.ancestors.to(device), [tuple(t.to(device) for t in lvl) for lvl in self.levels])
+        return self._on_device[key]
 
     def node_paths(self) -> list[tuple[int, ...]]:
         """The path of every node, root (``()``) first."""
