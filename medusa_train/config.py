@@ -60,7 +60,9 @@ class HeadsConfig:
 class LossConfig:
     head_decay: float = 0.8  #: weight of head k is head_decay**k (normalised to sum 1)
     chunk_size: int | None = None  #: split the sequence so at most chunk x vocab logits exist at once
-    targets: str = "text"  #: text (the data's next tokens) | greedy (the frozen backbone's greedy continuation)
+    #: text (the data's next tokens) | greedy (the frozen backbone's greedy continuation)
+    #: | teacher (the backbone's whole next-token distribution: soft labels)
+    targets: str = "text"
     base: str | None = None  #: medusa2: null (heads only) | ce | distill (KL to the adapter-free model)
     head_weight: float = 0.2  #: medusa2: lambda, the heads' weight after warm-up
     head_warmup_steps: int = 0  #: medusa2: steps over which lambda rises from 0
@@ -256,8 +258,9 @@ def check(c: TrainConfig) -> list[str]:
     need(0.0 < c.loss.head_decay <= 1.0, "loss.head_decay", c.loss.head_decay, "must be in (0, 1]")
     need(c.loss.chunk_size is None or c.loss.chunk_size >= 1, "loss.chunk_size", c.loss.chunk_size,
          "must be >= 1 or null")
-    need(c.loss.targets in ("text", "greedy"), "loss.targets", c.loss.targets, "must be text or greedy")
-    need(c.loss.targets == "text" or c.method == "medusa1" or c.stage == 1, "loss.targets", c.loss.targets,
+    need(c.loss.targets in ("text", "greedy", "teacher"), "loss.targets", c.loss.targets,
+         "must be text, greedy or teacher")
+    need(c.loss.targets != "greedy" or c.method == "medusa1" or c.stage == 1, "loss.targets", c.loss.targets,
          "greedy targets come from a frozen backbone: use +recipe=medusa1 (or medusa2 stage=1)")
     need(c.loss.base in (None, "ce", "distill"), "loss.base", c.loss.base, "must be null, ce or distill")
     need(c.loss.head_weight >= 0, "loss.head_weight", c.loss.head_weight, "must be >= 0")

@@ -4,6 +4,9 @@ Head ``k`` (0-based) at position ``t`` predicts the token at ``t + k + 2`` (the 
 predicts ``t + 1``). Each head's loss is the float32 cross-entropy averaged over its valid
 targets; the total is ``sum_k w_k * L_k`` with ``w = head_weights(num_heads, head_decay)``.
 
+With a ``Teacher`` (``loss.targets=teacher``) head ``k`` at ``t`` learns the backbone's whole
+next-token distribution at ``t + k + 1`` (soft labels) instead of the one token the text holds.
+
 ``medusa_loss_backward`` is what training calls: it runs forward *and* backward one head (and
 optionally one sequence chunk) at a time, so peak memory is about one head's logits instead of
 all of them. ``medusa_loss_naive`` is the all-heads-at-once reference used by tests and the
@@ -24,6 +27,35 @@ TOPK = 5
 _BLOCK_ELEMENTS = 2**24
 
 HeadLogitsFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class Teacher:
+    """Soft targets: the backbone's own next-token distribution, read from its hidden states.
+
+    Head ``k`` at position ``t`` predicts the token at ``t + k + 2``; the backbone's distribution
+    over that token is ``softmax(logits_fn(hidden[:, t + k + 1]))``, given the text up to
+    ``t + k + 1``. Heads that read their path (``heads.path_input``) are given exactly that text,
+    so on any text this is what decoding asks of them: the distribution whose top token the
+    verify step accepts. Heads that do not read their path meet it only where the text is the
+    backbone's own greedy continuation (self-distilled data).
+
+    Attributes:
+        logits_fn: ``hidden -> logits`` of the backbone, e.g. ``model.base_logits``.
+        hidden: (batch, seq, hidden) the backbone's final hidden states (never differentiated).
+    """
+
+    logits_fn: Callable[[torch.Tensor], torch.Tensor]
+    hidden: torch.Tensor
+
+    @torch.no_grad()
+    def probs(self, k: int, start: int, stop: int, mask: torch.Tensor) -> torch.Tensor:
+        """(n, vocab) float32 targets of head ``k`` at the positions ``start:stop`` selected by ``mask``
+        (batch, stop - start); every selected position must have a target (``t + k + 2 < seq``)."""
+        rows = self.hidden.detach()[:, start + k + 1:stop + k + 1]
+        if mask[:, rows.shape[1]:].any():
+            raise ValueError(f"head {k}: a selected position has no next-token distribution {k + 1} positions on")
+        return torch.softmax(self.logits_fn(rows[mask[:, :rows.shape[1]]]).float(), dim=-1)
 
 
 @dataclass
@@ -168,6 +200,7 @@ def medusa_loss_backward(
     backward: Callable[[torch.Tensor], None] | None = torch.Tensor.backward,
     loss_scale: float = 1.0,
     predictions: torch.Tensor | None = None,
+    teacher: Teacher | None = None,
 ) -> LossResult:
     """Medusa loss, forward and backward one head (and one sequence chunk) at a time.
 
@@ -194,17 +227,23 @@ def medusa_loss_backward(
             returned loss is not scaled.
         predictions: (batch, seq) the frozen backbone's greedy next token at each position;
             when given, heads learn the greedy continuation (see ``head_targets``).
+        teacher: Soft targets (see ``Teacher``) at the text's trained positions; each head's
+            loss is then the cross-entropy to the backbone's distribution and its top-1/top-5
+            count hits on that distribution's top token.
 
     Returns:
         The detached total loss and per-head metrics.
 
     Raises:
-        ValueError: ``hidden`` and ``labels`` differ in (batch, seq), or ``chunk_size`` < 1.
+        ValueError: ``hidden`` and ``labels`` differ in (batch, seq), ``chunk_size`` < 1, or both
+            ``predictions`` and ``teacher`` are given.
     """
     if labels.dim() != 2 or hidden.shape[:2] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} differ in (batch, seq)")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}: must be >= 1 or None")
+    if predictions is not None and teacher is not None:
+        raise ValueError("give predictions (greedy targets) or a teacher (soft targets), not both")
     seq = labels.shape[1]
     step = chunk_size or seq
     weights = head_weights(num_heads, head_decay)
@@ -226,12 +265,13 @@ def medusa_loss_backward(
                 if chunk_counts[k][c] == 0:
                     continue
                 mask = valid[k, :, start:start + step]
-                chunk_targets = targets[k, :, start:start + step][mask]
+                soft = None if teacher is None else teacher.probs(k, start, start + step, mask)
+                chunk_targets = targets[k, :, start:start + step][mask] if soft is None else soft.argmax(-1)
                 logits = head_logits_fn(leaf[:, start:start + step][mask].unsqueeze(0), k)
                 logits = logits.reshape(-1, logits.shape[-1])  # (n, vocab)
                 with torch.no_grad():
                     stats[k, 1:] += torch.stack(_topk_hits(logits, chunk_targets))
-                ce_sum = _SumCrossEntropy.apply(logits, chunk_targets)
+                ce_sum = _SumCrossEntropy.apply(logits, chunk_targets if soft is None else soft)
                 del logits  # from here on only the autograd graph holds them, until backward frees it
                 stats[k, 0] += ce_sum.detach()
                 if train:
@@ -248,6 +288,7 @@ def medusa_loss_naive(
     num_heads: int,
     head_decay: float = 0.8,
     predictions: torch.Tensor | None = None,
+    teacher: Teacher | None = None,
 ) -> tuple[torch.Tensor, LossResult]:
     """Reference Medusa loss: every head's logits at once, one differentiable total.
 
@@ -265,8 +306,17 @@ def medusa_loss_naive(
     for k, head_logits in enumerate(logits):
         targets = all_targets[k]
         count = int((targets != IGNORE_INDEX).sum())
-        ce_sum = F.cross_entropy(head_logits.flatten(0, -2).float(), targets.flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="sum")
+        if teacher is None:
+            ce_sum = F.cross_entropy(head_logits.flatten(0, -2).float(), targets.flatten(),
+                                     ignore_index=IGNORE_INDEX, reduction="sum")
+        else:  # the distribution at t + k + 1 for every position t that has a target
+            valid = targets != IGNORE_INDEX
+            seq = valid.shape[1]
+            with torch.no_grad():
+                source = teacher.hidden.detach()[:, k + 1:][valid[:, :seq - k - 1]]
+                probs = torch.softmax(teacher.logits_fn(source).float(), dim=-1)
+            ce_sum = F.cross_entropy(head_logits[valid].float(), probs, reduction="sum")
+            head_logits, targets = head_logits[valid], probs.argmax(-1)
         total = total + weights[k] * ce_sum / max(count, 1)
         with torch.no_grad():
             stats[k] = torch.stack([ce_sum.detach(), *_topk_hits(head_logits, targets)])
@@ -277,17 +327,22 @@ def medusa_loss_naive(
 class _SumCrossEntropy(torch.autograd.Function):
     """Summed float32 cross-entropy of (n, vocab) logits whose gradient is written over the logits.
 
-    ``F.cross_entropy`` keeps a float32 log-softmax for backward and its backward allocates two
-    more logits-sized tensors. This keeps only the logits and, in backward, overwrites them block
-    by block with ``(softmax - onehot) * grad``, so a head costs about one logits tensor. Every
-    target must be valid (the caller drops ignored positions).
+    Targets are either (n,) token ids or (n, vocab) probabilities (soft labels). ``F.cross_entropy``
+    keeps a float32 log-softmax for backward and its backward allocates two more logits-sized
+    tensors. This keeps only the logits (and the soft targets) and, in backward, overwrites the
+    logits block by block with ``(softmax - target) * grad``, so a head costs about one logits
+    tensor. Every target must be valid (the caller drops ignored positions).
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        blocks = logits.split(_block_rows(logits))
-        lse = torch.cat([torch.logsumexp(block.float(), dim=-1) for block in blocks])
-        target_logits = logits.gather(1, targets[:, None]).squeeze(1).float()
+        rows = _block_rows(logits)
+        lse = torch.cat([torch.logsumexp(block.float(), dim=-1) for block in logits.split(rows)])
+        if targets.dim() == 1:
+            target_logits = logits.gather(1, targets[:, None]).squeeze(1).float()
+        else:
+            target_logits = torch.cat([(block.float() * probs).sum(-1)
+                                       for block, probs in zip(logits.split(rows), targets.split(rows))])
         ctx.save_for_backward(logits, targets, lse)
         return (lse - target_logits).sum()
 
@@ -299,7 +354,10 @@ class _SumCrossEntropy(torch.autograd.Function):
             block = logits[start:start + rows]
             grad = block.float()  # the block itself (in place) when the logits are float32
             grad.sub_(lse[start:start + rows, None]).exp_()  # softmax
-            grad[torch.arange(grad.shape[0], device=grad.device), targets[start:start + rows]] -= 1.0
+            if targets.dim() == 1:
+                grad[torch.arange(grad.shape[0], device=grad.device), targets[start:start + rows]] -= 1.0
+            else:
+                grad.sub_(targets[start:start + rows])
             grad.mul_(grad_loss)
             if grad is not block:
                 block.copy_(grad)

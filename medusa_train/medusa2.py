@@ -309,9 +309,11 @@ class Medusa2Recipe(Medusa1Recipe):
             if cfg.loss.base is not None:
                 base = base_loss_backward(self.model.base_logits, leaf, batch["labels"], cfg.loss.base, original,
                                           cfg.loss.chunk_size, backward=acc.backward, loss_scale=loss_scale)
-            heads = medusa_loss_backward(self.model.head_logits, self.head_inputs(leaf, batch["labels"])[0],
-                                         batch["labels"], self.model.num_heads, head_decay=cfg.loss.head_decay, chunk_size=cfg.loss.chunk_size,
-                                         backward=acc.backward if lam > 0 else None, loss_scale=loss_scale * lam)
+            inputs, loss_targets = self.head_inputs(leaf, batch["labels"])  # a teacher reads the adapted model
+            heads = medusa_loss_backward(self.model.head_logits, inputs, batch["labels"], self.model.num_heads,
+                                         head_decay=cfg.loss.head_decay, chunk_size=cfg.loss.chunk_size,
+                                         backward=acc.backward if lam > 0 else None, loss_scale=loss_scale * lam,
+                                         **loss_targets)
         if leaf.grad is not None:
             hidden.backward(leaf.grad)  # one backward through the backbone for the base loss and every head
         total = base_term(base, cfg.loss.base) + lam * float(heads.loss)
@@ -344,9 +346,10 @@ class Medusa2Recipe(Medusa1Recipe):
             original = self.original_hidden_states(batch)
             with acc.autocast():
                 hidden = self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
-                result = medusa_loss_backward(self.model.head_logits, self.head_inputs(hidden, batch["labels"])[0],
-                                              batch["labels"], k_heads, head_decay=cfg.loss.head_decay,
-                                              chunk_size=cfg.loss.chunk_size, backward=None)
+                inputs, loss_targets = self.head_inputs(hidden, batch["labels"])
+                result = medusa_loss_backward(self.model.head_logits, inputs, batch["labels"], k_heads,
+                                              head_decay=cfg.loss.head_decay, chunk_size=cfg.loss.chunk_size,
+                                              backward=None, **loss_targets)
                 base = base_loss_backward(self.model.base_logits, hidden, batch["labels"], None, original,
                                           cfg.loss.chunk_size, backward=None)
             for k, h in enumerate(result.per_head):

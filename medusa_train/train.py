@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint
 from .config import TrainConfig, build_config, to_dict
-from .losses import IGNORE_INDEX, LossResult, head_targets, medusa_loss_backward, next_token_inputs
+from .losses import IGNORE_INDEX, LossResult, Teacher, head_targets, medusa_loss_backward, next_token_inputs
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
@@ -270,31 +270,35 @@ class Medusa1Recipe:
         with torch.set_grad_enabled(self.backbone_trains), self.accelerator.autocast():
             return self.model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
 
-    def head_inputs(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(what the heads read, greedy predictions for the loss or None)``.
+    def head_inputs(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """``(what the heads read, the loss's target arguments)``.
 
-        ``loss.targets=greedy`` needs the backbone's greedy next token at every position (no grad).
-        Heads that read the next token (``heads.next_token_input``) get the text's, and the greedy
-        choice only where there is no trained text (``losses.next_token_inputs``): from the
-        predictions when they exist, else from the LM head on those few positions.
+        ``loss.targets=greedy`` needs the backbone's greedy next token at every position (no grad):
+        ``{"predictions": ...}``. ``loss.targets=teacher`` passes ``{"teacher": Teacher(...)}``, the
+        backbone's distributions read from ``hidden`` (detached) chunk by chunk. Heads that read the
+        next token (``heads.next_token_input``) get the text's, and the greedy choice only where there
+        is no trained text (``losses.next_token_inputs``): from the predictions when they exist, else
+        from the LM head on those few positions.
         """
-        predictions = self.model.next_tokens(hidden) if self.cfg.loss.targets == "greedy" else None
+        targets = self.cfg.loss.targets
+        predictions = self.model.next_tokens(hidden) if targets == "greedy" else None
+        loss_targets = {"predictions": predictions} if predictions is not None else \
+            {"teacher": Teacher(self.model.base_logits, hidden.detach())} if targets == "teacher" else {}
         if not self.model.config.next_token_input:
-            return hidden, predictions
+            return hidden, loss_targets
         greedy = (lambda mask: predictions[mask]) if predictions is not None else \
             (lambda mask: self.model.next_tokens(hidden[mask]))
         tokens = next_token_inputs(labels, self.model.num_heads, greedy)
-        return self.model.head_inputs(hidden, tokens), predictions
+        return self.model.head_inputs(hidden, tokens), loss_targets
 
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         hidden = self.hidden_states(batch)
         with self.accelerator.autocast():
-            inputs, predictions = self.head_inputs(hidden, batch["labels"])
+            inputs, loss_targets = self.head_inputs(hidden, batch["labels"])
             return medusa_loss_backward(self.model.head_logits, inputs, batch["labels"], self.model.num_heads,
                                         head_decay=self.cfg.loss.head_decay, chunk_size=self.cfg.loss.chunk_size,
-                                        backward=self.accelerator.backward, loss_scale=loss_scale,
-                                        predictions=predictions)
+                                        backward=self.accelerator.backward, loss_scale=loss_scale, **loss_targets)
 
     def optimizer_step(self) -> None:
         params = list(self.parameters.values())
@@ -316,11 +320,10 @@ class Medusa1Recipe:
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             hidden = self.hidden_states(batch)
             with acc.autocast():
-                inputs, predictions = self.head_inputs(hidden, batch["labels"])
+                inputs, loss_targets = self.head_inputs(hidden, batch["labels"])
                 result = medusa_loss_backward(self.model.head_logits, inputs, batch["labels"], k_heads,
                                               head_decay=self.cfg.loss.head_decay,
-                                              chunk_size=self.cfg.loss.chunk_size, backward=None,
-                                              predictions=predictions)
+                                              chunk_size=self.cfg.loss.chunk_size, backward=None, **loss_targets)
             text = (head_targets(batch["labels"], k_heads) != IGNORE_INDEX).sum(dim=(1, 2)).tolist() if greedy \
                 else [0] * k_heads
             for k, h in enumerate(result.per_head):

@@ -96,5 +96,5 @@ def test_config_accepts_greedy_targets_only_with_a_frozen_backbone():
     assert build_config({"method": "medusa2", "stage": 1, "loss": {"targets": "greedy"}}).loss.targets == "greedy"
     with pytest.raises(ConfigError, match=r"loss.targets='greedy': greedy targets come from a frozen backbone"):
         build_config({"method": "medusa2", "loss": {"targets": "greedy"}})
-    with pytest.raises(ConfigError, match=r"loss.targets='next': must be text or greedy"):
+    with pytest.raises(ConfigError, match=r"loss.targets='next': must be text, greedy or teacher"):
         build_config({"loss": {"targets": "next"}})

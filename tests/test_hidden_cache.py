@@ -78,7 +78,7 @@ def self_distilled_jsonl(model_dir, data, path):
 
 
 @pytest.mark.parametrize("targets, reads", [("text", "hidden"), ("greedy", "hidden"), ("text", "next_token"),
-                                            ("text", "path")])
+                                            ("text", "path"), ("teacher", "path")])
 def test_training_from_the_cache_matches_training_without_it(setup, tmp_path, targets, reads):
     _, _, _, _, model_dir, data = setup
     if targets == "greedy":  # greedy targets need text the backbone wrote, or nothing is kept

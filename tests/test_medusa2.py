@@ -16,7 +16,7 @@ from train_fixtures import make_chat_jsonl, make_model_dir, train_overrides
 
 from medusa_train.backbone import load_backbone
 from medusa_train.config import ConfigError, build_config
-from medusa_train.losses import IGNORE_INDEX, medusa_loss_naive
+from medusa_train.losses import IGNORE_INDEX, Teacher, medusa_loss_naive
 from medusa_train.medusa2 import (
     Medusa2Recipe,
     add_lora,
@@ -150,9 +150,10 @@ def test_original_is_the_adapter_disabled_model_and_kl_starts_at_zero(tiny_setup
     recipe.cleanup()
 
 
-@pytest.mark.parametrize("base", ["ce", "distill"])
-def test_combined_loss_gradients_equal_the_naive_all_at_once_loss(tiny_setup, tmp_path, base):
-    recipe = make_recipe(tiny_setup, tmp_path, **{"loss.base": base, "loss.chunk_size": 7,
+@pytest.mark.parametrize("base, head_targets", [("ce", "text"), ("distill", "text"), ("distill", "teacher")])
+def test_combined_loss_gradients_equal_the_naive_all_at_once_loss(tiny_setup, tmp_path, base, head_targets):
+    """With loss.targets=teacher the heads learn the adapted model's own distribution (detached)."""
+    recipe = make_recipe(tiny_setup, tmp_path, **{"loss.base": base, "loss.chunk_size": 7, "loss.targets": head_targets,
                                                   "loss.head_warmup_steps": 4, "loss.head_warmup": "linear"})
     recipe.step = 2  # lambda = 0.2 * 2 / 4
     randomize_lora_b(recipe.model)
@@ -176,7 +177,9 @@ def test_combined_loss_gradients_equal_the_naive_all_at_once_loss(tiny_setup, tm
     else:
         log_p = original_logits[:, :-1].float().log_softmax(-1)[valid]
         base_loss = F.kl_div(logits[valid].log_softmax(-1), log_p, log_target=True, reduction="batchmean")
-    heads_loss, _ = medusa_loss_naive(model.head_logits, hidden, labels, model.num_heads, recipe.cfg.loss.head_decay)
+    teacher = Teacher(model.base_logits, hidden.detach()) if head_targets == "teacher" else None
+    heads_loss, _ = medusa_loss_naive(model.head_logits, hidden, labels, model.num_heads, recipe.cfg.loss.head_decay,
+                                      teacher=teacher)
     ((base_loss + 0.1 * heads_loss) * 0.5).backward()
     naive = grads(recipe)
 
