@@ -2,16 +2,20 @@
 
     python scripts/benchmark.py loss                         # the real model's sizes, CPU, float32
     python scripts/benchmark.py loss device=cuda dtype=bfloat16 repeat=3
+    python scripts/benchmark.py loss targets=teacher         # soft targets from an LM head (loss.targets=teacher)
 
 Options (``key=value``): heads=5 batch=4 seq=1024 vocab=49152 hidden=576 chunk=256
-dtype=float32|bfloat16 device=cpu|cuda repeat=1 variants=naive,head_by_head,chunked force=0.
+dtype=float32|bfloat16 device=cpu|cuda repeat=1 variants=naive,head_by_head,chunked force=0
+targets=text|teacher.
 
 One step is the loss forward *and* backward, on ``heads`` Medusa heads (a ResBlock + their
 own randomly initialised hidden -> vocab layer, float32 weights) over a random leaf
 ``hidden`` tensor that requires grad, standing for a trainable backbone. Every token is
 labelled, so the head-by-head variants gain nothing from skipping ignored positions.
 ``dtype=bfloat16`` means mixed precision: bf16 hidden states and ``torch.autocast`` (bf16
-logits), with the cross-entropy in float32 as in training.
+logits), with the cross-entropy in float32 as in training. ``targets=teacher`` learns soft
+targets instead: the softmax of a frozen, randomly initialised hidden -> vocab layer (standing
+for the backbone's LM head) at the position each head's target follows.
 
 "Peak loss memory" is the peak *above* what exists in every variant before and after a step:
 head parameters, their gradients, the hidden states and their gradient, the labels. Those are
@@ -38,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = dict(heads=5, batch=4, seq=1024, vocab=49152, hidden=576, chunk=256, dtype="float32",
-                device="cpu", repeat=1, variants="naive,head_by_head,chunked", force=0, seed=0)
+                device="cpu", repeat=1, variants="naive,head_by_head,chunked", force=0, seed=0, targets="text")
 VARIANTS = ("naive", "head_by_head", "chunked")
 MiB = 2**20
 
@@ -57,10 +61,13 @@ def main(**overrides) -> int:
     if opts["dtype"] not in ("float32", "bfloat16"):
         print(f"dtype={opts['dtype']}: must be float32 or bfloat16", file=sys.stderr)
         return 2
+    if opts["targets"] not in ("text", "teacher"):
+        print(f"targets={opts['targets']}: must be text or teacher", file=sys.stderr)
+        return 2
 
     print(f"Medusa loss step (forward + backward): {opts['heads']} heads, batch {opts['batch']} x "
           f"{opts['seq']} tokens, vocab {opts['vocab']}, hidden {opts['hidden']}, {opts['dtype']}, "
-          f"{opts['device']}, chunk {opts['chunk']}\n")
+          f"{opts['device']}, chunk {opts['chunk']}, {opts['targets']} targets\n")
     rows = {}
     for variant in variants:
         need, have = _estimate_bytes(opts, variant), _available_bytes(opts["device"])
@@ -96,6 +103,8 @@ def _label(variant: str, opts: dict) -> str:
 def _estimate_bytes(opts: dict, variant: str) -> int:
     """Rough upper bound of the loss memory, to skip a variant that cannot fit (in float32 units)."""
     unit = opts["batch"] * opts["seq"] * opts["vocab"] * 4  # one head's float32 logits
+    if opts["targets"] == "teacher":  # the soft targets are one more float32 logits-sized tensor per head
+        unit *= 2
     if variant == "naive":  # every head's logits + float32 log-softmax, and a float32 copy in flight
         per_head = 1.5 if opts["dtype"] == "bfloat16" else 2
         return int(unit * (opts["heads"] * per_head + 2))
@@ -119,7 +128,7 @@ def _worker(opts: dict) -> dict:
     from torch import nn
 
     from medusa_train.heads import MedusaHead
-    from medusa_train.losses import medusa_loss_backward, medusa_loss_naive
+    from medusa_train.losses import Teacher, medusa_loss_backward, medusa_loss_naive
 
     torch.manual_seed(opts["seed"])
     device = torch.device(opts["device"])
@@ -129,6 +138,10 @@ def _worker(opts: dict) -> dict:
     heads = nn.ModuleList(MedusaHead(opts["hidden"], opts["vocab"], num_layers=1) for _ in range(n)).to(device)
     hidden = torch.randn(opts["batch"], opts["seq"], opts["hidden"], device=device, dtype=dtype, requires_grad=True)
     labels = torch.randint(opts["vocab"], (opts["batch"], opts["seq"]), device=device)
+    teacher = None
+    if opts["targets"] == "teacher":
+        lm_head = nn.Linear(opts["hidden"], opts["vocab"], bias=False).to(device).requires_grad_(False)
+        teacher = Teacher(lm_head, hidden)
     for tensor in [*heads.parameters(), hidden]:  # gradients exist in every variant: not loss memory
         tensor.grad = torch.zeros_like(tensor)
 
@@ -138,10 +151,10 @@ def _worker(opts: dict) -> dict:
     def step() -> float:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             if variant == "naive":
-                loss, result = medusa_loss_naive(head_logits, hidden, labels, n)
+                loss, result = medusa_loss_naive(head_logits, hidden, labels, n, teacher=teacher)
             else:
                 chunk = opts["chunk"] if variant == "chunked" else None
-                result = medusa_loss_backward(head_logits, hidden, labels, n, chunk_size=chunk)
+                result = medusa_loss_backward(head_logits, hidden, labels, n, chunk_size=chunk, teacher=teacher)
         if variant == "naive":
             loss.backward()
             del loss
