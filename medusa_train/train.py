@@ -282,8 +282,11 @@ class Medusa1Recipe:
         """
         targets = self.cfg.loss.targets
         predictions = self.model.next_tokens(hidden) if targets == "greedy" else None
-        loss_targets = {"predictions": predictions} if predictions is not None else \
-            {"teacher": Teacher(self.model.base_logits, hidden.detach())} if targets == "teacher" else {}
+        loss_targets = {}
+        if predictions is not None:
+            loss_targets["predictions"] = predictions
+        elif targets == "teacher":
+            loss_targets["teacher"] = Teacher(self.model.base_logits, hidden.detach())
         if not self.model.config.next_token_input:
             return hidden, loss_targets
         greedy = (lambda mask: predictions[mask]) if predictions is not None else \

@@ -136,11 +136,14 @@ def install_token_oracle(model: MedusaModel, reference: torch.Tensor, ranks=(0, 
     model.head_logits = head_logits
 
 
-def test_decoding_tells_the_heads_the_root_token():
-    """Oracle heads that are right only when given the tree's root as the next token: decoding must
-    accept long paths (it could not if it fed them anything else) and stay identical to greedy."""
+@pytest.mark.parametrize("path_input", [False, True])
+def test_decoding_tells_the_heads_the_tokens_they_read(path_input):
+    """Oracle heads that are right only when given the tokens they read (the tree's root; for path
+    heads the root and every guess on their path): decoding must accept long paths, reaching depth
+    4 (it could not if it fed them anything else, e.g. only the root to a deeper path head), and
+    stay identical to greedy."""
     backbone = make_tiny_backbone("llama", seed=4)
-    model = MedusaModel.from_backbone(backbone, num_heads=4, next_token_input=True)
+    model = MedusaModel.from_backbone(backbone, num_heads=4, next_token_input=True, path_input=path_input)
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(1))
     reference = greedy_sequence(backbone, ids, 40)
     install_token_oracle(model, reference)
@@ -149,9 +152,12 @@ def test_decoding_tells_the_heads_the_root_token():
     assert max(out.accepted_depths) == 4 and out.mean_accept_length > 2.5
 
 
-def test_calibration_tells_the_heads_the_continuations_next_token():
+@pytest.mark.parametrize("path_input", [False, True])
+def test_calibration_tells_the_heads_the_continuations_tokens(path_input):
+    """Calibration gives each head the greedy continuation's own tokens (next token, or whole path):
+    oracle heads then measure exactly 1.0 at rank 0."""
     backbone = make_tiny_backbone("llama", seed=4)
-    model = MedusaModel.from_backbone(backbone, num_heads=3, next_token_input=True)
+    model = MedusaModel.from_backbone(backbone, num_heads=3, next_token_input=True, path_input=path_input)
     ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(2))
     reference = greedy_sequence(backbone, ids, 20)
     install_token_oracle(model, reference, ranks=(0,))

@@ -1,19 +1,18 @@
 """Heads that read their whole tree path (``heads.path_input``): head k reads the k + 1 tokens between
 its position and its target. The formula, the zero start, the round trip and refusals, and that
-decoding and calibration tell each head the path it hangs from."""
+candidates are read from each node's parent path. Decoding and calibration with oracle path heads
+are the ``path_input=True`` cases in tests/test_next_token_input.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_backbone
-from test_next_token_input import greedy_sequence, install_token_oracle, randomise
+from test_next_token_input import randomise
 
 from medusa_train import MedusaModel
-from medusa_train.calibrate import measure_rank_accuracies
 from medusa_train.config import ConfigError, build_config
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.generate import candidate_tokens
 from medusa_train.export import export_heads
 from medusa_train.formats import MedusaConfig
@@ -92,21 +91,6 @@ def test_round_trip_refusals_and_config_errors(tiny_llama, tmp_path):
         build_config({"heads": {"path_input": True}})
 
 
-def test_decoding_tells_each_head_its_path():
-    """Oracle heads that are right only when told their whole path (``install_token_oracle`` on path
-    heads): decoding must reach depth 4 (it
-    cannot if a deeper head is given only the root, or a path other than its parent's) and stay
-    identical to greedy."""
-    backbone = make_tiny_backbone("llama", seed=4)
-    model = path_model(backbone, num_heads=4)
-    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(1))
-    reference = greedy_sequence(backbone, ids, 40)
-    install_token_oracle(model, reference)
-    out = medusa_generate(model, ids, MedusaTree.from_name("default"), max_new_tokens=40, eos_token_id=[])
-    assert out.sequences.tolist() == reference.tolist()
-    assert max(out.accepted_depths) == 4 and out.mean_accept_length > 2.5
-
-
 def test_candidates_are_read_from_each_nodes_parent_path(tiny_llama):
     model = randomise(path_model(tiny_llama))
     with torch.no_grad():  # the tiny model's embeddings are small (std 0.02): let the path decide the guesses
@@ -138,14 +122,3 @@ def test_tree_levels_and_ancestors():
     assert levels == [[[0], [1, 2], [0, 0], [0, 1]],
                       [[1, 2], [3, 4, 5], [0, 0, 1], [0, 1, 0]],
                       [[3], [6], [0], [0]]]
-
-
-def test_calibration_tells_each_head_the_continuations_path():
-    backbone = make_tiny_backbone("llama", seed=4)
-    model = path_model(backbone)
-    ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(2))
-    reference = greedy_sequence(backbone, ids, 20)
-    install_token_oracle(model, reference, ranks=(0,))
-    accuracies, counts = measure_rank_accuracies(model, [(reference, ids.shape[1])], top_k=3)
-    assert accuracies == [[1.0, 0.0, 0.0]] * 3
-    assert counts == [20 - k - 1 for k in range(3)]
