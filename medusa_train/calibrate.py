@@ -175,7 +175,7 @@ def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]]
     counts = [0] * num_heads
     for ids, prompt_len in sequences:
         hidden = model(ids).hidden_states[0]
-        inputs = model.head_inputs(hidden[:-1], ids[0, 1:])  # the next token is the continuation's own (greedy)
+        inputs = model.head_inputs(model.context(hidden[:-1]), ids[0, 1:])  # the next token is the continuation's own (greedy)
         length = ids.shape[1]
         for k in range(num_heads):
             start, stop = prompt_len - 1, length - k - 2  # hidden at t predicts token t + k + 2 < length

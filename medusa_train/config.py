@@ -54,6 +54,7 @@ class HeadsConfig:
     init_from: str | None = None  #: start from heads saved earlier (an export folder)
     next_token_input: bool = False  #: heads also read the base model's next token (native export only)
     path_input: bool = False  #: with next_token_input: head k reads the k+1 tokens of its tree path (Hydra-style)
+    prefix_attention: bool = False  #: heads read through one causal attention layer over the prefix (native export only)
 
 
 @dataclass

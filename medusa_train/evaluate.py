@@ -74,7 +74,8 @@ def load_medusa(heads_dir: str | os.PathLike, model: EvalModelConfig | None = No
                                         attn_implementation=model.attn_implementation)
     backbone.to(device)
     medusa = MedusaModel.from_pretrained(heads_dir, backbone=backbone)
-    medusa.heads.to(backbone.get_output_embeddings().weight.dtype)
+    for part in medusa.medusa_modules():
+        part.to(backbone.get_output_embeddings().weight.dtype)
     return medusa.eval(), tokenizer
 
 

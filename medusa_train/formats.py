@@ -8,7 +8,8 @@ guessed from a model name:
     ``model.safetensors`` with ``heads.{h}.blocks.{l}.linear.weight|bias`` and
     ``heads.{h}.lm_head.weight`` (absent when the heads share the backbone's LM head); heads
     with ``next_token_input`` also have ``heads.{h}.blocks.0.token.weight`` (native only), of
-    shape (hidden, hidden), or (hidden, (h + 1) * hidden) with ``path_input``.
+    shape (hidden, hidden), or (hidden, (h + 1) * hidden) with ``path_input``. Heads with
+    ``prefix_attention`` also have the layer they read through, ``prefix.*`` (native only).
 ``medusa_v1``
     The original Medusa (FasterDecoding) / TensorRT-LLM layout: ``config.json`` with
     ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``; tensors
@@ -46,6 +47,8 @@ VLLM_WEIGHTS_NAME = "model.safetensors"
 # vLLM heads saved with ``original_lm_head`` carry one copy of the shared LM head; ``read_heads``
 # returns it under this key so the loader can check it against the backbone's own.
 SHARED_LM_HEAD_KEY = "lm_head.weight"
+# Native name prefixes of what medusa-train adds to a backbone (every other parameter is the backbone's).
+MEDUSA_PARAMETERS = ("heads.", "prefix.")
 
 
 @dataclass
@@ -63,6 +66,9 @@ class MedusaConfig:
             native layout can hold such heads.
         path_input: With ``next_token_input``: head k reads the k + 1 tokens between its position
             and its target (the tree root and its path's earlier guesses), not the next one alone.
+        prefix_attention: The heads read the output of one causal self-attention layer over the
+            prefix's hidden states (``prefix_attention.py``), of ``prefix_attention_heads``
+            attention heads and an MLP ``prefix_intermediate_size`` wide. Native layout only.
         base_model_name_or_path: The backbone these heads were trained on.
         dtype: Dtype the head weights were saved in.
         format_version: Version of this layout.
@@ -75,6 +81,9 @@ class MedusaConfig:
     share_lm_head: bool = False
     next_token_input: bool = False
     path_input: bool = False
+    prefix_attention: bool = False
+    prefix_attention_heads: int = 0
+    prefix_intermediate_size: int = 0
     base_model_name_or_path: str | None = None
     dtype: str = "float32"
     format_version: int = FORMAT_VERSION
@@ -125,6 +134,11 @@ def native_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"heads.{h}.blocks.0.token.weight"] = (hidden, config.token_inputs(h) * hidden)
         if not config.share_lm_head:
             shapes[f"heads.{h}.lm_head.weight"] = (vocab, hidden)
+    if config.prefix_attention:
+        width = config.prefix_intermediate_size
+        shapes.update({"prefix.attn_norm.weight": (hidden,), "prefix.qkv.weight": (3 * hidden, hidden),
+                       "prefix.out.weight": (hidden, hidden), "prefix.mlp_norm.weight": (hidden,),
+                       "prefix.gate_up.weight": (2 * width, hidden), "prefix.down.weight": (hidden, width)})
     return shapes
 
 

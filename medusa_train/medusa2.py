@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 
 from . import assets
 from .config import to_dict
+from .formats import MEDUSA_PARAMETERS
 from .losses import IGNORE_INDEX, LossResult, head_weights, medusa_loss_backward
 from .medusa2_export import (  # noqa: F401  (re-exported: the export side of this recipe)
     ADAPTER_DIR,
@@ -277,8 +278,8 @@ class Medusa2Recipe(Medusa1Recipe):
 
     def param_groups(self) -> list[dict]:
         lr = self.cfg.optim.lr
-        lora = [p for n, p in self.parameters.items() if not n.startswith("heads.")]
-        heads = [p for n, p in self.parameters.items() if n.startswith("heads.")]
+        lora = [p for n, p in self.parameters.items() if not n.startswith(MEDUSA_PARAMETERS)]
+        heads = [p for n, p in self.parameters.items() if n.startswith(MEDUSA_PARAMETERS)]
         groups = [{"params": lora, "lr": lr, "name": "lora"}] if lora else []  # first: its LR is logged as "lr"
         return groups + [{"params": heads, "lr": lr * self.cfg.optim.head_lr_multiplier, "name": "heads"}]
 

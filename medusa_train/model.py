@@ -24,6 +24,7 @@ from .formats import (
     resolve_base_model,
 )
 from .heads import MedusaHead
+from .prefix_attention import PrefixAttention, PrefixCache
 
 
 @dataclass
@@ -65,12 +66,17 @@ class MedusaModel(nn.Module):
                        config.token_inputs(k))
             for k in range(config.num_heads)
         ).to(device=device, dtype=dtype)
+        self.prefix: PrefixAttention | None = None
+        if config.prefix_attention:
+            self.prefix = PrefixAttention(config.hidden_size, config.prefix_attention_heads,
+                                          config.prefix_intermediate_size).to(device=device, dtype=dtype)
 
     # ----------------------------------------------------------------------------- building
     @classmethod
     def from_backbone(cls, backbone: PreTrainedModel, num_heads: int, num_layers: int = 1,
                       share_lm_head: bool = False, dtype: str | torch.dtype | None = None,
-                      next_token_input: bool = False, path_input: bool = False) -> MedusaModel:
+                      next_token_input: bool = False, path_input: bool = False,
+                      prefix_attention: bool = False) -> MedusaModel:
         """Attach fresh heads to ``backbone``; each starts out reproducing the LM head exactly.
 
         Args:
@@ -82,6 +88,9 @@ class MedusaModel(nn.Module):
             next_token_input: Heads also read the embedding of the base model's next token (see
                 ``heads.py``); their inputs come from ``head_inputs``.
             path_input: With ``next_token_input``: head k reads the k + 1 tokens of its path.
+            prefix_attention: The heads read through one causal self-attention layer over the
+                prefix's hidden states (``prefix_attention.py``), as many attention heads and as wide
+                an MLP as the backbone's own layers.
         """
         if num_heads < 1:
             raise ValueError(f"heads.num_heads={num_heads}: must be >= 1")
@@ -91,10 +100,16 @@ class MedusaModel(nn.Module):
         if dtype is None:
             dtype = lm_head.weight.dtype
         dtype = _dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
+        hidden_size = _hidden_size(backbone)
+        text = backbone.config.get_text_config(decoder=True)
         config = MedusaConfig(
-            num_heads=num_heads, num_layers=num_layers, hidden_size=_hidden_size(backbone),
+            num_heads=num_heads, num_layers=num_layers, hidden_size=hidden_size,
             vocab_size=lm_head.weight.shape[0], share_lm_head=share_lm_head, next_token_input=next_token_input,
-            path_input=path_input, base_model_name_or_path=_base_reference(backbone), dtype=dtype,
+            path_input=path_input, prefix_attention=prefix_attention,
+            prefix_attention_heads=getattr(text, "num_attention_heads", 0) or max(hidden_size // 64, 1)
+            if prefix_attention else 0,
+            prefix_intermediate_size=getattr(text, "intermediate_size", 0) or 4 * hidden_size if prefix_attention else 0,
+            base_model_name_or_path=_base_reference(backbone), dtype=dtype,
         )
         return cls(backbone, config)
 
@@ -128,6 +143,20 @@ class MedusaModel(nn.Module):
         logits of 512 positions exist at a time."""
         rows = hidden.reshape(-1, hidden.shape[-1]).split(512)
         return torch.cat([self.base_logits(row).argmax(-1) for row in rows]).reshape(hidden.shape[:-1])
+
+    def context(self, hidden: torch.Tensor, cache: PrefixCache | None = None) -> torch.Tensor:
+        """The hidden states the heads read: ``hidden`` itself, or with ``config.prefix_attention`` the
+        prefix attention layer's output over them (``hidden`` is (seq, hidden) or (batch, seq, hidden),
+        consecutive positions; ``cache`` holds the positions before them, decoding only)."""
+        if self.prefix is None:
+            return hidden
+        if hidden.dim() == 2:
+            return self.prefix(hidden[None], cache)[0]
+        return self.prefix(hidden, cache)
+
+    def medusa_modules(self) -> list[nn.Module]:
+        """What medusa-train adds to the backbone: the heads, and the prefix attention layer if any."""
+        return [self.heads] + ([self.prefix] if self.prefix is not None else [])
 
     def head_inputs(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """What the heads read at each position: ``hidden`` itself, or with ``config.next_token_input``
@@ -181,8 +210,8 @@ class MedusaModel(nn.Module):
 
     # ----------------------------------------------------------------------------- persistence
     def heads_state_dict(self) -> dict[str, torch.Tensor]:
-        """The heads' tensors only (never the backbone's), keyed ``heads.{k}.…``."""
-        return {f"heads.{name}": t.detach().contiguous() for name, t in self.heads.state_dict().items()}
+        """The heads' tensors only (never the backbone's), keyed ``heads.{k}.…`` (and ``prefix.…``)."""
+        return {name: t.detach().contiguous() for name, t in _medusa_state_dict(self).items()}
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write the heads as ``model.safetensors`` + ``config.json`` (atomically: temp folder, rename)."""
@@ -224,13 +253,21 @@ class MedusaModel(nn.Module):
         model = cls(backbone, config)
         if stored_lm_head is not None:
             check_shared_lm_head(stored_lm_head, model.lm_head.weight, source=str(directory))
-        load_heads_strict(model.heads, tensors, source=str(directory))
+        load_heads_strict(model, tensors, source=str(directory))
         return model
 
 
-def load_heads_strict(heads: nn.ModuleList, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``heads.*`` tensors into ``heads``; any missing/extra key or wrong shape is an error."""
-    expected = {f"heads.{k}": v for k, v in heads.state_dict().items()}
+def _medusa_state_dict(model: MedusaModel) -> dict[str, torch.Tensor]:
+    state = {f"heads.{k}": v for k, v in model.heads.state_dict().items()}
+    if model.prefix is not None:
+        state.update({f"prefix.{k}": v for k, v in model.prefix.state_dict().items()})
+    return state
+
+
+def load_heads_strict(model: MedusaModel, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``heads.*`` (and ``prefix.*``) tensors into ``model``; any missing/extra key or wrong shape
+    is an error."""
+    expected = _medusa_state_dict(model)
     check_tensors(tensors, {k: tuple(v.shape) for k, v in expected.items()}, source)
     with torch.no_grad():
         for key, param in expected.items():

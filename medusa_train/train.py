@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint
 from .config import TrainConfig, build_config, to_dict
+from .formats import MEDUSA_PARAMETERS
 from .losses import IGNORE_INDEX, LossResult, Teacher, head_targets, medusa_loss_backward, next_token_inputs
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -114,20 +115,25 @@ class Medusa1Recipe:
         if h.init_from:
             model = MedusaModel.from_pretrained(h.init_from, backbone=backbone)
             c = model.config
-            shape = (c.num_heads, c.num_layers, c.next_token_input, c.path_input)
-            if shape != (h.num_heads, h.num_layers, h.next_token_input, h.path_input):
+            shape = (c.num_heads, c.num_layers, c.next_token_input, c.path_input, c.prefix_attention)
+            if shape != (h.num_heads, h.num_layers, h.next_token_input, h.path_input, h.prefix_attention):
                 raise ValueError(f"heads.init_from={h.init_from} has {c.num_heads} heads x {c.num_layers} layers, "
                                  f"next_token_input={str(c.next_token_input).lower()}, "
-                                 f"path_input={str(c.path_input).lower()}; set heads.num_heads, heads.num_layers, "
-                                 "heads.next_token_input and heads.path_input to match")
-            model.heads.float()
+                                 f"path_input={str(c.path_input).lower()}, "
+                                 f"prefix_attention={str(c.prefix_attention).lower()}; set heads.num_heads, "
+                                 "heads.num_layers, heads.next_token_input, heads.path_input and "
+                                 "heads.prefix_attention to match")
+            for part in model.medusa_modules():
+                part.float()
             model.config.dtype = "float32"
             model.config.base_model_name_or_path = str(m.name_or_path)
         else:
             model = MedusaModel.from_backbone(backbone, h.num_heads, h.num_layers, h.share_lm_head, dtype="float32",
-                                              next_token_input=h.next_token_input, path_input=h.path_input)
-        model.heads.requires_grad_(True)
-        model.heads.to(self.accelerator.device)
+                                              next_token_input=h.next_token_input, path_input=h.path_input,
+                                              prefix_attention=h.prefix_attention)
+        for part in model.medusa_modules():
+            part.requires_grad_(True)
+            part.to(self.accelerator.device)
         return model
 
     def param_groups(self) -> list[dict]:
@@ -262,7 +268,7 @@ class Medusa1Recipe:
 
     @property
     def backbone_trains(self) -> bool:
-        return any(not name.startswith("heads.") for name in self.parameters)
+        return any(not name.startswith(MEDUSA_PARAMETERS) for name in self.parameters)
 
     def hidden_states(self, batch: dict) -> torch.Tensor:
         if "hidden" in batch:  # from the hidden-state cache
@@ -287,12 +293,13 @@ class Medusa1Recipe:
             loss_targets["predictions"] = predictions
         elif targets == "teacher":
             loss_targets["teacher"] = Teacher(self.model.base_logits, hidden.detach())
+        context = self.model.context(hidden)  # through the prefix attention layer, if any
         if not self.model.config.next_token_input:
-            return hidden, loss_targets
+            return context, loss_targets
         greedy = (lambda mask: predictions[mask]) if predictions is not None else \
             (lambda mask: self.model.next_tokens(hidden[mask]))
         tokens = next_token_inputs(labels, self.model.num_heads, greedy)
-        return self.model.head_inputs(hidden, tokens), loss_targets
+        return self.model.head_inputs(context, tokens), loss_targets
 
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}

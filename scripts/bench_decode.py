@@ -17,7 +17,8 @@ initialisation are used here: only cost is measured).
 Options (``key=value``): model, dtype (bfloat16), device (cuda if available, else cpu), context (256),
 repeats (20), warmup (3), num_heads (4), sizes (``1,chain,16,32,64``), threads, accept_length, seed,
 reads (``plain``; ``next_token`` or ``path``: heads that read the next token or their tree path, whose
-candidates cost one head call per tree depth), share_lm_head (false).
+candidates cost one head call per tree depth; ``prefix``: path heads reading through a prefix attention
+layer, which also runs over each step's accepted tokens), share_lm_head (false).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.acceptance import greedy_accept
 from medusa_train.decoding.generate import candidate_tokens, compact_cache, verify_tree
 from medusa_train.decoding.tree import assumed_rank_accuracies, expected_accept_length
+from medusa_train.prefix_attention import PrefixCache
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,
@@ -86,7 +88,8 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
     prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
     cache = DynamicCache()
     out = model(prompt, past_key_values=cache, use_cache=True)
-    hidden_last = out.hidden_states[:, -1]
+    prefix_cache = PrefixCache()
+    hidden_last = model.context(out.hidden_states, prefix_cache)[:, -1]
     dtype = out.hidden_states.dtype
     next_token = int(model.base_logits(hidden_last)[0].argmax())
 
@@ -108,10 +111,12 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
 
         def step():
             tokens = candidate_tokens(model, tree, hidden_last, next_token, heads, ranks)
-            _, logits = verify_tree(model, tokens, mask, offsets, cache, context)
+            hidden, logits = verify_tree(model, tokens, mask, offsets, cache, context)
             result = greedy_accept(tree, tokens, logits)
             compact_cache(cache, context, result.path)
+            model.context(hidden[result.path], prefix_cache)  # what the heads read next (the prefix layer's pass)
             cache.crop(-len(result.path))  # back to the same context for the next run
+            prefix_cache.crop(context)
 
         return step
 
@@ -131,13 +136,15 @@ def main(**overrides) -> int:
     if opts["threads"]:
         torch.set_num_threads(int(opts["threads"]))
     num_heads, context = int(opts["num_heads"]), int(opts["context"])
-    if opts["reads"] not in ("plain", "next_token", "path"):
-        print(f"reads={opts['reads']}: must be plain, next_token or path")
+    if opts["reads"] not in ("plain", "next_token", "path", "prefix"):
+        print(f"reads={opts['reads']}: must be plain, next_token, path or prefix")
         return 2
     backbone, _ = load_backbone(opts["model"], dtype=opts["dtype"])
     backbone.to(device)
     model = MedusaModel.from_backbone(backbone, num_heads=num_heads, share_lm_head=opts["share_lm_head"] == "true",
-                                      next_token_input=opts["reads"] != "plain", path_input=opts["reads"] == "path")
+                                      next_token_input=opts["reads"] != "plain",
+                                      path_input=opts["reads"] in ("path", "prefix"),
+                                      prefix_attention=opts["reads"] == "prefix")
     model.eval()
     trees = trees_to_measure(opts["sizes"], num_heads)
     plain, plain_explicit, results = measure(model, trees, context, int(opts["repeats"]), int(opts["warmup"]), int(opts["seed"]))

@@ -82,7 +82,8 @@ def main(argv: list[str]) -> int:
         f"data.batch_size={t.batch_size}", f"data.eval_size={t.eval_size}", f"heads.num_heads={t.num_heads}", f"heads.num_layers={t.num_layers}",
         f"heads.share_lm_head={str(t.share_lm_head).lower()}",
         f"heads.next_token_input={str(t.next_token_input).lower()}",
-        f"heads.path_input={str(t.path_input).lower()}", f"trainer.epochs={t.epochs}", f"optim.lr={t.lr}",
+        f"heads.path_input={str(t.path_input).lower()}",
+        f"heads.prefix_attention={str(t.prefix_attention).lower()}", f"trainer.epochs={t.epochs}", f"optim.lr={t.lr}",
         f"loss.head_decay={t.head_decay}", f"loss.targets={t.targets}", f"trainer.output_dir={run_dir}", "trainer.save_every=100",
         "trainer.eval_every=100"]
     times["train"] = stage("2/4 train heads (medusa1)", train_cmd, done=newer(export / "training_config.json", data))

@@ -78,14 +78,16 @@ def self_distilled_jsonl(model_dir, data, path):
 
 
 @pytest.mark.parametrize("targets, reads", [("text", "hidden"), ("greedy", "hidden"), ("text", "next_token"),
-                                            ("text", "path"), ("teacher", "path")])
+                                            ("text", "path"), ("teacher", "path"),
+                                            ("text", "prefix")])
 def test_training_from_the_cache_matches_training_without_it(setup, tmp_path, targets, reads):
     _, _, _, _, model_dir, data = setup
     if targets == "greedy":  # greedy targets need text the backbone wrote, or nothing is kept
         data = self_distilled_jsonl(model_dir, data, tmp_path / "distilled.jsonl")
-    next_token = reads != "hidden"
+    next_token, path = reads != "hidden", reads in ("path", "prefix")
     common = {"trainer.max_steps": 12, "trainer.eval_every": 6, "trainer.epochs": 3, "loss.targets": targets,
-              "heads.next_token_input": str(next_token).lower(), "heads.path_input": str(reads == "path").lower()}
+              "heads.next_token_input": str(next_token).lower(), "heads.path_input": str(path).lower(),
+              "heads.prefix_attention": str(reads == "prefix").lower()}
     run(compose_config(train_overrides(model_dir, data, tmp_path / "plain", **common)))
     run(compose_config(train_overrides(model_dir, data, tmp_path / "cached", **common, **{
         "data.cache_hidden_states": "true", "data.cache_dir": tmp_path / "hidden"})))
@@ -98,7 +100,10 @@ def test_training_from_the_cache_matches_training_without_it(setup, tmp_path, ta
         assert all(0.1 < m[f"head{k}/kept"] < 1.0 for m in plain if m["split"] == "eval" for k in (1, 2, 3))
     assert len(list((tmp_path / "hidden").iterdir())) == 2  # train + eval
     exported = MedusaModel.from_pretrained(tmp_path / "cached" / "export", backbone=load_backbone(model_dir)[0])
-    assert (exported.config.next_token_input, exported.config.path_input) == (next_token, reads == "path")
+    config = exported.config
+    assert (config.next_token_input, config.path_input, config.prefix_attention) == (next_token, path, reads == "prefix")
     if next_token:  # the token's projection was trained, not left at its zero start
         assert all(head.blocks[0].token.weight.abs().sum() > 0 for head in exported.heads)
+    if reads == "prefix":  # so was the prefix attention layer (its output projections start at zero)
+        assert exported.prefix.out.weight.abs().sum() > 0 and exported.prefix.down.weight.abs().sum() > 0
     assert json.loads(next((tmp_path / "hidden").glob("*-train/index.json")).read_text())["examples"] > 0

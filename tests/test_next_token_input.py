@@ -107,18 +107,18 @@ def test_config_names_the_key():
 
 def install_token_oracle(model: MedusaModel, reference: torch.Tensor, ranks=(0, 0, 1, 0, 2, 0)) -> None:
     """Heads that know ``reference`` (1, L) but only when told what they read: head k given the hidden
-    state of position j *and* the embedding of ``reference[j + 1]`` (with ``path_input``: of
+    state of position j (as the heads read it: through the prefix attention layer if there is one) *and* the embedding of ``reference[j + 1]`` (with ``path_input``: of
     ``reference[j + 1 .. j + k + 1]``, its whole path) puts the token k + 2 ahead at a rank from
     ``ranks``; told anything else (or off the reference) its guesses are a fixed shuffle."""
     with torch.no_grad():
-        ref_hidden = model(reference).hidden_states[0]
+        ref_hidden = model.context(model(reference).hidden_states)[0]
     tokens = reference[0].tolist()
     embedding = model.backbone.get_input_embeddings().weight
     size, vocab = embedding.shape[1], embedding.shape[0]
 
     def head_logits(inputs: torch.Tensor, k: int) -> torch.Tensor:
         flat = inputs.reshape(-1, inputs.shape[-1])
-        dist, pos = torch.cdist(flat[:, :size], ref_hidden).min(-1)
+        dist, pos = torch.cdist(flat[:, :size], ref_hidden, compute_mode="donot_use_mm_for_euclid_dist").min(-1)
         rows = []
         for h_dist, j, row in zip(dist.tolist(), pos.tolist(), flat):
             order = torch.randperm(vocab, generator=torch.Generator().manual_seed(1000 * j + k)).tolist()
@@ -136,14 +136,27 @@ def install_token_oracle(model: MedusaModel, reference: torch.Tensor, ranks=(0, 
     model.head_logits = head_logits
 
 
-@pytest.mark.parametrize("path_input", [False, True])
-def test_decoding_tells_the_heads_the_tokens_they_read(path_input):
+def oracle_model(backbone, num_heads: int, reads: str) -> MedusaModel:
+    """Heads reading the next token, their path, or their path through a (random) prefix attention layer."""
+    model = MedusaModel.from_backbone(backbone, num_heads=num_heads, next_token_input=True,
+                                      path_input=reads != "next", prefix_attention=reads == "prefix")
+    if model.prefix is not None:
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.prefix.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("reads", ["next", "path", "prefix"])
+def test_decoding_tells_the_heads_the_tokens_they_read(reads):
     """Oracle heads that are right only when given the tokens they read (the tree's root; for path
-    heads the root and every guess on their path): decoding must accept long paths, reaching depth
-    4 (it could not if it fed them anything else, e.g. only the root to a deeper path head), and
-    stay identical to greedy."""
+    heads the root and every guess on their path) and the hidden state they read (through the
+    prefix attention layer, fed every accepted position in order): decoding must accept long paths,
+    reaching depth 4 (it could not if it fed them anything else, e.g. only the root to a deeper path
+    head, or a prefix cache missing a token), and stay identical to greedy."""
     backbone = make_tiny_backbone("llama", seed=4)
-    model = MedusaModel.from_backbone(backbone, num_heads=4, next_token_input=True, path_input=path_input)
+    model = oracle_model(backbone, 4, reads)
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(1))
     reference = greedy_sequence(backbone, ids, 40)
     install_token_oracle(model, reference)
@@ -152,12 +165,13 @@ def test_decoding_tells_the_heads_the_tokens_they_read(path_input):
     assert max(out.accepted_depths) == 4 and out.mean_accept_length > 2.5
 
 
-@pytest.mark.parametrize("path_input", [False, True])
-def test_calibration_tells_the_heads_the_continuations_tokens(path_input):
-    """Calibration gives each head the greedy continuation's own tokens (next token, or whole path):
-    oracle heads then measure exactly 1.0 at rank 0."""
+@pytest.mark.parametrize("reads", ["next", "path", "prefix"])
+def test_calibration_tells_the_heads_the_continuations_tokens(reads):
+    """Calibration gives each head the greedy continuation's own tokens (next token, or whole path)
+    and hidden states (through the prefix attention layer): oracle heads then measure exactly 1.0
+    at rank 0."""
     backbone = make_tiny_backbone("llama", seed=4)
-    model = MedusaModel.from_backbone(backbone, num_heads=3, next_token_input=True, path_input=path_input)
+    model = oracle_model(backbone, 3, reads)
     ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(2))
     reference = greedy_sequence(backbone, ids, 20)
     install_token_oracle(model, reference, ranks=(0,))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from ..prefix_attention import PrefixCache
 from .acceptance import ACCEPTANCE_METHODS, accept, first_token
 from .tree import MedusaTree, tree_from_config
 
@@ -115,8 +116,9 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     start = _now(device)
     cache = DynamicCache()
     out = model(input_ids, past_key_values=cache, use_cache=True)
-    head_hidden = out.hidden_states[:, -1]
-    next_token = first_token(model.base_logits(head_hidden)[0], acceptance, **sampling)
+    prefix_cache = PrefixCache()  # the prefix attention layer's own cache of accepted positions, if the heads have one
+    head_hidden = model.context(out.hidden_states, prefix_cache)[:, -1]
+    next_token = first_token(model.base_logits(out.hidden_states[:, -1])[0], acceptance, **sampling)
     prefill_s = _now(device) - start
 
     offsets = tree.position_offsets.to(device)
@@ -143,7 +145,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
             break
         compact_cache(cache, past_len, result.path)
         past_len += len(result.path)
-        head_hidden = hidden[None, result.path[-1]]
+        head_hidden = model.context(hidden[result.path], prefix_cache)[-1:]
         next_token = result.next_token
     decode_s = _now(device) - start - prefill_s
 
@@ -200,7 +202,7 @@ def candidate_tokens(model, tree: MedusaTree, hidden: torch.Tensor, root_token: 
     Args:
         model: A ``MedusaModel``.
         tree: The tree.
-        hidden: (1, hidden) hidden state of the last accepted token.
+        hidden: (1, hidden) what the heads read at the last accepted token (``MedusaModel.context``).
         root_token: The base model's next token (node 0).
         node_heads: ``tree.node_heads`` on the model's device.
         node_ranks: ``tree.node_ranks`` on the model's device.
