@@ -150,13 +150,20 @@ def test_original_is_the_adapter_disabled_model_and_kl_starts_at_zero(tiny_setup
     recipe.cleanup()
 
 
-@pytest.mark.parametrize("base, head_targets", [("ce", "text"), ("distill", "text"), ("distill", "teacher")])
-def test_combined_loss_gradients_equal_the_naive_all_at_once_loss(tiny_setup, tmp_path, base, head_targets):
-    """With loss.targets=teacher the heads learn the adapted model's own distribution (detached)."""
+@pytest.mark.parametrize("base, head_targets, prefix", [("ce", "text", False), ("distill", "text", False),
+                                                        ("distill", "teacher", False), ("distill", "text", True)])
+def test_combined_loss_gradients_equal_the_naive_all_at_once_loss(tiny_setup, tmp_path, base, head_targets, prefix):
+    """With loss.targets=teacher the heads learn the adapted model's own distribution (detached); a
+    prefix attention layer trains with the heads and passes their gradients on to the LoRA."""
     recipe = make_recipe(tiny_setup, tmp_path, **{"loss.base": base, "loss.chunk_size": 7, "loss.targets": head_targets,
-                                                  "loss.head_warmup_steps": 4, "loss.head_warmup": "linear"})
+                                                  "loss.head_warmup_steps": 4, "loss.head_warmup": "linear",
+                                                  "heads.prefix_attention": str(prefix).lower()})
     recipe.step = 2  # lambda = 0.2 * 2 / 4
     randomize_lora_b(recipe.model)
+    if prefix:  # away from its identity start, so every one of its weights gets a gradient
+        with torch.no_grad():
+            for p in recipe.model.prefix.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
     batch = first_batch(recipe)
     result = recipe.micro_step(batch, loss_scale=0.5)
     chunked = grads(recipe)
@@ -178,8 +185,8 @@ def test_combined_loss_gradients_equal_the_naive_all_at_once_loss(tiny_setup, tm
         log_p = original_logits[:, :-1].float().log_softmax(-1)[valid]
         base_loss = F.kl_div(logits[valid].log_softmax(-1), log_p, log_target=True, reduction="batchmean")
     teacher = Teacher(model.base_logits, hidden.detach()) if head_targets == "teacher" else None
-    heads_loss, _ = medusa_loss_naive(model.head_logits, hidden, labels, model.num_heads, recipe.cfg.loss.head_decay,
-                                      teacher=teacher)
+    heads_loss, _ = medusa_loss_naive(model.head_logits, model.context(hidden), labels, model.num_heads,
+                                      recipe.cfg.loss.head_decay, teacher=teacher)
     ((base_loss + 0.1 * heads_loss) * 0.5).backward()
     naive = grads(recipe)
 
@@ -187,6 +194,7 @@ def test_combined_loss_gradients_equal_the_naive_all_at_once_loss(tiny_setup, tm
     assert float(result.loss) == pytest.approx(base_loss.item() + 0.1 * heads_loss.item(), rel=1e-5)
     assert sorted(chunked) == sorted(naive) == sorted(recipe.parameters)
     assert any(".lora_A" in n and chunked[n].abs().sum() > 0 for n in chunked)
+    assert not prefix or all(chunked[n].abs().sum() > 0 for n in chunked if n.startswith("prefix."))
     for name in naive:
         torch.testing.assert_close(chunked[name], naive[name], rtol=1e-4, atol=1e-7, msg=name)
     recipe.cleanup()
