@@ -98,10 +98,13 @@ def test_the_decode_cache_continues_the_sequence(tiny_llama, chunks):
 def test_round_trip_and_layouts_that_cannot_hold_it(tmp_path, tiny_llama):
     model = randomise_prefix(MedusaModel.from_backbone(tiny_llama, num_heads=2, prefix_attention=True))
     model.save_pretrained(tmp_path / "heads")
-    loaded = MedusaModel.from_pretrained(tmp_path / "heads", backbone=tiny_llama)
-    assert loaded.config == model.config
-    for name, tensor in model.heads_state_dict().items():
-        assert torch.equal(loaded.heads_state_dict()[name], tensor), name
+    export_heads(model, tmp_path / "native", format="native")
+    for folder in ("heads", "native"):
+        loaded = MedusaModel.from_pretrained(tmp_path / folder, backbone=tiny_llama)
+        assert loaded.config == model.config
+        assert loaded.heads_state_dict().keys() == model.heads_state_dict().keys()
+        for name, tensor in model.heads_state_dict().items():
+            assert torch.equal(loaded.heads_state_dict()[name], tensor), name
     assert any(name.startswith("prefix.") for name in model.heads_state_dict())
     for layout in ("medusa_v1", "vllm"):
         with pytest.raises(ValueError, match="prefix attention"):
