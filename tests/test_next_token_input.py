@@ -21,10 +21,11 @@ from medusa_train.losses import IGNORE_INDEX, medusa_loss_backward, medusa_loss_
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-def randomise(model: MedusaModel, seed: int = 0, scale: float = 0.3) -> MedusaModel:
+def randomise(model: MedusaModel, seed: int = 0, scale: float = 0.3, part: str = "heads") -> MedusaModel:
+    """Noise on the weights of ``model.heads`` (or ``model.prefix``), away from their zero start."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.heads.parameters():
+        for p in getattr(model, part).parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
     return model
 
@@ -140,12 +141,7 @@ def oracle_model(backbone, num_heads: int, reads: str) -> MedusaModel:
     """Heads reading the next token, their path, or their path through a (random) prefix attention layer."""
     model = MedusaModel.from_backbone(backbone, num_heads=num_heads, next_token_input=True,
                                       path_input=reads != "next", prefix_attention=reads == "prefix")
-    if model.prefix is not None:
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for p in model.prefix.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.2)
-    return model
+    return randomise(model, seed=7, scale=0.2, part="prefix") if model.prefix is not None else model
 
 
 @pytest.mark.parametrize("reads", ["next", "path", "prefix"])

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_next_token_input import randomise
 
 from medusa_train import MedusaModel
 from medusa_train.export import export_heads
@@ -19,12 +20,8 @@ from medusa_train.prefix_attention import PrefixAttention, PrefixCache
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-def randomise_prefix(model: MedusaModel, seed: int = 0, scale: float = 0.2) -> MedusaModel:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.prefix.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return model
+def randomise_prefix(model: MedusaModel) -> MedusaModel:
+    return randomise(model, scale=0.2, part="prefix")
 
 
 def reference_layer(layer: PrefixAttention, x: torch.Tensor) -> torch.Tensor:
