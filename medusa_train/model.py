@@ -101,15 +101,16 @@ class MedusaModel(nn.Module):
             dtype = lm_head.weight.dtype
         dtype = _dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
         hidden_size = _hidden_size(backbone)
-        text = backbone.config.get_text_config(decoder=True)
+        attention_heads = intermediate_size = 0
+        if prefix_attention:  # the backbone's own layer sizes, or the usual ones where its config has none
+            text = backbone.config.get_text_config(decoder=True)
+            attention_heads = getattr(text, "num_attention_heads", 0) or max(hidden_size // 64, 1)
+            intermediate_size = getattr(text, "intermediate_size", 0) or 4 * hidden_size
         config = MedusaConfig(
             num_heads=num_heads, num_layers=num_layers, hidden_size=hidden_size,
             vocab_size=lm_head.weight.shape[0], share_lm_head=share_lm_head, next_token_input=next_token_input,
-            path_input=path_input, prefix_attention=prefix_attention,
-            prefix_attention_heads=getattr(text, "num_attention_heads", 0) or max(hidden_size // 64, 1)
-            if prefix_attention else 0,
-            prefix_intermediate_size=getattr(text, "intermediate_size", 0) or 4 * hidden_size if prefix_attention else 0,
-            base_model_name_or_path=_base_reference(backbone), dtype=dtype,
+            path_input=path_input, prefix_attention=prefix_attention, prefix_attention_heads=attention_heads,
+            prefix_intermediate_size=intermediate_size, base_model_name_or_path=_base_reference(backbone), dtype=dtype,
         )
         return cls(backbone, config)
 

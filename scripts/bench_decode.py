@@ -89,9 +89,9 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
     cache = DynamicCache()
     out = model(prompt, past_key_values=cache, use_cache=True)
     prefix_cache = PrefixCache()
-    hidden_last = model.context(out.hidden_states, prefix_cache)[:, -1]
+    hidden_last = model.context(out.hidden_states, prefix_cache)[:, -1]  # what the heads read
     dtype = out.hidden_states.dtype
-    next_token = int(model.base_logits(hidden_last)[0].argmax())
+    next_token = int(model.base_logits(out.hidden_states[:, -1])[0].argmax())  # the root: the backbone's own
 
     def plain_step():
         step = model(torch.tensor([[next_token]], device=device), past_key_values=cache, use_cache=True)
