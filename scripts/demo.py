@@ -1,7 +1,8 @@
 """The whole pipeline on the packaged model, as ``make demo`` runs it.
 
     .venv/bin/python scripts/demo.py                                   # defaults: configs/demo.yaml
-    .venv/bin/python scripts/demo.py distill.num_prompts=1500 train.epochs=4 eval.limit=80   # a longer run
+    .venv/bin/python scripts/demo.py distill.num_prompts=2500 train.epochs=4 train.targets=teacher \
+        tree.nodes=128 output_dir=outputs/scale     # the README's largest run: 2.25 tokens/step, ~80 min on 2 cores
 
 Stages (each prints the command it runs, which you can run yourself):
   1. self-distill ShareGPT prompts with the backbone  -> <output_dir>/distill-<n>-<key>.jsonl
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,15 +62,17 @@ def main(argv: list[str]) -> int:
     py = sys.executable
     d, t, tr, e = cfg.distill, cfg.train, cfg.tree, cfg.eval
     # folders are keyed by their settings: changing one starts that stage afresh, keeping the old results
-    data = out / f"distill-{d.num_prompts}-{_key(cfg.model, d)}.jsonl"
+    data = distill_path(out, cfg, d.num_prompts)
     run_dir = out / f"train-{_key(cfg.model, d, t)}"
     export = run_dir / "export"
     tree = run_dir / f"tree-{_key(tr)}.yaml"
     report = run_dir / f"eval-{_key(tr, e)}"
     times = {}
 
-    stats = data.with_suffix(".stats.json")
-    distilled = stats.is_file() and json.loads(stats.read_text()).get("complete", False)
+    distilled = _complete(data)
+    if not distilled and (seed := seed_distillation(out, cfg)) is not None:
+        print(f"\n== the first {seed[0]:,} prompts' replies are taken from {seed[1]} (same settings); "
+              f"distilling only the rest", flush=True)
     times["distill"] = stage("1/4 self-distill", [
         py, "scripts/distill.py", f"model.name_or_path={cfg.model}", f"model.dtype={d.dtype}",
         f"num_prompts={d.num_prompts}", f"max_prompt_tokens={d.max_prompt_tokens}", f"max_turns={d.max_turns}", f"generation.max_new_tokens={d.max_new_tokens}",
@@ -106,6 +110,42 @@ def main(argv: list[str]) -> int:
     print(f"mean accepted length: {result['mean_accepted_length']:.2f}")
     print(f"speedup: {result['speedup']:.2f}x")
     return 0
+
+
+def distill_path(out: Path, cfg, num_prompts: int | None) -> Path:
+    """Where the distill stage of ``cfg`` with ``num_prompts`` prompts writes its records."""
+    return out / f"distill-{num_prompts}-{_key(cfg.model, OmegaConf.merge(cfg.distill, {'num_prompts': num_prompts}))}.jsonl"
+
+
+def seed_distillation(out: Path, cfg) -> tuple[int, Path] | None:
+    """Start a larger distillation from the largest finished smaller one with the same settings.
+
+    The first n usable prompts are the same whatever ``num_prompts`` is, and scripts/distill.py
+    resumes a file from the records in it, so copying a finished 1,600-prompt file in place makes
+    a 2,500-prompt run distill only the other 900. The smaller run's files are left as they are.
+    Returns (its number of prompts, its records file), or None when there is none or the target
+    file already exists (then scripts/distill.py resumes that file itself).
+    """
+    target, wanted = distill_path(out, cfg, cfg.distill.num_prompts), cfg.distill.num_prompts
+    if target.exists():
+        return None
+    sizes = [int(n) for n in {p.name.split("-")[1] for p in out.glob("distill-*-*.jsonl")} if n.isdigit()]
+    for n in sorted((n for n in sizes if wanted is None or n < wanted), reverse=True):
+        source = distill_path(out, cfg, n)
+        if not _complete(source):
+            continue
+        for suffix in (".skipped.jsonl", ".jsonl"):  # records last: their file is what marks the seed
+            if source.with_suffix(suffix).exists():
+                partial = target.with_suffix(suffix + ".partial")
+                shutil.copyfile(source.with_suffix(suffix), partial)
+                partial.replace(target.with_suffix(suffix))
+        return n, source
+    return None
+
+
+def _complete(data: Path) -> bool:
+    stats = data.with_suffix(".stats.json")
+    return stats.is_file() and json.loads(stats.read_text()).get("complete", False)
 
 
 def _key(*parts) -> str:

@@ -1,0 +1,61 @@
+"""scripts/demo.py: a larger distillation reuses a finished smaller one instead of starting over."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from test_distill import KEEP_ALL, make_multiturn_jsonl, read_jsonl, tiny_config
+from train_fixtures import make_model_dir
+
+from medusa_train.backbone import load_backbone
+from medusa_train.distill import build_distill_config, distill
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import demo  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+
+def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_equals_an_uninterrupted_run(tmp_path):
+    model_dir = make_model_dir(tmp_path / "model")
+    model, tokenizer = load_backbone(model_dir, dtype="float32")
+    source = make_multiturn_jsonl(tmp_path / "chat.jsonl", 16, seed=3)
+    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "demo.yaml"), {"model": str(model_dir)})
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def run(num_prompts: int, output: Path):
+        settings = tiny_config(model_dir, source, output, num_prompts=num_prompts, batch_size=2, sort_window=2,
+                               generation={"max_new_tokens": 16}, **KEEP_ALL)
+        return distill(build_distill_config(settings), model, tokenizer)
+
+    reference = run(12, tmp_path / "reference.jsonl")
+    assert reference.records == 12
+    run(4, demo.distill_path(out, cfg, 4))  # finished too, but smaller
+    smaller = demo.distill_path(out, cfg, 8)
+    run(8, smaller)
+    before = smaller.read_bytes()
+    # neither may be taken: 10 prompts, but not finished; 11 prompts, but other settings (another key)
+    unfinished = demo.distill_path(out, cfg, 10)
+    unfinished.write_bytes(before)
+    unfinished.with_suffix(".stats.json").write_text(json.dumps({"complete": False}))
+    other = OmegaConf.merge(cfg, {"distill": {"max_new_tokens": 7}})
+    elsewhere = demo.distill_path(out, other, 11)
+    run(11, elsewhere)
+    assert demo.distill_path(out, cfg, 11) != elsewhere
+
+    larger = OmegaConf.merge(cfg, {"distill": {"num_prompts": 12}})
+    target = demo.distill_path(out, larger, 12)
+    assert demo.seed_distillation(out, larger) == (8, smaller)
+    assert target.read_bytes() == before
+    assert demo.seed_distillation(out, larger) is None  # the target exists: distill resumes it itself
+
+    resumed = run(12, target)
+    assert resumed.resumed_records == 8 and resumed.records == 12
+    records = read_jsonl(target)
+    assert records == read_jsonl(tmp_path / "reference.jsonl")  # same replies, same order, none twice
+    assert smaller.read_bytes() == before  # the smaller run is left as it was
+    assert demo.seed_distillation(out, OmegaConf.merge(cfg, {"distill": {"num_prompts": 8}})) is None
