@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/demo.py                                   # defaults: configs/demo.yaml
     .venv/bin/python scripts/demo.py distill.num_prompts=2500 train.epochs=4 train.targets=teacher \
-        tree.nodes=128 output_dir=outputs/scale     # the README's largest run: 2.25 tokens/step, ~80 min on 2 cores
+        tree.nodes=128 output_dir=outputs/scale     # the README's largest run: 2.25 tokens/step, ~85 min on 2 cores
 
 Stages (each prints the command it runs, which you can run yourself):
   1. self-distill ShareGPT prompts with the backbone  -> <output_dir>/distill-<n>-<key>.jsonl
