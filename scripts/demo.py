@@ -3,10 +3,14 @@
     .venv/bin/python scripts/demo.py                                   # defaults: configs/demo.yaml
     .venv/bin/python scripts/demo.py distill.num_prompts=2500 train.epochs=4 train.targets=teacher \
         tree.nodes=128 output_dir=outputs/scale     # the README's largest run: 2.25 tokens/step, ~85 min on 2 cores
+    .venv/bin/python scripts/demo.py recipe=medusa2 train.targets=teacher   # Medusa-2 on the same data and epochs
 
 Stages (each prints the command it runs, which you can run yourself):
   1. self-distill ShareGPT prompts with the backbone  -> <output_dir>/distill-<n>-<key>.jsonl
   2. train Medusa-1 heads on it (hidden states cached) -> <output_dir>/train-<key>/export
+     (recipe=medusa2: heads on the frozen 4-bit backbone    -> <output_dir>/medusa2-stage1-<key>/export,
+      then LoRA and heads jointly from them                 -> <output_dir>/medusa2-<key>/export, merged/ included;
+      stages 3 and 4 then work in <output_dir>/medusa2-<key>/ and the report adds the backbone's drift)
   3. fit a tree to the heads' measured accuracies      -> <output_dir>/train-<key>/tree-<key>.yaml
   4. evaluate on MT-Bench against plain decoding       -> <output_dir>/train-<key>/eval-<key>/report.{json,md,png}
 Each <key> hashes the settings of its stage and the stages before it, so changing a setting starts
@@ -63,7 +67,11 @@ def main(argv: list[str]) -> int:
     d, t, tr, e = cfg.distill, cfg.train, cfg.tree, cfg.eval
     # folders are keyed by their settings: changing one starts that stage afresh, keeping the old results
     data = distill_path(out, cfg, d.num_prompts)
-    run_dir = out / f"train-{_key(cfg.model, d, t)}"
+    check(cfg)
+    # a medusa1 folder's key is what it was before medusa2 could be asked for, so finished runs are still found
+    t_key = _train_key(t)
+    run_dir = out / (f"train-{_key(cfg.model, d, t_key)}" if cfg.recipe == "medusa1"
+                     else f"medusa2-{_key(cfg.model, d, t_key, cfg.medusa2)}")
     export = run_dir / "export"
     tree = run_dir / f"tree-{_key(tr)}.yaml"
     report = run_dir / f"eval-{_key(tr, e)}"
@@ -80,17 +88,22 @@ def main(argv: list[str]) -> int:
         f"filters.trim_loops={str(d.trim_loops).lower()}",
         f"output={data}"], done=distilled)
 
-    train_cmd = [
-        py, "train.py", "+recipe=medusa1", "data=jsonl", f"model.name_or_path={cfg.model}",
-        f"data.source={data}", "data.cache_hidden_states=true", f"data.max_length={t.max_length}",
-        f"data.batch_size={t.batch_size}", f"data.eval_size={t.eval_size}", f"heads.num_heads={t.num_heads}", f"heads.num_layers={t.num_layers}",
-        f"heads.share_lm_head={str(t.share_lm_head).lower()}",
-        f"heads.next_token_input={str(t.next_token_input).lower()}",
-        f"heads.path_input={str(t.path_input).lower()}",
-        f"heads.prefix_attention={str(t.prefix_attention).lower()}", f"trainer.epochs={t.epochs}", f"optim.lr={t.lr}",
-        f"loss.head_decay={t.head_decay}", f"loss.targets={t.targets}", f"trainer.output_dir={run_dir}", "trainer.save_every=100",
+    heads_flags = [
+        "data=jsonl", f"model.name_or_path={cfg.model}", f"data.source={data}", f"data.max_length={t.max_length}",
+        f"data.batch_size={t.batch_size}", f"data.eval_size={t.eval_size}", f"heads.num_heads={t.num_heads}",
+        f"heads.num_layers={t.num_layers}", f"heads.share_lm_head={str(t.share_lm_head).lower()}",
+        f"heads.next_token_input={str(t.next_token_input).lower()}", f"heads.path_input={str(t.path_input).lower()}",
+        f"heads.prefix_attention={str(t.prefix_attention).lower()}", f"loss.head_decay={t.head_decay}",
+        f"loss.targets={t.targets}", f"model.dtype={t.dtype}",
+        f"trainer.mixed_precision={'bf16' if t.dtype == 'bfloat16' else 'no'}", "trainer.save_every=100",
         "trainer.eval_every=100"]
-    times["train"] = stage("2/4 train heads (medusa1)", train_cmd, done=newer(export / "training_config.json", data))
+    if cfg.recipe == "medusa1":
+        times["train"] = stage("2/4 train heads (medusa1)", [
+            py, "train.py", "+recipe=medusa1", *heads_flags, "data.cache_hidden_states=true",
+            f"trainer.epochs={t.epochs}", f"optim.lr={t.lr}", f"trainer.output_dir={run_dir}"],
+            done=newer(export / "training_config.json", data))
+    else:
+        times["train"] = train_medusa2(cfg, py, heads_flags, data, run_dir, out)
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
         py, "scripts/build_tree.py", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
@@ -99,7 +112,7 @@ def main(argv: list[str]) -> int:
     times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
         py, "scripts/evaluate.py", f"heads={export}", f"tree={tree}", f"bench.limit={e.limit}",
         f"bench.turns={e.turns}", f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
-        f"output_dir={report}"], done=newer(report / "report.json", tree, export / "model.safetensors"))
+        f"output_dir={report}", *(["drift.original=auto"] if cfg.recipe == "medusa2" else [])], done=newer(report / "report.json", tree, export / "model.safetensors"))
 
     result = json.loads((report / "report.json").read_text())
     print("\n== done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items() if v))
@@ -110,6 +123,45 @@ def main(argv: list[str]) -> int:
     print(f"mean accepted length: {result['mean_accepted_length']:.2f}")
     print(f"speedup: {result['speedup']:.2f}x")
     return 0
+
+
+def check(cfg) -> None:
+    """Exit before anything runs, naming the setting to change, if ``cfg`` asks for something impossible."""
+    if cfg.recipe not in ("medusa1", "medusa2"):
+        sys.exit(f"demo: recipe={cfg.recipe}: must be medusa1 or medusa2")
+    if cfg.train.dtype not in ("bfloat16", "float32"):
+        sys.exit(f"demo: train.dtype={cfg.train.dtype}: must be bfloat16 or float32")
+    if cfg.recipe == "medusa2" and not 0 <= cfg.medusa2.stage1_epochs < cfg.train.epochs:
+        sys.exit(f"demo: medusa2.stage1_epochs={cfg.medusa2.stage1_epochs}: must be in [0, train.epochs="
+                 f"{cfg.train.epochs}) so that at least one epoch trains jointly")
+
+
+def train_medusa2(cfg, py: str, heads_flags: list[str], data: Path, run_dir: Path, out: Path) -> float:
+    """Medusa-2 on the demo's data and step budget: ``train.epochs`` in all, two stages by default.
+
+    Stage 1 trains the heads on the frozen 4-bit backbone from cached hidden states (as medusa1
+    does on the bf16 one) for ``medusa2.stage1_epochs``; stage 2 trains LoRA and heads jointly, from
+    stage 1's heads, for the remaining epochs. ``medusa2.stage1_epochs=0`` trains jointly from the start.
+    """
+    t, m = cfg.train, cfg.medusa2
+    joint_epochs = t.epochs - m.stage1_epochs
+    spent, inputs = 0.0, [data]
+    joint = [py, "train.py", "+recipe=medusa2", *heads_flags, f"trainer.epochs={joint_epochs}",
+             f"optim.lr={m.lr}", f"optim.head_lr_multiplier={m.head_lr / m.lr}", f"loss.head_weight={m.head_weight}",
+             f"loss.head_warmup_steps={m.head_warmup_steps}", f"peft.r={m.lora_r}", f"peft.alpha={2 * m.lora_r}",
+             f"trainer.output_dir={run_dir}"]
+    if m.stage1_epochs:
+        stage1 = out / f"medusa2-stage1-{_key(cfg.model, cfg.distill, _train_key(t), m.stage1_epochs)}"
+        spent += stage("2/4 train heads on the frozen 4-bit backbone (medusa2 stage 1)", [
+            py, "train.py", "+recipe=medusa2", "stage=1", *heads_flags, "data.cache_hidden_states=true",
+            f"trainer.epochs={m.stage1_epochs}", f"optim.lr={t.lr}", "optim.head_lr_multiplier=1",
+            "trainer.merge_export=false", f"trainer.output_dir={stage1}"],
+            done=newer(stage1 / "export" / "training_config.json", data))
+        joint[3:3] = ["stage=2", f"heads.init_from={stage1 / 'export'}"]
+        inputs.append(stage1 / "export" / "training_config.json")  # new stage-1 heads: stage 2 runs again
+    spent += stage("2/4 train LoRA and heads jointly (medusa2)", joint,
+                   done=newer(run_dir / "export" / "training_config.json", *inputs))
+    return spent
 
 
 def distill_path(out: Path, cfg, num_prompts: int | None) -> Path:
@@ -146,6 +198,15 @@ def seed_distillation(out: Path, cfg) -> tuple[int, Path] | None:
 def _complete(data: Path) -> bool:
     stats = data.with_suffix(".stats.json")
     return stats.is_file() and json.loads(stats.read_text()).get("complete", False)
+
+
+def _train_key(t):
+    """The train section as keys see it: without ``dtype`` when it is the default bfloat16, so
+    folders trained before ``train.dtype`` existed are still found."""
+    t = OmegaConf.to_container(t)
+    if t.get("dtype") == "bfloat16":
+        del t["dtype"]
+    return t
 
 
 def _key(*parts) -> str:

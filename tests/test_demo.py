@@ -59,3 +59,26 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
     assert records == read_jsonl(tmp_path / "reference.jsonl")  # same replies, same order, none twice
     assert smaller.read_bytes() == before  # the smaller run is left as it was
     assert demo.seed_distillation(out, OmegaConf.merge(cfg, {"distill": {"num_prompts": 8}})) is None
+
+
+@pytest.mark.parametrize("override, named", [
+    ({"recipe": "medusa3"}, "recipe=medusa3: must be medusa1 or medusa2"),
+    ({"train": {"dtype": "float16"}}, "train.dtype=float16: must be bfloat16 or float32"),
+    ({"recipe": "medusa2", "medusa2": {"stage1_epochs": 6}}, "medusa2.stage1_epochs=6: must be in [0, train.epochs=6)"),
+    ({"recipe": "medusa2", "medusa2": {"stage1_epochs": -1}}, "medusa2.stage1_epochs=-1"),
+])
+def test_an_impossible_demo_setting_stops_before_anything_runs_and_names_the_key(override, named):
+    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "demo.yaml"), override)
+    with pytest.raises(SystemExit) as stopped:
+        demo.check(cfg)
+    assert named in str(stopped.value.code)
+
+
+def test_medusa2_and_float32_runs_get_their_own_folders_and_a_default_run_keeps_its_old_one():
+    cfg = OmegaConf.load(ROOT / "configs" / "demo.yaml")
+    demo.check(cfg)
+    demo.check(OmegaConf.merge(cfg, {"recipe": "medusa2", "medusa2": {"stage1_epochs": 0}}))
+    before_dtype = OmegaConf.masked_copy(cfg.train, [k for k in cfg.train if k != "dtype"])
+    assert demo._key(demo._train_key(cfg.train)) == demo._key(before_dtype)  # train.dtype=bfloat16: the old key
+    as_float32 = OmegaConf.merge(cfg.train, {"dtype": "float32"})
+    assert demo._key(demo._train_key(as_float32)) != demo._key(before_dtype)
