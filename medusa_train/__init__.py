@@ -1,14 +1,12 @@
-"""medusa-train: train, export and measure Medusa decoding heads on any Hugging Face causal LM."""
+"""medusa-train: train, export and measure Medusa decoding heads on any Hugging Face causal LM.
 
-from .backbone import load_backbone, load_tokenizer
-from .formats import MedusaConfig
-from .model import MedusaModel, MedusaOutput
+The folders follow the data flow: ``config`` -> ``backbone`` -> ``model`` -> ``data`` ->
+``training`` | ``decoding`` -> ``evaluation`` -> ``cli``; no module imports from a later stage.
+"""
 
-__all__ = ["load_backbone", "load_tokenizer", "MedusaConfig", "MedusaModel", "MedusaOutput"]
+from medusa_train.backbone import load_backbone, load_tokenizer
+from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.model import MedusaConfig, MedusaModel, MedusaOutput
 
-try:  # the decoder lands in its own package; keep the top-level names stable
-    from .decoding import MedusaTree, medusa_generate  # noqa: F401
-
-    __all__ += ["MedusaTree", "medusa_generate"]
-except ImportError:  # pragma: no cover - only while decoding/ is being written
-    pass
+__all__ = ["load_backbone", "load_tokenizer", "MedusaConfig", "MedusaModel", "MedusaOutput", "MedusaTree",
+           "medusa_generate"]

@@ -127,8 +127,8 @@ def _worker(opts: dict) -> dict:
     import torch
     from torch import nn
 
-    from medusa_train.heads import MedusaHead
-    from medusa_train.losses import Teacher, medusa_loss_backward, medusa_loss_naive
+    from medusa_train.model.heads import MedusaHead
+    from medusa_train.training.losses import Teacher, medusa_loss_backward, medusa_loss_naive
 
     torch.manual_seed(opts["seed"])
     device = torch.device(opts["device"])

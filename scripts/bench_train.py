@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from medusa_train.config import build_config
-from medusa_train.train import recipe_class
+from medusa_train.config.train import build_config
+from medusa_train.training.medusa1 import recipe_class
 
 
 def _run(overrides: dict, output_dir: Path) -> tuple[float, list[float]]:

@@ -8,7 +8,7 @@ prompts (MT-Bench, the evaluation set, is excluded), then the ``nodes`` most lik
 Prints the expected accepted length last. Keys: configs/build_tree.yaml.
 """
 
-from medusa_train.calibrate import main
+from medusa_train.evaluation.calibrate import main
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,7 @@ Writes ``<output>`` (messages jsonl for ``data.source=``), ``<output>.skipped.js
 See configs/distill.yaml and medusa_train/distill.py.
 """
 
-from medusa_train.distill import main
+from medusa_train.data.distill.run import main
 
 if __name__ == "__main__":
     main()

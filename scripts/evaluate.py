@@ -8,7 +8,7 @@ Writes report.json, report.md and report.png to ``output_dir`` (default outputs/
 and prints ``mean accepted length: X.XX`` and ``speedup: Y.YYx`` last. Keys: configs/eval.yaml.
 """
 
-from medusa_train.evaluate import main
+from medusa_train.evaluation.evaluate import main
 
 if __name__ == "__main__":
     main()

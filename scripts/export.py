@@ -5,7 +5,7 @@
     python scripts/export.py --help
 
 The heads may be in any layout ``MedusaModel.from_pretrained`` reads. Options are in
-``configs/export.yaml``; the work is ``medusa_train.export.export_folder``.
+``configs/export.yaml``; the work is ``medusa_train.model.export.export_folder``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ConfigStore.instance().store(name="export", node=OmegaConf.load(CONFIG_FILE))
 def main(cfg) -> None:
     """Validate every option, then convert (errors exit with status 2 and name the option)."""
     options = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    from medusa_train.export import export_folder, option_problems
+    from medusa_train.model.export import export_folder, option_problems
 
     problems = [f"{key}=???: required" for key in ("heads", "format", "output") if options[key] == "???"]
     fmt = None if options["format"] == "???" else options["format"]

@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import PACKAGED_MODEL, make_tiny_backbone
 
-from medusa_train import assets, load_backbone
-from medusa_train.backbone import resolve_dtype
+from medusa_train import load_backbone
+from medusa_train.backbone import assets
+from medusa_train.backbone.load import resolve_dtype
 
 
 def test_offline_hub_id_gives_a_clear_error(monkeypatch):
@@ -73,7 +74,7 @@ def test_concurrent_first_conversions_do_not_corrupt_the_cache(tmp_path, package
     link = tmp_path / "SmolLM2.gguf"
     os.symlink(gguf, link)
     env = dict(os.environ, MEDUSA_TRAIN_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    code = ("import sys; from medusa_train.backbone import resolve_model_path; "
+    code = ("import sys; from medusa_train.backbone.load import resolve_model_path; "
             f"print(resolve_model_path({str(link)!r})[0])")
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]

@@ -13,7 +13,7 @@ import yaml
 from train_fixtures import make_model_dir
 
 from medusa_train import MedusaModel, load_backbone
-from medusa_train.calibrate import (
+from medusa_train.evaluation.calibrate import (
     build_build_tree_config,
     calibration_prompts,
     greedy_continuations,
@@ -22,11 +22,11 @@ from medusa_train.calibrate import (
     training_prompts,
     write_tree,
 )
-from medusa_train.config import ConfigError
+from medusa_train.config.train import ConfigError
 from medusa_train.data.benchmarks import normalise_prompt
 from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.tree import expected_accept_length
-from medusa_train.evaluate import load_medusa
+from medusa_train.evaluation.evaluate import load_medusa
 
 HAND_MADE = [  # [head][rank]
     [0.60, 0.20, 0.10],

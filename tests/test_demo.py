@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 from test_distill import KEEP_ALL, make_multiturn_jsonl, read_jsonl, tiny_config
 from train_fixtures import make_model_dir
 
-from medusa_train.backbone import load_backbone
-from medusa_train.distill import build_distill_config, distill
+from medusa_train.backbone.load import load_backbone
+from medusa_train.data.distill.run import build_distill_config, distill
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

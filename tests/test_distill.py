@@ -12,11 +12,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from train_fixtures import make_model_dir
 
-from medusa_train.backbone import load_backbone
-from medusa_train.config import ConfigError
+from medusa_train.backbone.load import load_backbone
+from medusa_train.config.train import ConfigError
 from medusa_train.data import build_datasets, load_conversations
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
-from medusa_train.distill import (
+from medusa_train.data.distill.run import (
     CONFIG_DIR,
     FilterConfig,
     GenerationSettings,
@@ -33,7 +33,7 @@ from medusa_train.distill import (
     prompt_segments,
     repeated_fraction,
 )
-from medusa_train.repetition import loop_start
+from medusa_train.data.distill.repetition import loop_start
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the a one two three quick brown fox jumps over lazy dog hello there how are you today fine".split()
@@ -86,7 +86,7 @@ def test_repetition_is_measured_on_tokens_and_normal_text_passes():
     assert repeated_fraction(loop, 8) > 0.8
     assert repeated_fraction(list(range(200)), 8) == 0.0
     assert repeated_fraction([1, 2, 3], 8) == 0.0  # too short to judge
-    from medusa_train.distill import FilterConfig
+    from medusa_train.data.distill.run import FilterConfig
 
     filters = FilterConfig()
     assert degenerate_reason("  \n", [5], True, filters) == "empty"
@@ -146,7 +146,7 @@ def test_a_torn_last_line_is_dropped_and_finished_lines_are_kept(tmp_path):
 
 
 def test_the_yaml_composes_and_every_invalid_value_is_reported_at_once():
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = build_distill_config(compose("distill"))
         assert cfg.model.name_or_path == "packaged:smollm2-135m-instruct" and cfg.generation.temperature == 0.0
         assert cfg.exclude_benchmark == "packaged:mt-bench" and cfg.filters.skip_truncated

@@ -14,11 +14,11 @@ import torch
 from train_fixtures import make_model_dir
 
 from medusa_train import MedusaModel, load_backbone
-from medusa_train.config import ConfigError
+from medusa_train.config.train import ConfigError
 from medusa_train.data.benchmarks import BenchPrompt
 from medusa_train.decoding import MedusaTree
-from medusa_train.eval_config import build_eval_config, default_output_dir, rename_overrides, resolve_tree
-from medusa_train.evaluate import (
+from medusa_train.config.evaluate import build_eval_config, default_output_dir, rename_overrides, resolve_tree
+from medusa_train.evaluation.evaluate import (
     encode_chat,
     evaluate,
     first_difference,
@@ -57,7 +57,7 @@ def heads_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(heads_dir):
-    from medusa_train.evaluate import load_medusa
+    from medusa_train.evaluation.evaluate import load_medusa
 
     return load_medusa(heads_dir, device="cpu")
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import make_tiny_backbone
 
-from medusa_train.config import ConfigError, build_config
-from medusa_train.losses import IGNORE_INDEX, head_targets
+from medusa_train.config.train import ConfigError, build_config
+from medusa_train.training.losses import IGNORE_INDEX, head_targets
 
 NUM_HEADS = 3
 

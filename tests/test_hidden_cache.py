@@ -7,9 +7,9 @@ from train_fixtures import make_chat_jsonl, make_model_dir, train_overrides
 
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.data import MedusaCollator, build_datasets
-from medusa_train.hidden_cache import HiddenCollator, build_hidden_cache, load_hidden_cache
-from medusa_train.losses import medusa_loss_backward
-from medusa_train.train import run
+from medusa_train.data.capture import HiddenCollator, build_hidden_cache, load_hidden_cache
+from medusa_train.training.losses import medusa_loss_backward
+from medusa_train.training.medusa1 import run
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_loss_and_gradients_equal_the_uncached_path(setup):
 
 def self_distilled_jsonl(model_dir, data, path):
     """The fixture's prompts answered by the tiny backbone itself (greedy), as a user would distil them."""
-    from medusa_train.distill import GenerationSettings, eos_token_ids, generate_replies
+    from medusa_train.data.distill.run import GenerationSettings, eos_token_ids, generate_replies
 
     backbone, tokenizer = load_backbone(model_dir, dtype="float32")
     prompts = [json.loads(line)["messages"][:1] for line in open(data)]

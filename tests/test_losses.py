@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import make_tiny_backbone
 
-from medusa_train import MedusaModel, losses
-from medusa_train.losses import (
+from medusa_train import MedusaModel
+from medusa_train.training import losses
+from medusa_train.training.losses import (
     IGNORE_INDEX,
     head_weights,
     medusa_loss_backward,

@@ -14,10 +14,10 @@ from hydra import compose, initialize_config_dir
 from torch.utils.data import DataLoader
 from train_fixtures import make_chat_jsonl, make_model_dir, train_overrides
 
-from medusa_train.backbone import load_backbone
-from medusa_train.config import ConfigError, build_config
-from medusa_train.losses import IGNORE_INDEX, Teacher, medusa_loss_naive
-from medusa_train.medusa2 import (
+from medusa_train.backbone.load import load_backbone
+from medusa_train.config.train import ConfigError, build_config
+from medusa_train.training.losses import IGNORE_INDEX, Teacher, medusa_loss_naive
+from medusa_train.training.medusa2 import (
     Medusa2Recipe,
     add_lora,
     backbone_drift,
@@ -25,13 +25,14 @@ from medusa_train.medusa2 import (
     load_medusa2_export,
     read_backbone_info,
 )
-from medusa_train.train import CONFIG_DIR, run
+from medusa_train.config.paths import CONFIG_DIR
+from medusa_train.training.medusa1 import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_config(overrides: list[str], recipe: str = "medusa2"):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return build_config(compose("train", overrides=[f"+recipe={recipe}", "trainer=smoke", *overrides]))
 
 
@@ -324,7 +325,7 @@ def test_scripts_evaluate_reads_a_merged_export_without_peft_or_bitsandbytes_and
                                                                "optim.lr": 5e-3})))
     export = out / "export"
     # the original a drift is measured against: merged/ minus the LoRA update equals the adapter-disabled model
-    from medusa_train.medusa2_export import original_backbone
+    from medusa_train.model.medusa2_export import original_backbone
 
     original, _ = original_backbone(export, dtype="float32")
     adapted, _ = load_medusa2_export(export, "adapter")
@@ -356,7 +357,7 @@ def test_scripts_evaluate_reads_a_merged_export_without_peft_or_bitsandbytes_and
     assert drift["mean_kl"] > 0 and 0 <= drift["greedy_agreement"] <= 1
     assert "## Backbone drift" in (report_dir / "report.md").read_text()
     # the same figures from the library, with the model rebuilt here
-    from medusa_train.medusa2_export import backbone_drift
+    from medusa_train.model.medusa2_export import backbone_drift
 
     merged, tokenizer = load_medusa2_export(export, "merged")
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,

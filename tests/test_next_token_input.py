@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from conftest import make_tiny_backbone
 
 from medusa_train import MedusaModel
-from medusa_train.calibrate import measure_rank_accuracies
-from medusa_train.config import ConfigError, build_config
+from medusa_train.evaluation.calibrate import measure_rank_accuracies
+from medusa_train.config.train import ConfigError, build_config
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.generate import candidate_tokens
-from medusa_train.export import export_heads
-from medusa_train.heads import MedusaHead
-from medusa_train.losses import IGNORE_INDEX, medusa_loss_backward, medusa_loss_naive, next_token_inputs
+from medusa_train.model.export import export_heads
+from medusa_train.model.heads import MedusaHead
+from medusa_train.training.losses import IGNORE_INDEX, medusa_loss_backward, medusa_loss_naive, next_token_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from test_next_token_input import randomise
 
 from medusa_train import MedusaModel
-from medusa_train.config import ConfigError, build_config
+from medusa_train.config.train import ConfigError, build_config
 from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.generate import candidate_tokens
-from medusa_train.export import export_heads
-from medusa_train.formats import MedusaConfig
-from medusa_train.model import path_tokens
+from medusa_train.model.export import export_heads
+from medusa_train.model.layouts import MedusaConfig
+from medusa_train.model.medusa import path_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from test_next_token_input import randomise
 
 from medusa_train import MedusaModel
-from medusa_train.export import export_heads
-from medusa_train.formats import read_heads
-from medusa_train.model import load_heads_strict
-from medusa_train.prefix_attention import PrefixAttention, PrefixCache
+from medusa_train.model.export import export_heads
+from medusa_train.model.layouts import read_heads
+from medusa_train.model.medusa import load_heads_strict
+from medusa_train.model.prefix_attention import PrefixAttention, PrefixCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 

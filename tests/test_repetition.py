@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from medusa_train.repetition import LoopTracker, loop_start, repeated_fraction, repeated_grams
+from medusa_train.data.distill.repetition import LoopTracker, loop_start, repeated_fraction, repeated_grams
 
 
 def looping(prefix_len: int, period: int, total: int, seed: int = 0) -> list[int]:

@@ -13,9 +13,9 @@ from test_losses import (
     zero_grads,
 )
 
-from medusa_train import losses
-from medusa_train.config import ConfigError, build_config
-from medusa_train.losses import IGNORE_INDEX, Teacher, medusa_loss_backward, medusa_loss_naive
+from medusa_train.training import losses
+from medusa_train.config.train import ConfigError, build_config
+from medusa_train.training.losses import IGNORE_INDEX, Teacher, medusa_loss_backward, medusa_loss_naive
 
 
 def teacher_of(model, hidden: torch.Tensor) -> Teacher:

@@ -12,14 +12,15 @@ from hydra import compose, initialize_config_dir
 from train_fixtures import make_chat_jsonl, make_model_dir, train_overrides
 
 from medusa_train import MedusaModel
-from medusa_train.config import ConfigError, build_config
-from medusa_train.train import CONFIG_DIR, run
+from medusa_train.config.train import ConfigError, build_config
+from medusa_train.config.paths import CONFIG_DIR
+from medusa_train.training.medusa1 import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return build_config(compose("train", overrides=["+recipe=medusa1", "trainer=smoke", *overrides]))
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medusa_train.assets import is_packaged, packaged_data_file
+from medusa_train.backbone.assets import is_packaged, packaged_data_file
 from medusa_train.data.sources import ROLE_ALIASES, SkipStats
 
 DEFAULT_BENCHMARK = "packaged:mt-bench"

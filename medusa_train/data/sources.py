@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medusa_train.assets import is_packaged, packaged_data_file
+from medusa_train.backbone.assets import is_packaged, packaged_data_file
 
 Message = dict[str, str]
 Conversation = list[Message]

@@ -1,8 +1,8 @@
 """Tree-attention speculative decoding with Medusa heads: trees, the decoder, acceptance rules."""
 
-from .acceptance import ACCEPTANCE_METHODS, Acceptance
-from .generate import MedusaGenerateOutput, medusa_generate
-from .tree import MedusaTree, build_tree, tree_from_config
+from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, Acceptance
+from medusa_train.decoding.generate import MedusaGenerateOutput, medusa_generate
+from medusa_train.decoding.tree import MedusaTree, build_tree, tree_from_config
 
 __all__ = ["ACCEPTANCE_METHODS", "Acceptance", "MedusaGenerateOutput", "MedusaTree", "build_tree",
            "medusa_generate", "tree_from_config"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import MedusaTree
+from medusa_train.decoding.tree import MedusaTree
 
 ACCEPTANCE_METHODS = ("greedy", "typical", "rejection")
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..prefix_attention import PrefixCache
-from .acceptance import ACCEPTANCE_METHODS, accept, first_token
-from .tree import MedusaTree, tree_from_config
+from medusa_train.model.prefix_attention import PrefixCache
+from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
+from medusa_train.decoding.tree import MedusaTree, tree_from_config
 
 
 @dataclass

@@ -14,9 +14,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_train.config.paths import TREE_DIR
+
 import torch
 
-TREE_DIR = Path(__file__).parents[2] / "configs" / "tree"
 
 # Assumed probability that head d's rank-k guess is right (top-1 per head: Medusa's 7B heads at the
 # end of training; lower ranks decay as top1 * 0.15 / k, which puts head 1's top-5 near 0.73 and its

@@ -142,7 +142,7 @@ def test_max_length_must_be_positive(word_tokenizer):
 
 @pytest.mark.slow
 def test_smollm2_labels_decode_to_each_reply_and_im_end():
-    from medusa_train.backbone import load_tokenizer
+    from medusa_train.backbone.load import load_tokenizer
     from medusa_train.data import load_conversations
 
     tokenizer = load_tokenizer("packaged:smollm2-135m-instruct")

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from .data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
-from .decoding.tree import MedusaTree, build_tree, expected_accept_length
-from .eval_config import EvalModelConfig, default_output_dir, hydra_entry
-from .evaluate import encode_chat, eos_token_ids, load_medusa, plain_generate
+from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
+from medusa_train.decoding.tree import MedusaTree, build_tree, expected_accept_length
+from medusa_train.config.evaluate import EvalModelConfig, default_output_dir, hydra_entry
+from medusa_train.evaluation.evaluate import encode_chat, eos_token_ids, load_medusa, plain_generate
 
 CONVERSATION_SOURCES = ("packaged:sharegpt-v3",)
 
@@ -52,14 +52,14 @@ class BuildTreeConfig:
 
 def build_build_tree_config(raw) -> BuildTreeConfig:
     """A validated ``BuildTreeConfig``; every problem is reported at once (``ConfigError``)."""
-    from .config import parse_config
+    from medusa_train.config.train import parse_config
 
     return parse_config(BuildTreeConfig, raw, check_build_tree_config)
 
 
 def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
     """Range checks; every problem names its key."""
-    from .backbone import DTYPES
+    from medusa_train.backbone.load import DTYPES
 
     p: list[str] = []
 
@@ -98,7 +98,7 @@ def training_prompts(heads_dir: str | os.PathLike) -> set[str]:
     data = json.loads(path.read_text()).get("data", {})
     if not data.get("source"):
         return set()
-    from .data.sources import load_conversations
+    from medusa_train.data.sources import load_conversations
 
     conversations, _ = load_conversations(data["source"], max_samples=data.get("max_samples"))
     return {normalise_prompt(m["content"]) for c in conversations for m in c if m["role"] == "user"}
@@ -120,7 +120,7 @@ def calibration_prompts(source: str, tokenizer, num_prompts: int, max_prompt_tok
         seen: Normalised prompts to pass over as well.
     """
     if source in CONVERSATION_SOURCES:
-        from .data.sources import load_conversations
+        from medusa_train.data.sources import load_conversations
 
         conversations, _ = load_conversations(source, max_samples=max(num_prompts * 8, 64) + len(seen))
         candidates = [next((m["content"] for m in c if m["role"] == "user"), "") for c in conversations]

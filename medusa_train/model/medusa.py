@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from . import assets
-from .formats import (
+from medusa_train.backbone import assets
+from medusa_train.model.layouts import (
     CONFIG_NAME,
     SHARED_LM_HEAD_KEY,
     WEIGHTS_NAME,
@@ -23,8 +23,8 @@ from .formats import (
     read_heads,
     resolve_base_model,
 )
-from .heads import MedusaHead
-from .prefix_attention import PrefixAttention, PrefixCache
+from medusa_train.model.heads import MedusaHead
+from medusa_train.model.prefix_attention import PrefixAttention, PrefixCache
 
 
 @dataclass
@@ -247,7 +247,7 @@ class MedusaModel(nn.Module):
         if backbone is None:
             if not config.base_model_name_or_path:
                 raise ValueError(f"{directory}/config.json names no base model; pass backbone=")
-            from .backbone import load_backbone
+            from medusa_train.backbone.load import load_backbone
 
             backbone, _ = load_backbone(resolve_base_model(directory, config.base_model_name_or_path),
                                         **backbone_kwargs)

@@ -73,7 +73,7 @@ def merge_backbone(trained, adapter_dir: str | os.PathLike | None, base_name_or_
         dtype: Weight dtype of the result (the 4-bit weights' own dtype, ``model.dtype``).
         **load_kwargs: Passed to ``load_backbone`` (``trust_remote_code``, ``attn_implementation``).
     """
-    from .backbone import load_backbone
+    from medusa_train.backbone.load import load_backbone
 
     dense, _ = load_backbone(base_name_or_path, dtype=dtype, **load_kwargs)
     dequantize_into(trained.get_base_model() if hasattr(trained, "get_base_model") else trained, dense)
@@ -107,8 +107,8 @@ def load_medusa2_export(directory: str | os.PathLike, form: str = "merged", dtyp
         device_map: Passed to ``from_pretrained`` for the quantized load.
         attn_implementation: ``sdpa`` / ``eager``; ``None`` keeps transformers' default.
     """
-    from .backbone import load_backbone
-    from .model import MedusaModel
+    from medusa_train.backbone.load import load_backbone
+    from medusa_train.model.medusa import MedusaModel
 
     directory = Path(directory)
     info = read_backbone_info(directory)
@@ -147,7 +147,7 @@ def original_backbone(directory: str | os.PathLike, dtype: str | None = None, at
     """
     from safetensors.torch import load_file
 
-    from .backbone import load_backbone
+    from medusa_train.backbone.load import load_backbone
 
     directory = Path(directory)
     info = read_backbone_info(directory)

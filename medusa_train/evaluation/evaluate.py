@@ -28,9 +28,9 @@ from dataclasses import asdict
 
 import torch
 
-from .data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
-from .decoding import MedusaTree, medusa_generate
-from .eval_config import (
+from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
+from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.config.evaluate import (
     CLI_RENAMES,
     DecodeConfig,
     DriftConfig,
@@ -58,13 +58,13 @@ def load_medusa(heads_dir: str | os.PathLike, model: EvalModelConfig | None = No
     Returns:
         ``(MedusaModel, tokenizer)`` in eval mode.
     """
-    from .backbone import load_backbone
-    from .model import MedusaModel
+    from medusa_train.backbone.load import load_backbone
+    from medusa_train.model.medusa import MedusaModel
 
     model = model or EvalModelConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model.form == "adapter":  # Medusa-2: the 4-bit base + LoRA, as in training (peft and bitsandbytes)
-        from .medusa2_export import load_medusa2_export
+        from medusa_train.model.medusa2_export import load_medusa2_export
 
         medusa, tokenizer = load_medusa2_export(heads_dir, "adapter", dtype=model.dtype,
                                                 device_map=device, attn_implementation=model.attn_implementation)
@@ -279,7 +279,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     report.update(extra or {})
     report["per_prompt"] = records
     if output_dir is not None:
-        from .report import write_report
+        from medusa_train.evaluation.report import write_report
 
         report["files"] = {k: str(v) for k, v in write_report(report, output_dir).items()}
     return report
@@ -346,8 +346,8 @@ def measure_drift(backbone, tokenizer, prompts: Sequence[BenchPrompt], drift: Dr
         evaluated) per token of the original's greedy answers), ``greedy_agreement``, ``num_tokens``,
         ``prompts`` and ``max_new_tokens``.
     """
-    from .backbone import load_backbone
-    from .medusa2_export import backbone_drift, original_backbone
+    from medusa_train.backbone.load import load_backbone
+    from medusa_train.model.medusa2_export import backbone_drift, original_backbone
 
     model = model or EvalModelConfig()
     if drift.original == "auto":

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import assets
+from medusa_train.backbone import assets
 
 CACHE_FORMAT = 1
 SHARD_TOKENS = 1 << 20  # ~1.1 GiB of bf16 states at hidden 576; keeps shards a manageable size

@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from . import assets
-from .config import to_dict
-from .formats import MEDUSA_PARAMETERS
-from .losses import IGNORE_INDEX, LossResult, head_weights, medusa_loss_backward
-from .medusa2_export import (  # noqa: F401  (re-exported: the export side of this recipe)
+from medusa_train.backbone import assets
+from medusa_train.config.train import to_dict
+from medusa_train.model.layouts import MEDUSA_PARAMETERS
+from medusa_train.training.losses import IGNORE_INDEX, LossResult, head_weights, medusa_loss_backward
+from medusa_train.model.medusa2_export import (  # noqa: F401  (re-exported: the export side of this recipe)
     ADAPTER_DIR,
     BACKBONE_INFO,
     MERGED_DIR,
@@ -50,7 +50,7 @@ from .medusa2_export import (  # noqa: F401  (re-exported: the export side of th
     merge_backbone,
     read_backbone_info,
 )
-from .train import Medusa1Recipe, MetricsLog
+from medusa_train.training.medusa1 import Medusa1Recipe, MetricsLog
 
 
 # ------------------------------------------------------------------------------------ schedule
@@ -258,7 +258,7 @@ class Medusa2Recipe(Medusa1Recipe):
             self.log("warning: loss.base=null: the backbone trains on the heads' loss alone and may drift freely")
 
     def build_model(self):
-        from .backbone import load_backbone
+        from medusa_train.backbone.load import load_backbone
 
         cfg, m, device = self.cfg, self.cfg.model, self.accelerator.device
         backbone, tokenizer = load_backbone(

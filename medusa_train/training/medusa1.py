@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from . import checkpoint
-from .config import TrainConfig, build_config, to_dict
-from .formats import MEDUSA_PARAMETERS
-from .losses import IGNORE_INDEX, LossResult, Teacher, head_targets, medusa_loss_backward, next_token_inputs
+from medusa_train.training import checkpoint
+from medusa_train.config.paths import CONFIG_DIR
+from medusa_train.config.train import TrainConfig, build_config, to_dict
+from medusa_train.model.layouts import MEDUSA_PARAMETERS
+from medusa_train.training.losses import IGNORE_INDEX, LossResult, Teacher, head_targets, medusa_loss_backward, next_token_inputs
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
 class MetricsLog:
@@ -96,7 +96,7 @@ class Medusa1Recipe:
                  f"{self.total_steps} steps in all; {acc.num_processes} process(es)")
 
     def build_model(self):
-        from .backbone import load_backbone
+        from medusa_train.backbone.load import load_backbone
 
         m = self.cfg.model
         backbone, tokenizer = load_backbone(
@@ -109,7 +109,7 @@ class Medusa1Recipe:
 
     def build_heads(self, backbone):
         """Float32 trainable heads on ``backbone``: fresh, or from ``heads.init_from``."""
-        from .model import MedusaModel
+        from medusa_train.model.medusa import MedusaModel
 
         m, h = self.cfg.model, self.cfg.heads
         if h.init_from:
@@ -140,7 +140,7 @@ class Medusa1Recipe:
         return [{"params": list(self.parameters.values()), "lr": self.cfg.optim.lr}]
 
     def build_data(self) -> None:
-        from .data import LengthGroupedBatchSampler, MedusaCollator, build_datasets
+        from medusa_train.data import LengthGroupedBatchSampler, MedusaCollator, build_datasets
 
         d, acc = self.cfg.data, self.accelerator
         with acc.main_process_first():  # the first process fills the data caches; the others read them
@@ -169,7 +169,7 @@ class Medusa1Recipe:
 
     def cache_hidden_states(self, train: list[dict], evals: list[dict]) -> tuple[list[dict], list[dict]]:
         """Run the frozen backbone once over both splits; later epochs (and runs) read the cache."""
-        from . import hidden_cache
+        from medusa_train.data import capture as hidden_cache
 
         d, m, acc = self.cfg.data, self.cfg.model, self.accelerator
         # the whole model section: quantization and its settings change the states as much as the weights do
@@ -411,7 +411,7 @@ class Medusa1Recipe:
 
 
 def _head_weights(num_heads: int, decay: float) -> list[float]:
-    from .losses import head_weights
+    from medusa_train.training.losses import head_weights
 
     return head_weights(num_heads, decay)
 
@@ -458,7 +458,7 @@ def _cosine_schedule(optimizer, warmup: int, total: int, min_ratio: float):
 
 def recipe_class(method: str) -> type[Medusa1Recipe]:
     if method == "medusa2":
-        from .medusa2 import Medusa2Recipe  # peft and bitsandbytes only when asked for
+        from medusa_train.training.medusa2 import Medusa2Recipe  # peft and bitsandbytes only when asked for
 
         return Medusa2Recipe
     return Medusa1Recipe
@@ -480,9 +480,9 @@ def main() -> None:
     """Hydra entry point (the root ``train.py`` calls this)."""
     import hydra
 
-    @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+    @hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base="1.3")
     def _main(raw) -> None:
-        from .config import ConfigError
+        from medusa_train.config.train import ConfigError
 
         try:
             cfg = build_config(raw)
@@ -491,7 +491,7 @@ def main() -> None:
             sys.exit(2)
         run(cfg)
 
-    from .launch import relaunch_cpu_processes_if_asked
+    from medusa_train.cli.launch import relaunch_cpu_processes_if_asked
 
     relaunch_cpu_processes_if_asked()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

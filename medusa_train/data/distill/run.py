@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, ModelConfig, check_model, parse_config
-from .data.benchmarks import benchmark_prompt_texts, normalise_prompt
-from .repetition import LoopTracker, repeated_fraction
+from medusa_train.config.paths import CONFIG_DIR
+from medusa_train.config.train import ConfigError, ModelConfig, check_model, parse_config
+from medusa_train.data.benchmarks import benchmark_prompt_texts, normalise_prompt
+from medusa_train.data.distill.repetition import LoopTracker, repeated_fraction
 
 Message = dict[str, str]
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 # Settings that change what a record contains: resuming an output made with others is refused.
 RECORD_SETTINGS = ("model.name_or_path", "model.dtype", "model.quantization", "source", "max_turns",
@@ -169,7 +169,7 @@ def render_length(tokenizer, messages: list[Message]) -> int:
 
 def select_prompts(cfg: DistillConfig, tokenizer, benchmark: set[str]) -> Selection:
     """The first ``num_prompts`` usable conversations of ``cfg.source`` (reading further as needed)."""
-    from .data import load_conversations
+    from medusa_train.data import load_conversations
 
     want = cfg.num_prompts
     to_read = None if want is None else max(2 * want, want + 64)
@@ -606,7 +606,7 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
 
 
 def _load(cfg: DistillConfig):
-    from .backbone import load_backbone
+    from medusa_train.backbone.load import load_backbone
 
     m = cfg.model
     model, tokenizer = load_backbone(m.name_or_path, dtype=m.dtype, quantization=m.quantization,
@@ -643,6 +643,6 @@ def report(cfg: DistillConfig) -> DistillStats:
 
 def main() -> None:
     """Hydra entry point (``scripts/distill.py`` calls this)."""
-    from .eval_config import hydra_entry
+    from medusa_train.config.evaluate import hydra_entry
 
     hydra_entry("distill", build_distill_config, report, {})

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import assets
-from .formats import (
+from medusa_train.backbone import assets
+from medusa_train.model.layouts import (
     CONFIG_NAME,
     LAYOUTS,
     MEDUSA_V1_PT_NAME,
@@ -31,7 +31,7 @@ from .formats import (
     native_shapes,
     read_heads,
 )
-from .model import MedusaModel
+from medusa_train.model.medusa import MedusaModel
 
 
 def export_heads(model: MedusaModel, directory: str | os.PathLike, format: str, lm_head_pt: bool = False,
@@ -195,7 +195,7 @@ def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: s
     if not (config.share_lm_head and format != "native"):
         tensors.pop(SHARED_LM_HEAD_KEY, None)  # a native shared-head export stores no LM head
         return write_heads(config, tensors, output, format, **options)
-    from .backbone import load_backbone
+    from medusa_train.backbone.load import load_backbone
 
     name = model or config.base_model_name_or_path
     if not name:

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-FORMAT_VERSION = 1
+from medusa_train.model.config import FORMAT_VERSION, MedusaConfig  # noqa: F401  (FORMAT_VERSION: re-exported)
+
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 LAYOUTS = ("native", "medusa_v1", "vllm")
@@ -49,63 +49,6 @@ VLLM_WEIGHTS_NAME = "model.safetensors"
 SHARED_LM_HEAD_KEY = "lm_head.weight"
 # Native name prefixes of what medusa-train adds to a backbone (every other parameter is the backbone's).
 MEDUSA_PARAMETERS = ("heads.", "prefix.")
-
-
-@dataclass
-class MedusaConfig:
-    """What a set of heads needs to be rebuilt and attached to its backbone.
-
-    Attributes:
-        num_heads: Number of Medusa heads; head k (0-based) predicts the token k+2 ahead.
-        num_layers: ResBlocks per head.
-        hidden_size: Backbone hidden size the heads read.
-        vocab_size: Output vocabulary of every head.
-        share_lm_head: Heads project through the backbone's frozen LM head instead of their own.
-        next_token_input: Each head also reads the embedding of the base model's next token (the
-            tree's root), added inside its first ResBlock: ``x + SiLU(W x + b + U e)``. Only the
-            native layout can hold such heads.
-        path_input: With ``next_token_input``: head k reads the k + 1 tokens between its position
-            and its target (the tree root and its path's earlier guesses), not the next one alone.
-        prefix_attention: The heads read the output of one causal self-attention layer over the
-            prefix's hidden states (``prefix_attention.py``), of ``prefix_attention_heads``
-            attention heads and an MLP ``prefix_intermediate_size`` wide. Native layout only.
-        base_model_name_or_path: The backbone these heads were trained on.
-        dtype: Dtype the head weights were saved in.
-        format_version: Version of this layout.
-    """
-
-    num_heads: int
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    share_lm_head: bool = False
-    next_token_input: bool = False
-    path_input: bool = False
-    prefix_attention: bool = False
-    prefix_attention_heads: int = 0
-    prefix_intermediate_size: int = 0
-    base_model_name_or_path: str | None = None
-    dtype: str = "float32"
-    format_version: int = FORMAT_VERSION
-
-    def __post_init__(self):
-        if self.path_input and not self.next_token_input:
-            raise ValueError("path_input=true needs next_token_input=true: the path starts with the next token "
-                             "(set heads.next_token_input=true)")
-
-    def token_inputs(self, k: int) -> int:
-        """How many token embeddings head ``k`` reads: 0, 1 (the next token) or k + 1 (its path)."""
-        if not self.next_token_input:
-            return 0
-        return k + 1 if self.path_input else 1
-
-    def to_dict(self) -> dict:
-        return {"format": "medusa_train", **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> MedusaConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 def detect_format(config: dict) -> str:

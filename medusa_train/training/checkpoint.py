@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import assets
+from medusa_train.backbone import assets
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 

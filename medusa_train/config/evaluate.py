@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .data.benchmarks import BENCH_PICKS, BENCHMARK_PACKAGES, DEFAULT_BENCHMARK
-from .decoding import ACCEPTANCE_METHODS, MedusaTree, tree_from_config
-from .decoding.tree import TREE_DIR
-from .formats import resolve_base_model
+from medusa_train.data.benchmarks import BENCH_PICKS, BENCHMARK_PACKAGES, DEFAULT_BENCHMARK
+from medusa_train.decoding import ACCEPTANCE_METHODS, MedusaTree, tree_from_config
+from medusa_train.config.paths import CONFIG_DIR, TREE_DIR
+from medusa_train.model.layouts import resolve_base_model
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -105,8 +104,8 @@ def build_eval_config(raw) -> EvalConfig:
     Raises:
         ConfigError: listing each invalid value with the key to change.
     """
-    from .backbone import DTYPES
-    from .config import parse_config
+    from medusa_train.backbone.load import DTYPES
+    from medusa_train.config.train import parse_config
 
     return parse_config(EvalConfig, raw, lambda cfg: check_eval_config(cfg, DTYPES))
 
@@ -206,13 +205,13 @@ def hydra_entry(config_name: str, build, run_fn, renames: dict[str, str]) -> Non
     import hydra
     from omegaconf import OmegaConf
 
-    from .config import ConfigError
+    from medusa_train.config.train import ConfigError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     OmegaConf.register_new_resolver("default_output_dir", default_output_dir, replace=True)
     sys.argv = [sys.argv[0], *rename_overrides(sys.argv[1:], renames)]
 
-    @hydra.main(config_path=CONFIG_DIR, config_name=config_name, version_base="1.3")
+    @hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base="1.3")
     def _main(raw) -> None:
         try:
             cfg = build(raw)

@@ -1,0 +1,1 @@
+"""Command-line plumbing: one Hydra entry helper and one small module per command."""

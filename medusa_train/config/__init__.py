@@ -1,0 +1,1 @@
+"""Typed configuration of every command, one check helper, and where the shipped configs live."""

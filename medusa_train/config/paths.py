@@ -1,0 +1,21 @@
+"""Where the shipped configs live: ``configs/`` of the checkout, or the copy inside an installed wheel.
+
+The repository keeps ``configs/`` at its top level; the wheel carries the same folder as package
+data at ``medusa_train/configs/`` (see ``pyproject.toml``), so an installed package composes the
+training config and finds the built-in trees wherever it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def _config_dir() -> Path:
+    installed = _PACKAGE / "configs"  # inside a wheel
+    return installed if installed.is_dir() else _PACKAGE.parent / "configs"  # a checkout
+
+
+CONFIG_DIR: Path = _config_dir()
+TREE_DIR: Path = CONFIG_DIR / "tree"  # built-in trees: tree=default | chain | small

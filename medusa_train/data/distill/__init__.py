@@ -1,0 +1,1 @@
+"""Self-distillation: the backbone answers the training prompts itself."""

@@ -1,0 +1,1 @@
+"""Measuring heads: accepted length, per-head acceptance, speed against plain decoding, drift, reports."""
