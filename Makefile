@@ -14,7 +14,7 @@ help:  ## list the targets
 
 setup: $(VENV)/.installed  ## create .venv and install everything (fast when already done)
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"

@@ -34,7 +34,6 @@ from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.acceptance import greedy_accept
 from medusa_train.decoding.generate import candidate_tokens, compact_cache, verify_tree
 from medusa_train.decoding.tree import assumed_rank_accuracies, expected_accept_length
-from medusa_train.model.prefix_attention import PrefixCache
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,
@@ -88,10 +87,10 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
     prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
     cache = DynamicCache()
     out = model(prompt, past_key_values=cache, use_cache=True)
-    prefix_cache = PrefixCache()
-    hidden_last = model.context(out.hidden_states, prefix_cache)[:, -1]  # what the heads read
     dtype = out.hidden_states.dtype
     next_token = int(model.base_logits(out.hidden_states[:, -1])[0].argmax())  # the root: the backbone's own
+    heads_state = model.new_decode_state()  # what the heads keep between steps (e.g. their own cache)
+    model.head_features(out.hidden_states[0, :-1], torch.tensor([[next_token]], device=device), heads_state)
 
     def plain_step():
         step = model(torch.tensor([[next_token]], device=device), past_key_values=cache, use_cache=True)
@@ -107,16 +106,16 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
 
     def verify_step(tree: MedusaTree):
         mask = tree.attention_mask(dtype).to(device)
-        offsets, heads, ranks = (t.to(device) for t in (tree.position_offsets, tree.node_heads, tree.node_ranks))
+        offsets = tree.position_offsets.to(device)
 
         def step():
-            tokens = candidate_tokens(model, tree, hidden_last, next_token, heads, ranks)
+            # the heads read the last accepted position (their own pass, e.g. the prefix layer's) and guess
+            tokens = candidate_tokens(model, tree, out.hidden_states[0, -1:], next_token, heads_state)
             hidden, logits = verify_tree(model, tokens, mask, offsets, cache, context)
             result = greedy_accept(tree, tokens, logits)
             compact_cache(cache, context, result.path)
-            model.context(hidden[result.path], prefix_cache)  # what the heads read next (the prefix layer's pass)
             cache.crop(-len(result.path))  # back to the same context for the next run
-            prefix_cache.crop(context)
+            heads_state.rewind(context)
 
         return step
 

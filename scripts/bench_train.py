@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from medusa_train.cli.train import recipe_class
 from medusa_train.config.train import build_config
-from medusa_train.training.medusa1 import recipe_class
 
 
 def _run(overrides: dict, output_dir: Path) -> tuple[float, list[float]]:
@@ -25,7 +25,7 @@ def _run(overrides: dict, output_dir: Path) -> tuple[float, list[float]]:
     started = time.perf_counter()
     recipe.setup()
     setup_s = time.perf_counter() - started
-    recipe.cfg.trainer.log_every = recipe.steps_per_epoch  # one metrics line per epoch
+    recipe.cfg.trainer.log_every = recipe.run.data.steps_per_epoch  # one metrics line per epoch
     recipe.train()
     recipe.cleanup()
     lines = [json.loads(x) for x in (output_dir / "metrics.jsonl").read_text().splitlines()]

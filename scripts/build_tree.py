@@ -5,10 +5,10 @@
 
 Each head's top-k accuracy is measured on the backbone's own greedy continuations of calibration
 prompts (MT-Bench, the evaluation set, is excluded), then the ``nodes`` most likely paths are kept.
-Prints the expected accepted length last. Keys: configs/build_tree.yaml.
+Prints the expected accepted length last. Keys: configs/commands/build_tree.yaml.
 """
 
-from medusa_train.evaluation.calibrate import main
+from medusa_train.cli.build_tree import main
 
 if __name__ == "__main__":
     main()

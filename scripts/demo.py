@@ -1,6 +1,6 @@
 """The whole pipeline on the packaged model, as ``make demo`` runs it.
 
-    .venv/bin/python scripts/demo.py                                   # defaults: configs/demo.yaml
+    .venv/bin/python scripts/demo.py                                   # defaults: configs/commands/demo.yaml
     .venv/bin/python scripts/demo.py distill.num_prompts=2500 train.epochs=4 train.targets=teacher \
         tree.nodes=128 output_dir=outputs/scale     # the README's largest run: 2.25 tokens/step, ~85 min on 2 cores
     .venv/bin/python scripts/demo.py recipe=medusa2 train.targets=teacher   # Medusa-2 on the same data and epochs
@@ -27,9 +27,10 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from medusa_train.config.demo import DemoConfig, build_demo_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ)
@@ -54,27 +55,34 @@ def newer(output: Path, *inputs: Path) -> bool:
     return output.exists() and all(output.stat().st_mtime >= i.stat().st_mtime for i in inputs if i.exists())
 
 
-def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        print((ROOT / "configs" / "demo.yaml").read_text())
-        return 0
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "demo.yaml"), OmegaConf.from_dotlist(argv))
+def main() -> None:
+    """Entry point: ``configs/commands/demo.yaml`` with the command line's ``key=value`` overrides."""
+    from medusa_train.cli.entry import run_command
+
+    run_command("demo", build_demo_config, run)
+
+
+def stage_paths(cfg: DemoConfig) -> dict[str, Path]:
+    """Where each stage of ``cfg`` writes. Folders are keyed by their settings (and those of the stages
+    before them): changing one starts that stage afresh, keeping the old results."""
+    out, t_key = Path(cfg.output_dir), _train_key(cfg.train)
+    # a medusa1 folder's key is what it was before medusa2 could be asked for, so finished runs are still found
+    run_dir = out / (f"train-{_key(cfg.model, cfg.distill, t_key)}" if cfg.recipe == "medusa1"
+                     else f"medusa2-{_key(cfg.model, cfg.distill, t_key, cfg.medusa2)}")
+    return {"data": distill_path(out, cfg, cfg.distill.num_prompts), "run": run_dir, "export": run_dir / "export",
+            "stage1": out / f"medusa2-stage1-{_key(cfg.model, cfg.distill, t_key, cfg.medusa2.stage1_epochs)}",
+            "tree": run_dir / f"tree-{_key(cfg.tree)}.yaml", "report": run_dir / f"eval-{_key(cfg.tree, cfg.eval)}"}
+
+
+def run(cfg: DemoConfig) -> None:
+    """Run every stage that is not done yet, then print where everything went and the headline numbers."""
     out = Path(cfg.output_dir)
     if cfg.threads:
         ENV["OMP_NUM_THREADS"] = str(cfg.threads)
     py = sys.executable
     d, t, tr, e = cfg.distill, cfg.train, cfg.tree, cfg.eval
-    # folders are keyed by their settings: changing one starts that stage afresh, keeping the old results
-    data = distill_path(out, cfg, d.num_prompts)
-    check(cfg)
-    # a medusa1 folder's key is what it was before medusa2 could be asked for, so finished runs are still found
-    t_key = _train_key(t)
-    run_dir = out / (f"train-{_key(cfg.model, d, t_key)}" if cfg.recipe == "medusa1"
-                     else f"medusa2-{_key(cfg.model, d, t_key, cfg.medusa2)}")
-    export = run_dir / "export"
-    tree = run_dir / f"tree-{_key(tr)}.yaml"
-    report = run_dir / f"eval-{_key(tr, e)}"
+    paths = stage_paths(cfg)
+    data, run_dir, export, tree, report = (paths[k] for k in ("data", "run", "export", "tree", "report"))
     times = {}
 
     distilled = _complete(data)
@@ -103,7 +111,7 @@ def main(argv: list[str]) -> int:
             f"trainer.epochs={t.epochs}", f"optim.lr={t.lr}", f"trainer.output_dir={run_dir}"],
             done=newer(export / "training_config.json", data))
     else:
-        times["train"] = train_medusa2(cfg, py, heads_flags, data, run_dir, out)
+        times["train"] = train_medusa2(cfg, py, heads_flags, data, run_dir, paths["stage1"])
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
         py, "scripts/build_tree.py", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
@@ -122,21 +130,9 @@ def main(argv: list[str]) -> int:
     print(f"greedy mismatches vs plain decoding: {result['mismatches']}")
     print(f"mean accepted length: {result['mean_accepted_length']:.2f}")
     print(f"speedup: {result['speedup']:.2f}x")
-    return 0
 
 
-def check(cfg) -> None:
-    """Exit before anything runs, naming the setting to change, if ``cfg`` asks for something impossible."""
-    if cfg.recipe not in ("medusa1", "medusa2"):
-        sys.exit(f"demo: recipe={cfg.recipe}: must be medusa1 or medusa2")
-    if cfg.train.dtype not in ("bfloat16", "float32"):
-        sys.exit(f"demo: train.dtype={cfg.train.dtype}: must be bfloat16 or float32")
-    if cfg.recipe == "medusa2" and not 0 <= cfg.medusa2.stage1_epochs < cfg.train.epochs:
-        sys.exit(f"demo: medusa2.stage1_epochs={cfg.medusa2.stage1_epochs}: must be in [0, train.epochs="
-                 f"{cfg.train.epochs}) so that at least one epoch trains jointly")
-
-
-def train_medusa2(cfg, py: str, heads_flags: list[str], data: Path, run_dir: Path, out: Path) -> float:
+def train_medusa2(cfg: DemoConfig, py: str, heads_flags: list[str], data: Path, run_dir: Path, stage1: Path) -> float:
     """Medusa-2 on the demo's data and step budget: ``train.epochs`` in all, two stages by default.
 
     Stage 1 trains the heads on the frozen 4-bit backbone from cached hidden states (as medusa1
@@ -151,7 +147,6 @@ def train_medusa2(cfg, py: str, heads_flags: list[str], data: Path, run_dir: Pat
              f"loss.head_warmup_steps={m.head_warmup_steps}", f"peft.r={m.lora_r}", f"peft.alpha={2 * m.lora_r}",
              f"trainer.output_dir={run_dir}"]
     if m.stage1_epochs:
-        stage1 = out / f"medusa2-stage1-{_key(cfg.model, cfg.distill, _train_key(t), m.stage1_epochs)}"
         spent += stage("2/4 train heads on the frozen 4-bit backbone (medusa2 stage 1)", [
             py, "train.py", "+recipe=medusa2", "stage=1", *heads_flags, "data.cache_hidden_states=true",
             f"trainer.epochs={m.stage1_epochs}", f"optim.lr={t.lr}", "optim.head_lr_multiplier=1",
@@ -164,12 +159,12 @@ def train_medusa2(cfg, py: str, heads_flags: list[str], data: Path, run_dir: Pat
     return spent
 
 
-def distill_path(out: Path, cfg, num_prompts: int | None) -> Path:
+def distill_path(out: Path, cfg: DemoConfig, num_prompts: int | None) -> Path:
     """Where the distill stage of ``cfg`` with ``num_prompts`` prompts writes its records."""
-    return out / f"distill-{num_prompts}-{_key(cfg.model, OmegaConf.merge(cfg.distill, {'num_prompts': num_prompts}))}.jsonl"
+    return out / f"distill-{num_prompts}-{_key(cfg.model, replace(cfg.distill, num_prompts=num_prompts))}.jsonl"
 
 
-def seed_distillation(out: Path, cfg) -> tuple[int, Path] | None:
+def seed_distillation(out: Path, cfg: DemoConfig) -> tuple[int, Path] | None:
     """Start a larger distillation from the largest finished smaller one with the same settings.
 
     The first n usable prompts are the same whatever ``num_prompts`` is, and scripts/distill.py
@@ -200,10 +195,10 @@ def _complete(data: Path) -> bool:
     return stats.is_file() and json.loads(stats.read_text()).get("complete", False)
 
 
-def _train_key(t):
+def _train_key(t) -> dict:
     """The train section as keys see it: without ``dtype`` when it is the default bfloat16, so
     folders trained before ``train.dtype`` existed are still found."""
-    t = OmegaConf.to_container(t)
+    t = asdict(t)
     if t.get("dtype") == "bfloat16":
         del t["dtype"]
     return t
@@ -211,9 +206,9 @@ def _train_key(t):
 
 def _key(*parts) -> str:
     """8 hex digits that change whenever any of ``parts`` (config sections) changes."""
-    text = json.dumps([OmegaConf.to_container(p) if OmegaConf.is_config(p) else p for p in parts], sort_keys=True)
+    text = json.dumps([asdict(p) if is_dataclass(p) else p for p in parts], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main()

@@ -5,10 +5,10 @@
     python scripts/evaluate.py heads=outputs/medusa1/export tree=outputs/trees/medusa1-n64.yaml model.dtype=bfloat16
 
 Writes report.json, report.md and report.png to ``output_dir`` (default outputs/eval/<heads name>)
-and prints ``mean accepted length: X.XX`` and ``speedup: Y.YYx`` last. Keys: configs/eval.yaml.
+and prints ``mean accepted length: X.XX`` and ``speedup: Y.YYx`` last. Keys: configs/commands/evaluate.yaml.
 """
 
-from medusa_train.evaluation.evaluate import main
+from medusa_train.cli.evaluate import main
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random backbones built in-process, and the packaged real model (slow)."""
+"""Shared fixtures: tiny random backbones built in-process, and the packaged real model (slow).
+The helpers behind them live in ``tests/helpers/``; test modules import from there, never from here."""
 
 from __future__ import annotations
 
@@ -11,37 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import (  # noqa: E402
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
-
-PACKAGED_MODEL = "packaged:smollm2-135m-instruct"
-TINY_VOCAB = 256
-
-
-def make_tiny_backbone(arch: str = "llama", seed: int = 0, vocab_size: int = TINY_VOCAB, hidden_size: int = 64,
-                       tie: bool = False, attn_implementation: str = "sdpa"):
-    """A small random causal LM of a real architecture, float32, eval mode, frozen."""
-    torch.manual_seed(seed)
-    common = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-                  num_attention_heads=4, vocab_size=vocab_size, max_position_embeddings=512,
-                  tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common))
-    elif arch == "gpt_neox":
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(**common))
-    else:
-        raise ValueError(arch)
-    model.config._attn_implementation = attn_implementation
-    model.name_or_path = f"tiny-{arch}"
-    return model.eval().requires_grad_(False)
+from helpers.backbones import PACKAGED_MODEL, make_tiny_backbone  # noqa: E402
 
 
 @pytest.fixture

@@ -1,16 +1,23 @@
-"""scripts/demo.py: a larger distillation reuses a finished smaller one instead of starting over."""
+"""scripts/demo.py: settings checked before anything runs, folder keys that find finished runs, and a larger
+distillation that reuses a finished smaller one instead of starting over."""
 
 import json
+import os
+import subprocess
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
-from test_distill import KEEP_ALL, make_multiturn_jsonl, read_jsonl, tiny_config
-from train_fixtures import make_model_dir
+from helpers.distill import KEEP_ALL, make_multiturn_jsonl, read_jsonl, tiny_config
+from helpers.training import make_model_dir
+from hydra import compose, initialize_config_dir
 
 from medusa_train.backbone.load import load_backbone
-from medusa_train.data.distill.run import build_distill_config, distill
+from medusa_train.cli.entry import COMMANDS_DIR
+from medusa_train.config.check import ConfigError
+from medusa_train.config.demo import DemoConfig, build_demo_config
+from medusa_train.data.distill import build_distill_config, distill
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -19,11 +26,17 @@ import demo  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
+def demo_config(*overrides: str) -> DemoConfig:
+    """configs/commands/demo.yaml with command-line overrides, read as scripts/demo.py reads it."""
+    with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
+        return build_demo_config(compose("demo", list(overrides)))
+
+
 def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_equals_an_uninterrupted_run(tmp_path):
     model_dir = make_model_dir(tmp_path / "model")
     model, tokenizer = load_backbone(model_dir, dtype="float32")
     source = make_multiturn_jsonl(tmp_path / "chat.jsonl", 16, seed=3)
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "demo.yaml"), {"model": str(model_dir)})
+    cfg = demo_config(f"model={model_dir}")
     out = tmp_path / "out"
     out.mkdir()
 
@@ -42,12 +55,12 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
     unfinished = demo.distill_path(out, cfg, 10)
     unfinished.write_bytes(before)
     unfinished.with_suffix(".stats.json").write_text(json.dumps({"complete": False}))
-    other = OmegaConf.merge(cfg, {"distill": {"max_new_tokens": 7}})
+    other = replace(cfg, distill=replace(cfg.distill, max_new_tokens=7))
     elsewhere = demo.distill_path(out, other, 11)
     run(11, elsewhere)
     assert demo.distill_path(out, cfg, 11) != elsewhere
 
-    larger = OmegaConf.merge(cfg, {"distill": {"num_prompts": 12}})
+    larger = replace(cfg, distill=replace(cfg.distill, num_prompts=12))
     target = demo.distill_path(out, larger, 12)
     assert demo.seed_distillation(out, larger) == (8, smaller)
     assert target.read_bytes() == before
@@ -58,27 +71,46 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
     records = read_jsonl(target)
     assert records == read_jsonl(tmp_path / "reference.jsonl")  # same replies, same order, none twice
     assert smaller.read_bytes() == before  # the smaller run is left as it was
-    assert demo.seed_distillation(out, OmegaConf.merge(cfg, {"distill": {"num_prompts": 8}})) is None
+    assert demo.seed_distillation(out, replace(cfg, distill=replace(cfg.distill, num_prompts=8))) is None
 
 
-@pytest.mark.parametrize("override, named", [
-    ({"recipe": "medusa3"}, "recipe=medusa3: must be medusa1 or medusa2"),
-    ({"train": {"dtype": "float16"}}, "train.dtype=float16: must be bfloat16 or float32"),
-    ({"recipe": "medusa2", "medusa2": {"stage1_epochs": 6}}, "medusa2.stage1_epochs=6: must be in [0, train.epochs=6)"),
-    ({"recipe": "medusa2", "medusa2": {"stage1_epochs": -1}}, "medusa2.stage1_epochs=-1"),
+@pytest.mark.parametrize("overrides, named", [
+    (["recipe=medusa3"], "recipe='medusa3': must be medusa1 or medusa2"),
+    (["train.dtype=float16"], "train.dtype='float16': must be bfloat16 or float32"),
+    (["recipe=medusa2", "medusa2.stage1_epochs=6"], "medusa2.stage1_epochs=6: must be in [0, train.epochs=6)"),
+    (["recipe=medusa2", "medusa2.stage1_epochs=-1"], "medusa2.stage1_epochs=-1"),
+    (["train.epochs=two"], "train.epochs='two': expected int"),
+    (["+tree.depth=3"], "tree.depth: unknown key"),
 ])
-def test_an_impossible_demo_setting_stops_before_anything_runs_and_names_the_key(override, named):
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "configs" / "demo.yaml"), override)
-    with pytest.raises(SystemExit) as stopped:
-        demo.check(cfg)
-    assert named in str(stopped.value.code)
+def test_an_impossible_demo_setting_stops_before_anything_runs_and_names_the_key(overrides, named):
+    with pytest.raises(ConfigError) as stopped:
+        demo_config(*overrides)
+    assert named in str(stopped.value)
+
+
+def test_the_command_line_reports_every_problem_and_runs_nothing(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "recipe=medusa3", "train.dtype=float16",
+                           f"output_dir={tmp_path / 'out'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "recipe='medusa3'" in done.stderr and "train.dtype='float16'" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # no stage ran, and Hydra wrote nothing of its own
 
 
 def test_medusa2_and_float32_runs_get_their_own_folders_and_a_default_run_keeps_its_old_one():
-    cfg = OmegaConf.load(ROOT / "configs" / "demo.yaml")
-    demo.check(cfg)
-    demo.check(OmegaConf.merge(cfg, {"recipe": "medusa2", "medusa2": {"stage1_epochs": 0}}))
-    before_dtype = OmegaConf.masked_copy(cfg.train, [k for k in cfg.train if k != "dtype"])
+    cfg = demo_config()
+    demo_config("recipe=medusa2", "medusa2.stage1_epochs=0")  # valid: joint from the start
+    before_dtype = {k: v for k, v in asdict(cfg.train).items() if k != "dtype"}
     assert demo._key(demo._train_key(cfg.train)) == demo._key(before_dtype)  # train.dtype=bfloat16: the old key
-    as_float32 = OmegaConf.merge(cfg.train, {"dtype": "float32"})
+    as_float32 = replace(cfg.train, dtype="float32")
     assert demo._key(demo._train_key(as_float32)) != demo._key(before_dtype)
+
+
+def test_the_default_settings_keep_the_folders_of_finished_runs():
+    """Folder keys of configs/commands/demo.yaml as they were computed before the demo's config was typed
+    (from OmegaConf sections): a finished run must still be found, not started again."""
+    names = {stage: path.name for stage, path in demo.stage_paths(demo_config()).items()}
+    assert names == {"data": "distill-400-be6e59f2.jsonl", "run": "train-a6bc37ee", "export": "export",
+                     "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-3c283f98.yaml", "report": "eval-40187ec9"}
+    assert demo.stage_paths(demo_config("recipe=medusa2"))["run"].name == "medusa2-495b46b3"

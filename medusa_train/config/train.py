@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from medusa_train.config.check import ConfigError, parse_config  # noqa: F401  (ConfigError: re-exported)
+from medusa_train.config.check import ConfigError, Problems, parse_config  # noqa: F401  (ConfigError: re-exported)
 
 
 @dataclass
@@ -138,72 +138,67 @@ def check_model(m: ModelConfig) -> list[str]:
 
 def check(c: TrainConfig) -> list[str]:
     """Range and consistency checks; returns every problem found."""
-    p: list[str] = []
-
-    def need(ok: bool, key: str, value, rule: str):
-        if not ok:
-            p.append(f"{key}={value!r}: {rule}")
-
-    need(c.method in ("medusa1", "medusa2"), "method", c.method, "must be medusa1 or medusa2")
-    need(c.stage in (None, 1, 2), "stage", c.stage, "must be null, 1 or 2")
-    need(c.stage is None or c.method == "medusa2", "stage", c.stage, "only applies to +recipe=medusa2")
-    need(not (c.method == "medusa2" and c.stage == 2 and not c.heads.init_from), "heads.init_from", None,
-         "stage=2 starts from stage 1's heads: set heads.init_from=<stage-1 output_dir>/export")
+    p = Problems()
+    p.need(c.method in ("medusa1", "medusa2"), "method", c.method, "must be medusa1 or medusa2")
+    p.need(c.stage in (None, 1, 2), "stage", c.stage, "must be null, 1 or 2")
+    p.need(c.stage is None or c.method == "medusa2", "stage", c.stage, "only applies to +recipe=medusa2")
+    p.need(not (c.method == "medusa2" and c.stage == 2 and not c.heads.init_from), "heads.init_from", None,
+           "stage=2 starts from stage 1's heads: set heads.init_from=<stage-1 output_dir>/export")
     p += check_model(c.model)
-    need(c.heads.num_heads >= 1, "heads.num_heads", c.heads.num_heads, "must be >= 1")
-    need(c.heads.num_layers >= 0, "heads.num_layers", c.heads.num_layers, "must be >= 0")
-    need(not c.heads.next_token_input or c.heads.num_layers >= 1, "heads.next_token_input", True,
-         "the next token enters the first ResBlock: needs heads.num_layers >= 1")
-    need(not c.heads.path_input or c.heads.next_token_input, "heads.path_input", True,
-         "the path starts with the next token: needs heads.next_token_input=true")
-    need(c.data.max_length >= 8, "data.max_length", c.data.max_length, "must be >= 8")
-    need(c.data.max_samples is None or c.data.max_samples >= 1, "data.max_samples", c.data.max_samples,
-         "must be >= 1 or null (all)")
-    need(c.data.eval_size >= 0, "data.eval_size", c.data.eval_size, "must be >= 0")
-    need(c.data.batch_size >= 1, "data.batch_size", c.data.batch_size, "must be >= 1")
-    need(c.data.eval_batch_size is None or c.data.eval_batch_size >= 1, "data.eval_batch_size",
-         c.data.eval_batch_size, "must be >= 1")
-    need(not (c.data.cache_hidden_states and c.method == "medusa2" and c.stage != 1), "data.cache_hidden_states",
-         True, "needs a frozen backbone: use it with +recipe=medusa1 (or medusa2 stage=1)")
-    need(0.0 < c.loss.head_decay <= 1.0, "loss.head_decay", c.loss.head_decay, "must be in (0, 1]")
-    need(c.loss.chunk_size is None or c.loss.chunk_size >= 1, "loss.chunk_size", c.loss.chunk_size,
-         "must be >= 1 or null")
-    need(c.loss.targets in ("text", "greedy", "teacher"), "loss.targets", c.loss.targets,
-         "must be text, greedy or teacher")
-    need(c.loss.targets != "greedy" or c.method == "medusa1" or c.stage == 1, "loss.targets", c.loss.targets,
-         "greedy targets come from a frozen backbone: use +recipe=medusa1 (or medusa2 stage=1)")
-    need(c.loss.base in (None, "ce", "distill"), "loss.base", c.loss.base, "must be null, ce or distill")
-    need(c.loss.head_weight >= 0, "loss.head_weight", c.loss.head_weight, "must be >= 0")
-    need(c.loss.head_warmup_steps >= 0, "loss.head_warmup_steps", c.loss.head_warmup_steps, "must be >= 0")
-    need(c.loss.head_warmup in ("linear", "sine"), "loss.head_warmup", c.loss.head_warmup, "must be linear or sine")
-    need(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be > 0")
-    need(c.optim.weight_decay >= 0, "optim.weight_decay", c.optim.weight_decay, "must be >= 0")
-    need(len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "optim.betas", c.optim.betas,
-         "must be two numbers in [0, 1)")
-    need(0 <= c.optim.warmup_ratio < 1, "optim.warmup_ratio", c.optim.warmup_ratio, "must be in [0, 1)")
-    need(c.optim.warmup_steps is None or c.optim.warmup_steps >= 0, "optim.warmup_steps", c.optim.warmup_steps,
-         "must be >= 0")
-    need(0 <= c.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", c.optim.min_lr_ratio, "must be in [0, 1]")
-    need(c.optim.max_grad_norm is None or c.optim.max_grad_norm > 0, "optim.max_grad_norm", c.optim.max_grad_norm,
-         "must be > 0 or null")
-    need(c.optim.grad_accum_steps >= 1, "optim.grad_accum_steps", c.optim.grad_accum_steps, "must be >= 1")
-    need(c.optim.head_lr_multiplier > 0, "optim.head_lr_multiplier", c.optim.head_lr_multiplier, "must be > 0")
-    need(c.trainer.epochs >= 1, "trainer.epochs", c.trainer.epochs, "must be >= 1")
-    need(c.trainer.max_steps is None or c.trainer.max_steps >= 1, "trainer.max_steps", c.trainer.max_steps,
-         "must be >= 1 or null (use epochs)")
-    need(c.trainer.resume in ("auto", "never") or os.path.isdir(c.trainer.resume), "trainer.resume",
-         c.trainer.resume, "must be auto, never, or an existing checkpoint folder")
+    p.need(c.heads.num_heads >= 1, "heads.num_heads", c.heads.num_heads, "must be >= 1")
+    p.need(c.heads.num_layers >= 0, "heads.num_layers", c.heads.num_layers, "must be >= 0")
+    p.need(not c.heads.next_token_input or c.heads.num_layers >= 1, "heads.next_token_input", True,
+           "the next token enters the first ResBlock: needs heads.num_layers >= 1")
+    p.need(not c.heads.path_input or c.heads.next_token_input, "heads.path_input", True,
+           "the path starts with the next token: needs heads.next_token_input=true")
+    p.need(c.data.max_length >= 8, "data.max_length", c.data.max_length, "must be >= 8")
+    p.need(c.data.max_samples is None or c.data.max_samples >= 1, "data.max_samples", c.data.max_samples,
+           "must be >= 1 or null (all)")
+    p.need(c.data.eval_size >= 0, "data.eval_size", c.data.eval_size, "must be >= 0")
+    p.need(c.data.batch_size >= 1, "data.batch_size", c.data.batch_size, "must be >= 1")
+    p.need(c.data.eval_batch_size is None or c.data.eval_batch_size >= 1, "data.eval_batch_size",
+           c.data.eval_batch_size, "must be >= 1")
+    p.need(not (c.data.cache_hidden_states and c.method == "medusa2" and c.stage != 1), "data.cache_hidden_states",
+           True, "needs a frozen backbone: use it with +recipe=medusa1 (or medusa2 stage=1)")
+    p.need(0.0 < c.loss.head_decay <= 1.0, "loss.head_decay", c.loss.head_decay, "must be in (0, 1]")
+    p.need(c.loss.chunk_size is None or c.loss.chunk_size >= 1, "loss.chunk_size", c.loss.chunk_size,
+           "must be >= 1 or null")
+    p.need(c.loss.targets in ("text", "greedy", "teacher"), "loss.targets", c.loss.targets,
+           "must be text, greedy or teacher")
+    p.need(c.loss.targets != "greedy" or c.method == "medusa1" or c.stage == 1, "loss.targets", c.loss.targets,
+           "greedy targets come from a frozen backbone: use +recipe=medusa1 (or medusa2 stage=1)")
+    p.need(c.loss.base in (None, "ce", "distill"), "loss.base", c.loss.base, "must be null, ce or distill")
+    p.need(c.loss.head_weight >= 0, "loss.head_weight", c.loss.head_weight, "must be >= 0")
+    p.need(c.loss.head_warmup_steps >= 0, "loss.head_warmup_steps", c.loss.head_warmup_steps, "must be >= 0")
+    p.need(c.loss.head_warmup in ("linear", "sine"), "loss.head_warmup", c.loss.head_warmup, "must be linear or sine")
+    p.need(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be > 0")
+    p.need(c.optim.weight_decay >= 0, "optim.weight_decay", c.optim.weight_decay, "must be >= 0")
+    p.need(len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "optim.betas", c.optim.betas,
+           "must be two numbers in [0, 1)")
+    p.need(0 <= c.optim.warmup_ratio < 1, "optim.warmup_ratio", c.optim.warmup_ratio, "must be in [0, 1)")
+    p.need(c.optim.warmup_steps is None or c.optim.warmup_steps >= 0, "optim.warmup_steps", c.optim.warmup_steps,
+           "must be >= 0")
+    p.need(0 <= c.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", c.optim.min_lr_ratio, "must be in [0, 1]")
+    p.need(c.optim.max_grad_norm is None or c.optim.max_grad_norm > 0, "optim.max_grad_norm", c.optim.max_grad_norm,
+           "must be > 0 or null")
+    p.need(c.optim.grad_accum_steps >= 1, "optim.grad_accum_steps", c.optim.grad_accum_steps, "must be >= 1")
+    p.need(c.optim.head_lr_multiplier > 0, "optim.head_lr_multiplier", c.optim.head_lr_multiplier, "must be > 0")
+    p.need(c.trainer.epochs >= 1, "trainer.epochs", c.trainer.epochs, "must be >= 1")
+    p.need(c.trainer.max_steps is None or c.trainer.max_steps >= 1, "trainer.max_steps", c.trainer.max_steps,
+           "must be >= 1 or null (use epochs)")
+    p.need(c.trainer.resume in ("auto", "never") or os.path.isdir(c.trainer.resume), "trainer.resume",
+           c.trainer.resume, "must be auto, never, or an existing checkpoint folder")
     for key in ("save_every", "eval_every"):
-        need(getattr(c.trainer, key) >= 0, f"trainer.{key}", getattr(c.trainer, key), "must be >= 0")
-    need(c.trainer.keep_last >= 1, "trainer.keep_last", c.trainer.keep_last, "must be >= 1")
-    need(c.trainer.log_every >= 1, "trainer.log_every", c.trainer.log_every, "must be >= 1")
-    need(c.trainer.mixed_precision in ("no", "bf16", "fp16"), "trainer.mixed_precision", c.trainer.mixed_precision,
-         "must be no, bf16 or fp16")
-    need(bool(c.trainer.output_dir), "trainer.output_dir", c.trainer.output_dir, "must be set")
-    need(c.peft.r >= 1, "peft.r", c.peft.r, "must be >= 1")
-    need(0 <= c.peft.dropout < 1, "peft.dropout", c.peft.dropout, "must be in [0, 1)")
-    need(c.heads.init_from is None or os.path.isdir(c.heads.init_from), "heads.init_from", c.heads.init_from,
-         "must be an existing folder of exported heads")
+        p.need(getattr(c.trainer, key) >= 0, f"trainer.{key}", getattr(c.trainer, key), "must be >= 0")
+    p.need(c.trainer.keep_last >= 1, "trainer.keep_last", c.trainer.keep_last, "must be >= 1")
+    p.need(c.trainer.log_every >= 1, "trainer.log_every", c.trainer.log_every, "must be >= 1")
+    p.need(c.trainer.mixed_precision in ("no", "bf16", "fp16"), "trainer.mixed_precision", c.trainer.mixed_precision,
+           "must be no, bf16 or fp16")
+    p.need(bool(c.trainer.output_dir), "trainer.output_dir", c.trainer.output_dir, "must be set")
+    p.need(c.peft.r >= 1, "peft.r", c.peft.r, "must be >= 1")
+    p.need(0 <= c.peft.dropout < 1, "peft.dropout", c.peft.dropout, "must be in [0, 1)")
+    p.need(c.heads.init_from is None or os.path.isdir(c.heads.init_from), "heads.init_from", c.heads.init_from,
+           "must be an existing folder of exported heads")
     if c.logger is not None:
         p += wandb_problems()
     return p

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa_train.backbone import assets
+from medusa_train.data.tokenize import IGNORE_INDEX
 
 CACHE_FORMAT = 1
 SHARD_TOKENS = 1 << 20  # ~1.1 GiB of bf16 states at hidden 576; keeps shards a manageable size
@@ -113,13 +114,13 @@ def load_hidden_cache(directory: str | os.PathLike) -> list[dict]:
 
 
 class HiddenCollator:
-    """Pads cached hidden states (zeros) and labels (-100) to the longest example in the batch."""
+    """Pads cached hidden states (zeros) and labels (``IGNORE_INDEX``) to the longest example in the batch."""
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
         longest = max(len(e["labels"]) for e in examples)
         hidden_size = examples[0]["hidden"].shape[-1]
         hidden = torch.zeros(len(examples), longest, hidden_size, dtype=examples[0]["hidden"].dtype)
-        labels = torch.full((len(examples), longest), -100, dtype=torch.long)
+        labels = torch.full((len(examples), longest), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros(len(examples), longest, dtype=torch.long)
         for row, e in enumerate(examples):
             n = len(e["labels"])

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa_train.backbone.generation import sampling_probabilities
 from medusa_train.decoding.tree import MedusaTree
 
 ACCEPTANCE_METHODS = ("greedy", "typical", "rejection")
@@ -51,14 +52,8 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) 
 
     The nucleus keeps the most likely tokens until their mass reaches ``top_p`` (at least one token).
     """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    probs = sampling_probabilities(logits, temperature, top_p)
+    return probs / probs.sum(-1, keepdim=True) if top_p < 1.0 else probs
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:

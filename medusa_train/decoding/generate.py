@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from medusa_train.model.prefix_attention import PrefixCache
+from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
 from medusa_train.decoding.tree import MedusaTree, tree_from_config
 
@@ -103,7 +103,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     """
     tree = tree if isinstance(tree, MedusaTree) else tree_from_config(tree, num_heads=model.config.num_heads)
     input_ids = _check_arguments(model, input_ids, tree, max_new_tokens, temperature, acceptance, top_p)
-    eos = _eos_ids(model.backbone, eos_token_id)
+    eos = set(eos_token_ids(model.backbone, override=eos_token_id))
     device = model.backbone.get_input_embeddings().weight.device
     input_ids = input_ids.to(device)
     prompt_len = input_ids.shape[1]
@@ -116,20 +116,19 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     start = _now(device)
     cache = DynamicCache()
     out = model(input_ids, past_key_values=cache, use_cache=True)
-    prefix_cache = PrefixCache()  # the prefix attention layer's own cache of accepted positions, if the heads have one
-    head_hidden = model.context(out.hidden_states, prefix_cache)[:, -1]
+    heads_state = model.new_decode_state()  # what the heads keep between steps (e.g. their own cache)
+    accepted_hidden = out.hidden_states[0]  # the positions the heads have not read yet
     next_token = first_token(model.base_logits(out.hidden_states[:, -1])[0], acceptance, **sampling)
     prefill_s = _now(device) - start
 
     offsets = tree.position_offsets.to(device)
-    node_heads, node_ranks = tree.node_heads.to(device), tree.node_ranks.to(device)
     tree_mask = tree.attention_mask(out.hidden_states.dtype).to(device)
     generated: list[int] = []
     accept_lengths: list[int] = []
     accepted_depths: list[int] = []
     past_len = prompt_len
     while True:
-        tokens = candidate_tokens(model, tree, head_hidden, next_token, node_heads, node_ranks)
+        tokens = candidate_tokens(model, tree, accepted_hidden, next_token, heads_state)
         hidden, logits = verify_tree(model, tokens, tree_mask, offsets, cache, past_len)
         result = accept(acceptance, tree, tokens, logits, typical_threshold=typical_threshold,
                         typical_alpha=typical_alpha, **sampling)
@@ -145,7 +144,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
             break
         compact_cache(cache, past_len, result.path)
         past_len += len(result.path)
-        head_hidden = model.context(hidden[result.path], prefix_cache)[-1:]
+        accepted_hidden = hidden[result.path]
         next_token = result.next_token
     decode_s = _now(device) - start - prefill_s
 
@@ -195,43 +194,31 @@ def verify_tree(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: t
     return hidden, model.base_logits(hidden)
 
 
-def candidate_tokens(model, tree: MedusaTree, hidden: torch.Tensor, root_token: int,
-                     node_heads: torch.Tensor, node_ranks: torch.Tensor) -> torch.Tensor:
-    """(num_nodes,) tokens: the root, then for each node its head's top-k guess at its rank.
+def candidate_tokens(model, tree: MedusaTree, accepted_hidden: torch.Tensor, root_token: int,
+                     heads_state) -> torch.Tensor:
+    """(num_nodes,) tokens: the root, then, depth by depth, each node's head's top-k guess at its rank.
+
+    Head d reads the path to each depth-d node that has children (root first) and its top-k fill
+    those children. The model decides what the heads read (``MedusaModel.head_features``): heads
+    that read no more than the root give one row of guesses that every parent shares.
 
     Args:
         model: A ``MedusaModel``.
         tree: The tree.
-        hidden: (1, hidden) what the heads read at the last accepted token (``MedusaModel.context``).
+        accepted_hidden: (n, hidden) final hidden states of the positions accepted since the last
+            step (the prompt at the first step).
         root_token: The base model's next token (node 0).
-        node_heads: ``tree.node_heads`` on the model's device.
-        node_ranks: ``tree.node_ranks`` on the model's device.
+        heads_state: ``model.new_decode_state()`` of this sequence.
     """
-    root = torch.tensor([root_token], dtype=torch.long, device=hidden.device)
-    if tree.depth == 0:
-        return root
-    if model.config.path_input:
-        return _path_candidate_tokens(model, tree, hidden, root)
-    width = max(tree.head_top_k)
-    guesses = torch.zeros(tree.depth, width, dtype=torch.long, device=hidden.device)
-    inputs = model.head_inputs(hidden, root)  # heads that read the next token read the root
-    logits = model.all_head_logits(inputs, tree.depth)  # (depth, 1, vocab); one LM-head read when shared
-    for head, k in enumerate(tree.head_top_k):
-        guesses[head, :k] = logits[head, 0].topk(k).indices
-    return torch.cat([root, guesses[node_heads[1:], node_ranks[1:]]])
-
-
-def _path_candidate_tokens(model, tree: MedusaTree, hidden: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
-    """``candidate_tokens`` for heads that read their path: depth by depth, head d reads the path to
-    each depth-d node that has children (root first) and its top-k fill those children."""
-    tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=hidden.device)
-    tokens[0] = root[0]
-    ancestors, levels = tree.path_buffers(hidden.device)
+    device = accepted_hidden.device
+    tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=device)
+    tokens[0] = root_token
+    ancestors, levels = tree.path_buffers(device)
     for d, (parents, children, rows, ranks) in enumerate(levels):
         paths = tokens[ancestors[parents, : d + 1]]  # (parents, d + 1): root, then the guesses on the way
-        inputs = model.head_inputs(hidden.expand(len(parents), -1), paths)
-        top = model.head_logits(inputs, d).topk(tree.head_top_k[d], dim=-1).indices
-        tokens[children] = top[rows, ranks]
+        features = model.head_features(accepted_hidden if d == 0 else None, paths, heads_state)
+        top = model.head_logits(features, d).topk(tree.head_top_k[d], dim=-1).indices
+        tokens[children] = top.expand(len(parents), -1)[rows, ranks]
     return tokens
 
 
@@ -259,21 +246,6 @@ def _check_arguments(model, input_ids, tree, max_new_tokens, temperature, accept
         raise ValueError("; ".join(problems))
     tree.check_num_heads(model.config.num_heads)
     return input_ids
-
-
-def _eos_ids(backbone, eos_token_id) -> set[int]:
-    if eos_token_id is None:
-        generation_config = getattr(backbone, "generation_config", None)
-        eos_token_id = getattr(generation_config, "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(backbone.config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    if isinstance(eos_token_id, torch.Tensor):
-        eos_token_id = eos_token_id.tolist()
-    if isinstance(eos_token_id, int):
-        return {eos_token_id}
-    return {int(t) for t in eos_token_id}
 
 
 def _check_context(backbone, length: int) -> None:

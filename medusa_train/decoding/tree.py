@@ -14,10 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_train.config.paths import TREE_DIR
-
 import torch
 
+from medusa_train.config.paths import TREE_DIR
 
 # Assumed probability that head d's rank-k guess is right (top-1 per head: Medusa's 7B heads at the
 # end of training; lower ranks decay as top1 * 0.15 / k, which puts head 1's top-5 near 0.73 and its
@@ -65,8 +64,8 @@ class MedusaTree:
             at its own depth), -1 below it.
         levels: Per head d, ``(parents, children, rows, ranks)`` long tensors: the depth-d nodes that
             have children, the depth-(d + 1) nodes, each child's parent as a row of ``parents`` and
-            its rank. A decoder whose heads read their path (``path_input``) runs head d once per
-            parent and fills the children from those rows.
+            its rank. The decoder asks head d about these parents' paths and fills the children from
+            those rows.
     """
 
     def __init__(self, choices: Iterable[Sequence[int]], num_heads: int | None = None, top_k: int | None = None):

@@ -20,70 +20,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
-from medusa_train.decoding.tree import MedusaTree, build_tree, expected_accept_length
-from medusa_train.config.evaluate import EvalModelConfig, default_output_dir, hydra_entry
-from medusa_train.evaluation.evaluate import encode_chat, eos_token_ids, load_medusa, plain_generate
+from medusa_train.decoding.tree import build_tree, expected_accept_length
 
 CONVERSATION_SOURCES = ("packaged:sharegpt-v3",)
-
-
-@dataclass
-class BuildTreeConfig:
-    heads_dir: str | None = None  #: exported heads folder (``heads=`` on the command line)
-    nodes: int = 64  #: tree size, root included
-    calibration: str = "packaged:sharegpt-v3"  #: packaged:sharegpt-v3 or a .jsonl of prompts (not MT-Bench)
-    num_prompts: int = 16  #: calibration prompts (their first user turn)
-    max_new_tokens: int = 96  #: greedy continuation length per prompt
-    max_prompt_tokens: int = 256  #: longer prompts are passed over
-    top_k: int = 10  #: ranks measured per head
-    exclude: str | None = "packaged:mt-bench"  #: drop calibration prompts found in this benchmark (null: keep all)
-    exclude_training_data: bool = True  #: drop prompts of the heads' training data (their training_config.json)
-    output: str | None = None  #: tree YAML path; default outputs/trees/<heads name>-n<nodes>.yaml
-    model: EvalModelConfig = field(default_factory=EvalModelConfig)
-    device: str | None = None  #: default: cuda when available, else cpu
-    threads: int | None = None  #: torch CPU threads (null = torch's default)
-
-
-def build_build_tree_config(raw) -> BuildTreeConfig:
-    """A validated ``BuildTreeConfig``; every problem is reported at once (``ConfigError``)."""
-    from medusa_train.config.train import parse_config
-
-    return parse_config(BuildTreeConfig, raw, check_build_tree_config)
-
-
-def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
-    """Range checks; every problem names its key."""
-    from medusa_train.backbone.load import DTYPES
-
-    p: list[str] = []
-
-    def need(ok: bool, key: str, value, rule: str):
-        if not ok:
-            p.append(f"{key}={value}: {rule}")
-
-    if not c.heads_dir:
-        p.append("heads: required; pass heads=<folder of exported heads>")
-    else:
-        need((Path(c.heads_dir).expanduser() / "config.json").is_file(), "heads", c.heads_dir,
-             "not a folder of exported heads (no config.json)")
-    need(c.nodes >= 1, "nodes", c.nodes, "must be >= 1 (the root)")
-    need(c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1")
-    need(c.max_new_tokens >= 4, "max_new_tokens", c.max_new_tokens, "must be >= 4")
-    need(c.max_prompt_tokens >= 1, "max_prompt_tokens", c.max_prompt_tokens, "must be >= 1")
-    need(c.top_k >= 1, "top_k", c.top_k, "must be >= 1")
-    need(c.calibration != c.exclude and "mt-bench" not in c.calibration, "calibration", c.calibration,
-         "MT-Bench is the evaluation set; calibrate on other prompts (default packaged:sharegpt-v3)")
-    need(c.calibration in CONVERSATION_SOURCES or Path(c.calibration).expanduser().is_file(), "calibration",
-         c.calibration, f"must be one of {', '.join(CONVERSATION_SOURCES)} or an existing .jsonl of prompts")
-    need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, "must be float32, bfloat16 or float16")
-    need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null")
-    return p
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -175,7 +120,7 @@ def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]]
     counts = [0] * num_heads
     for ids, prompt_len in sequences:
         hidden = model(ids).hidden_states[0]
-        inputs = model.head_inputs(model.context(hidden[:-1]), ids[0, 1:])  # the next token is the continuation's own (greedy)
+        inputs = model.head_features(hidden[:-1], ids[0, 1:])  # the next token is the continuation's own (greedy)
         length = ids.shape[1]
         for k in range(num_heads):
             start, stop = prompt_len - 1, length - k - 2  # hidden at t predicts token t + k + 2 < length
@@ -221,50 +166,3 @@ def write_tree(path: str | os.PathLike, rank_accuracies: Sequence[Sequence[float
     tmp.write_text(tree_yaml(choices, rank_accuracies, comments))
     os.replace(tmp, path)
     return path, choices, expected_accept_length(choices, rank_accuracies)
-
-
-def run(cfg: BuildTreeConfig) -> dict:
-    """Measure, build and write the tree; print where it went and (last) the expected accepted length."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model, tokenizer = load_medusa(cfg.heads_dir, cfg.model, cfg.device)
-    seen = training_prompts(cfg.heads_dir) if cfg.exclude_training_data else set()
-    prompts = calibration_prompts(cfg.calibration, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.exclude,
-                                  seen)
-    if not prompts:
-        raise SystemExit(f"calibration={cfg.calibration}: no usable prompts (all too long, empty, excluded or "
-                         "in the heads' training data); pass calibration=<a .jsonl of held-out prompts>")
-    if seen:
-        print(f"calibration: {len(prompts)} prompts of {cfg.calibration} the heads were not trained on "
-              f"({len(seen):,} training prompts passed over)")
-    sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
-    accuracies, counts = measure_rank_accuracies(model, sequences, cfg.top_k)
-    name = Path(default_output_dir(cfg.heads_dir)).name
-    output = cfg.output or str(Path("outputs") / "trees" / f"{name}-n{cfg.nodes}.yaml")
-    command = (f"python scripts/build_tree.py heads={cfg.heads_dir} nodes={cfg.nodes} calibration={cfg.calibration} "
-               f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "
-               f"model.dtype={cfg.model.dtype}")
-    nodes = len(build_tree(accuracies, cfg.nodes)) + 1
-    comments = [command, f"use: python scripts/evaluate.py heads={cfg.heads_dir} tree={output}",
-                f"{nodes} nodes (root + paths), most likely path first, fitted to rank accuracies measured on "
-                f"{len(sequences)} greedy continuations ({counts[0]} positions for head 1)."]
-    path, choices, expected = write_tree(output, accuracies, cfg.nodes, comments)
-    default = MedusaTree.from_name("default").truncated(max_nodes=cfg.nodes, max_depth=len(accuracies))
-    default_expected = expected_accept_length([c for c in default.choices if max(c) < cfg.top_k], accuracies)
-    print("top-1 accuracy by head: " + ", ".join(f"{row[0]:.3f}" for row in accuracies))
-    print(f"top-{cfg.top_k} accuracy by head: " + ", ".join(f"{sum(row):.3f}" for row in accuracies))
-    print(f"tree: {path} ({len(choices) + 1} nodes)")
-    if len(choices) + 1 < cfg.nodes:
-        print(f"note: only {len(choices)} paths have a measured accuracy above 0 (asked for {cfg.nodes - 1}); "
-              "calibrate on more prompts for a bigger tree")
-    print(f"the built-in default tree cut to {default.num_nodes} nodes, under these accuracies: "
-          f"{default_expected:.2f} tokens per step")
-    print(f"expected accepted length: {expected:.2f}")
-    return {"path": str(path), "choices": choices, "rank_accuracies": accuracies, "positions": counts,
-            "expected_accept_length": expected}
-
-
-def main() -> None:
-    """Hydra entry point of ``scripts/build_tree.py``."""
-    hydra_entry("build_tree", build_build_tree_config, run, {"heads": "heads_dir"})
-

@@ -20,33 +20,57 @@ Definitions (all totals over every prompt and turn):
 
 from __future__ import annotations
 
+import json
 import os
-import time
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
+from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
+from medusa_train.config.evaluate import DecodeConfig, DriftConfig, EvalModelConfig
+from medusa_train.config.paths import TREE_DIR
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
 from medusa_train.decoding import MedusaTree, medusa_generate
-from medusa_train.config.evaluate import (
-    CLI_RENAMES,
-    DecodeConfig,
-    DriftConfig,
-    EvalConfig,
-    EvalModelConfig,
-    build_eval_config,
-    default_output_dir,
-    heads_metadata,
-    hydra_entry,
-    resolve_tree,
-)
+from medusa_train.decoding.tree import tree_from_config
+from medusa_train.model.layouts import resolve_base_model
 
 WARMUP_TOKENS = 16
 
 
 # ------------------------------------------------------------------------------------------- loading
+def heads_metadata(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
+    """``(num_heads, base model)`` from a heads folder's ``config.json`` (any supported layout); a base
+    model stored relative to the heads (Medusa-2's ``merged``) comes back as its path."""
+    raw = json.loads((Path(heads_dir) / "config.json").read_text())
+    num_heads = raw.get("num_heads", raw.get("medusa_num_heads"))
+    if not isinstance(num_heads, int):
+        raise ValueError(f"heads={heads_dir}: config.json does not say how many heads there are")
+    return num_heads, resolve_base_model(heads_dir, raw.get("base_model_name_or_path"))
+
+
+def resolve_tree(spec, num_heads: int | None) -> MedusaTree:
+    """A ``MedusaTree`` for ``spec`` that fits ``num_heads`` heads.
+
+    Built-in names adapt: ``chain`` is built for ``num_heads`` heads, and a built-in tree deeper than
+    the model is cut to its first ``num_heads`` depths (with a warning). A YAML path, a list of
+    choices or a ``MedusaTree`` is used as given; one that needs more heads is an error.
+    """
+    if isinstance(spec, str) and Path(spec).suffix not in (".yaml", ".yml") and (TREE_DIR / f"{spec}.yaml").is_file():
+        if spec == "chain" and num_heads is not None:
+            return MedusaTree.chain(num_heads)
+        tree = MedusaTree.from_name(spec)
+        if num_heads is not None and tree.depth > num_heads:
+            warnings.warn(f"tree={spec} is {tree.depth} deep but the heads are {num_heads}: "
+                          f"using its paths of depth <= {num_heads}", stacklevel=2)
+            tree = tree.truncated(max_depth=num_heads)
+        return tree
+    return tree_from_config(spec, num_heads=num_heads)
+
+
 def load_medusa(heads_dir: str | os.PathLike, model: EvalModelConfig | None = None, device: str | None = None):
     """Load a backbone and the heads in ``heads_dir``, in the backbone's dtype, on ``device``.
 
@@ -77,74 +101,6 @@ def load_medusa(heads_dir: str | os.PathLike, model: EvalModelConfig | None = No
     for part in medusa.medusa_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)
     return medusa.eval(), tokenizer
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> torch.Tensor:
-    """(1, len) ids of ``messages`` through the chat template, ready for the assistant's reply."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; evaluation prompts go through one "
-                         "(use an instruct/chat model, or set tokenizer.chat_template)")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-
-
-def eos_token_ids(backbone) -> list[int]:
-    """The backbone's eos id(s): its generation config's, else its config's."""
-    eos = getattr(getattr(backbone, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = backbone.config.eos_token_id
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
-
-
-# ------------------------------------------------------------------------------------------- decoding
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-class _FirstTokenClock:
-    """A ``generate`` streamer that notes when the first new token arrives (the end of the prefill)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.calls, self.first_token_at = device, 0, None
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls == 2:  # call 1 is the prompt, call 2 the first new token
-            self.first_token_at = _now(self.device)
-
-    def end(self) -> None:
-        pass
-
-
-def plain_generate(backbone, input_ids: torch.Tensor, max_new_tokens: int, eos: list[int], pad_token_id: int,
-                   temperature: float = 0.0, top_p: float = 1.0) -> tuple[list[int], dict[str, float]]:
-    """Plain decoding with ``backbone.generate``: greedy argmax (or sampling at ``temperature > 0``).
-
-    The model's own generation defaults (penalties, beams, top-k) are overridden so that the
-    output is exactly what Medusa must reproduce.
-
-    Returns:
-        The new token ids and ``{prefill_s, decode_s, wall_s}``.
-    """
-    from transformers import GenerationConfig
-
-    sampling = temperature > 0
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=sampling, num_beams=1, repetition_penalty=1.0,
-        no_repeat_ngram_size=0, temperature=temperature if sampling else 1.0, top_p=top_p if sampling else 1.0,
-        top_k=0 if sampling else 50, typical_p=1.0, eos_token_id=eos or None, pad_token_id=pad_token_id)
-    device = input_ids.device
-    clock = _FirstTokenClock(device)
-    start = _now(device)
-    out = backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
-                            streamer=clock)
-    wall = _now(device) - start
-    prefill = (clock.first_token_at or start + wall) - start
-    return out[0, input_ids.shape[1]:].tolist(), {"prefill_s": prefill, "decode_s": wall - prefill, "wall_s": wall}
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -186,11 +142,11 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
     plain, plain_time = plain_generate(model.backbone, input_ids, gen.max_new_tokens, eos, pad,
                                        gen.temperature, gen.top_p)
     generator = torch.Generator(device).manual_seed(gen.seed) if sampling else None
-    start = _now(device)
+    start = now(device)
     out = medusa_generate(model, input_ids, tree, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
                           acceptance=gen.acceptance, top_p=gen.top_p, typical_threshold=gen.typical_threshold,
                           typical_alpha=gen.typical_alpha, eos_token_id=eos, generator=generator)
-    wall = _now(device) - start
+    wall = now(device) - start
     medusa = out.sequences[0, input_ids.shape[1]:].tolist()
     record = {
         "prompt_tokens": input_ids.shape[1], "new_tokens": out.new_tokens, "steps": out.steps,
@@ -363,56 +319,3 @@ def measure_drift(backbone, tokenizer, prompts: Sequence[BenchPrompt], drift: Dr
     result = backbone_drift(original, backbone, tokenizer, ids, max_new_tokens=drift.max_new_tokens)
     del original
     return {"original": described, "prompts": len(ids), "max_new_tokens": drift.max_new_tokens, **result}
-
-
-# ------------------------------------------------------------------------------------------- command line
-def busy_cpu_note() -> None:
-    """Say so when other processes keep the CPU busy: with several torch threads, every parallel op then
-    waits for a descheduled thread, and timings come out many times too slow (one thread is steadier)."""
-    load, cores, threads = os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads()
-    if threads > 1 and load >= 0.75 * cores:
-        print(f"note: the CPU is busy (load average {load:.1f} on {cores} cores) and torch uses {threads} threads: "
-              "timings will be noisy and slow; threads=1 gives steadier numbers on a shared machine")
-
-
-def run(cfg: EvalConfig) -> dict:
-    """Load what ``cfg`` names, evaluate, write the report, and print the summary (last two lines:
-    ``mean accepted length: X.XX`` and ``speedup: Y.YYx``)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    prompts = load_benchmark(cfg.bench.source, cfg.bench.limit, pick=cfg.bench.pick)
-    model, tokenizer = load_medusa(cfg.heads_dir, cfg.model, cfg.device)
-    if model.lm_head.weight.device.type == "cpu":
-        busy_cpu_note()
-    output_dir = cfg.output_dir or default_output_dir(cfg.heads_dir)
-    settings = {"heads": str(cfg.heads_dir), "model": model.backbone.name_or_path, "bench": asdict(cfg.bench),
-                "attn_implementation": cfg.model.attn_implementation}
-    extra = {}
-    if cfg.drift.original:
-        extra["drift"] = measure_drift(model.backbone, tokenizer, prompts, cfg.drift, cfg.heads_dir, cfg.model)
-        d = extra["drift"]
-        print(f"backbone drift from {d['original']}: mean KL {d['mean_kl']:.4f} per token, greedy agreement "
-              f"{d['greedy_agreement']:.1%} over {d['num_tokens']} tokens of {d['prompts']} prompts", flush=True)
-    report = evaluate(model, tokenizer, prompts, cfg.tree_name, turns=cfg.bench.turns, generation=cfg.generation,
-                      warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress, settings=settings,
-                      extra=extra)
-    tps = report["tokens_per_s"]
-    print(f"report: {report['files']['json']}")
-    print(f"prompts: {len(prompts)} x up to {cfg.bench.turns} turns = {report['totals']['count']} generations; "
-          f"tree: {cfg.tree_name} ({report['settings']['tree_nodes']} nodes); dtype: {report['settings']['dtype']}")
-    print("per-head acceptance: " + ", ".join(f"{a:.3f}" for a in report["per_head_acceptance"]))
-    print(f"tokens/s (wall, prefill + decode): medusa {tps['medusa']:.1f}, plain {tps['plain']:.1f}; "
-          f"decode-only speedup {report['decode_speedup']:.2f}x")
-    if report["mismatches"] is not None:
-        print(f"greedy mismatches vs plain decoding: {report['mismatches']}")
-        for m in report["mismatch_details"]:
-            print(f"  id {m['id']} turn {m['turn']}: first difference at token {m['position']}, "
-                  f"base top-2 logit gap {m['top2_gap']:.3g}")
-    print(f"mean accepted length: {report['mean_accepted_length']:.2f}")
-    print(f"speedup: {report['speedup']:.2f}x")
-    return report
-
-
-def main() -> None:
-    """Hydra entry point of ``scripts/evaluate.py``."""
-    hydra_entry("eval", build_eval_config, run, CLI_RENAMES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from medusa_train.backbone import assets
+from medusa_train.model.heads import MedusaHead
 from medusa_train.model.layouts import (
     CONFIG_NAME,
     SHARED_LM_HEAD_KEY,
@@ -23,8 +25,26 @@ from medusa_train.model.layouts import (
     read_heads,
     resolve_base_model,
 )
-from medusa_train.model.heads import MedusaHead
 from medusa_train.model.prefix_attention import PrefixAttention, PrefixCache
+
+TokenSource = torch.Tensor | Callable[[], torch.Tensor] | None
+
+
+@dataclass
+class DecodeState:
+    """What the heads keep between decode steps of one sequence (opaque to callers).
+
+    Attributes:
+        prefix_cache: Keys and values of the prefix attention layer over the accepted positions.
+        last: (1, hidden) what the heads read at the last accepted position.
+    """
+
+    prefix_cache: PrefixCache
+    last: torch.Tensor | None = None
+
+    def rewind(self, length: int) -> None:
+        """Forget every position after the first ``length`` (a benchmark repeating one step)."""
+        self.prefix_cache.crop(length)
 
 
 @dataclass
@@ -86,7 +106,7 @@ class MedusaModel(nn.Module):
             share_lm_head: Project through the backbone's frozen LM head instead of a trainable clone.
             dtype: Head weight dtype; defaults to the LM head's (use float32 for training).
             next_token_input: Heads also read the embedding of the base model's next token (see
-                ``heads.py``); their inputs come from ``head_inputs``.
+                ``heads.py``); their inputs come from ``head_features``.
             path_input: With ``next_token_input``: head k reads the k + 1 tokens of its path.
             prefix_attention: The heads read through one causal self-attention layer over the
                 prefix's hidden states (``prefix_attention.py``), as many attention heads and as wide
@@ -145,37 +165,62 @@ class MedusaModel(nn.Module):
         rows = hidden.reshape(-1, hidden.shape[-1]).split(512)
         return torch.cat([self.base_logits(row).argmax(-1) for row in rows]).reshape(hidden.shape[:-1])
 
-    def context(self, hidden: torch.Tensor, cache: PrefixCache | None = None) -> torch.Tensor:
-        """The hidden states the heads read: ``hidden`` itself, or with ``config.prefix_attention`` the
-        prefix attention layer's output over them (``hidden`` is (seq, hidden) or (batch, seq, hidden),
-        consecutive positions; ``cache`` holds the positions before them, decoding only)."""
+    def medusa_modules(self) -> list[nn.Module]:
+        """What medusa-train adds to the backbone: the heads, and the prefix attention layer if any."""
+        return [self.heads] + ([self.prefix] if self.prefix is not None else [])
+
+    def new_decode_state(self) -> DecodeState:
+        """Fresh decode-time state for one sequence (pass it to every ``head_features`` call of that decode)."""
+        return DecodeState(PrefixCache())
+
+    def head_features(self, hidden: torch.Tensor | None, tokens: TokenSource = None,
+                      state: DecodeState | None = None) -> torch.Tensor:
+        """What the heads read, whatever they are configured to read (``MedusaConfig`` lists the features).
+
+        Training and calibration (``state`` is None): ``hidden`` (..., seq, hidden) holds the final hidden
+        states of consecutive positions; ``tokens`` (..., seq) is the token after each position (the
+        text's in training, the greedy one by default), or a callable returning it, called only when
+        the heads read tokens. Returns (..., seq, features).
+
+        Decoding (``state`` from ``new_decode_state``): ``hidden`` (n, hidden) holds the positions accepted
+        since the last call (``None``: none, e.g. asking again at the next tree depth); ``tokens`` (P, L)
+        holds tree paths from the root (L >= 1). Returns the features at the last accepted position for
+        each path: (P, features), or (1, features) when no head reads past the root (every path starts
+        there), so the caller may broadcast.
+        """
+        if state is None:
+            context = self._context(hidden)
+            if not self.config.next_token_input:
+                return context
+            tokens = tokens() if callable(tokens) else tokens
+            return self._with_tokens(context, self.next_tokens(hidden) if tokens is None else tokens)
+        if hidden is not None:
+            state.last = self._context(hidden, state.prefix_cache)[-1:]
+        if state.last is None:
+            raise ValueError("the decode state has seen no position yet: pass the prompt's hidden states first")
+        if not self.config.next_token_input:
+            return state.last
+        if not self.config.path_input:
+            return self._with_tokens(state.last, tokens[:1, :1])
+        return self._with_tokens(state.last.expand(tokens.shape[0], -1), tokens)
+
+    def _context(self, hidden: torch.Tensor, cache: PrefixCache | None = None) -> torch.Tensor:
+        """``hidden`` itself, or through the prefix attention layer (consecutive positions; ``cache`` holds
+        the positions before them, decoding only); ``hidden`` is (seq, hidden) or (batch, seq, hidden)."""
         if self.prefix is None:
             return hidden
         if hidden.dim() == 2:
             return self.prefix(hidden[None], cache)[0]
         return self.prefix(hidden, cache)
 
-    def medusa_modules(self) -> list[nn.Module]:
-        """What medusa-train adds to the backbone: the heads, and the prefix attention layer if any."""
-        return [self.heads] + ([self.prefix] if self.prefix is not None else [])
+    def _with_tokens(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """``cat([hidden, embeddings of the tokens after each position], -1)``.
 
-    def head_inputs(self, hidden: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """What the heads read at each position: ``hidden`` itself, or with ``config.next_token_input``
-        ``cat([hidden, embeddings of the tokens after the position], -1)``.
-
-        Args:
-            hidden: (..., hidden) final hidden states.
-            next_tokens: (...) the token after each position: in decoding the tree's root, in training
-                the text's (``losses.next_token_inputs``). Default: ``next_tokens(hidden)``, the greedy
-                choice. With ``config.path_input`` the heads read paths: either (..., P) explicit tokens
-                after each position (the decoder's tree paths; head k needs P >= k + 1), or (...) as
-                above, the positions being consecutive along the last axis, so the path after position
-                t is ``next_tokens[..., t : t + num_heads]`` (token 0 past the end).
+        ``next_tokens`` is (...) one token per position, or (..., P) explicit paths per position (the
+        decoder's; head k needs P >= k + 1). For heads that read their path, one token per position
+        means consecutive positions along the last axis: the path after t is ``next_tokens[..., t : t +
+        num_heads]`` (token 0 past the end).
         """
-        if not self.config.next_token_input:
-            return hidden
-        if next_tokens is None:
-            next_tokens = self.next_tokens(hidden)
         if next_tokens.dim() == hidden.dim() - 1:
             next_tokens = path_tokens(next_tokens, self.num_heads) if self.config.path_input else next_tokens[..., None]
         if next_tokens.shape[:-1] != hidden.shape[:-1] or (next_tokens.shape[-1] != 1 and not self.config.path_input):
@@ -188,8 +233,7 @@ class MedusaModel(nn.Module):
     def head_logits(self, inputs: torch.Tensor, k: int) -> torch.Tensor:
         """Logits of head ``k`` (0-based; predicts the token k+2 positions after the inputs' position).
 
-        ``inputs`` is what ``head_inputs`` returns (the hidden states themselves unless the heads read
-        the next token)."""
+        ``inputs`` is what ``head_features`` returns."""
         head = self.heads[k]
         inputs = inputs.to(next(head.parameters(), self.lm_head.weight).dtype)
         shared = self.lm_head if self.config.share_lm_head else None

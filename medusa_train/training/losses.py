@@ -21,40 +21,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from medusa_train.data.tokenize import IGNORE_INDEX
+from medusa_train.training.targets import HeadTargets
+
 TOPK = 5
 # Rows of logits upcast to float32 at once inside the cross-entropy (about 64 MiB per block).
 _BLOCK_ELEMENTS = 2**24
 
 HeadLogitsFn = Callable[[torch.Tensor, int], torch.Tensor]
-
-
-@dataclass
-class Teacher:
-    """Soft targets: the backbone's own next-token distribution, read from its hidden states.
-
-    Head ``k`` at position ``t`` predicts the token at ``t + k + 2``; the backbone's distribution
-    over that token is ``softmax(logits_fn(hidden[:, t + k + 1]))``, given the text up to
-    ``t + k + 1``. Heads that read their path (``heads.path_input``) are given exactly that text,
-    so on any text this is what decoding asks of them: the distribution whose top token the
-    verify step accepts. Heads that do not read their path meet it only where the text is the
-    backbone's own greedy continuation (self-distilled data).
-
-    Attributes:
-        logits_fn: ``hidden -> logits`` of the backbone, e.g. ``model.base_logits``.
-        hidden: (batch, seq, hidden) the backbone's final hidden states (never differentiated).
-    """
-
-    logits_fn: Callable[[torch.Tensor], torch.Tensor]
-    hidden: torch.Tensor
-
-    @torch.no_grad()
-    def probs(self, k: int, start: int, stop: int, mask: torch.Tensor) -> torch.Tensor:
-        """(n, vocab) float32 targets of head ``k`` at the positions ``start:stop`` selected by ``mask``
-        (batch, stop - start). Every selected position has a target (``t + k + 2 < seq``, as
-        ``head_targets`` guarantees), so the columns past the last row are never selected."""
-        rows = self.hidden.detach()[:, start + k + 1:stop + k + 1]
-        return torch.softmax(self.logits_fn(rows[mask[:, :rows.shape[1]]]).float(), dim=-1)
 
 
 @dataclass
@@ -96,89 +70,6 @@ class LossResult:
         return out
 
 
-def shift_labels_for_head(labels: torch.Tensor, k: int) -> torch.Tensor:
-    """Targets of head ``k`` aligned with positions: ``out[:, t] = labels[:, t + k + 2]``.
-
-    Args:
-        labels: (batch, seq) token at each position, ``IGNORE_INDEX`` where not trained.
-        k: 0-based head index.
-
-    Returns:
-        A (batch, seq) tensor; positions whose target falls past the end are ``IGNORE_INDEX``.
-    """
-    shift = k + 2
-    out = torch.full_like(labels, IGNORE_INDEX)
-    if shift < labels.shape[-1]:
-        out[..., :-shift] = labels[..., shift:]
-    return out
-
-
-def head_targets(labels: torch.Tensor, num_heads: int, predictions: torch.Tensor | None = None) -> torch.Tensor:
-    """Every head's targets, (num_heads, batch, seq): ``out[k, :, t]`` is what head ``k`` learns at ``t``.
-
-    Without ``predictions`` head ``k`` learns the text: ``labels[:, t + k + 2]``.
-
-    With ``predictions`` (``predictions[:, t]`` = the frozen backbone's greedy next token after
-    position ``t``) head ``k`` learns what greedy decoding from position ``t`` would emit
-    ``k + 2`` tokens on, and only where that is known from this one forward pass: the text's
-    next ``k + 1`` tokens must be the backbone's own greedy choices, so the states it ran on are
-    those of its greedy continuation. The target is then ``predictions[:, t + k + 1]``, taken
-    only where ``labels[:, t + k + 2]`` is trained. On the backbone's own greedy replies almost
-    every position qualifies; on someone else's text (ShareGPT's original replies) fewer do,
-    and the targets are still exactly what the heads meet when decoding.
-    """
-    if predictions is None:
-        return torch.stack([shift_labels_for_head(labels, k) for k in range(num_heads)])
-    if predictions.shape != labels.shape:
-        raise ValueError(f"predictions {tuple(predictions.shape)} and labels {tuple(labels.shape)} differ")
-    greedy = torch.full_like(labels, IGNORE_INDEX)  # aligned like labels: greedy[:, j] = choice for token j
-    greedy[:, 1:] = predictions[:, :-1]
-    # agrees[:, t]: the text's token t + 1 is the backbone's greedy choice after t (and is trained text).
-    agrees = torch.zeros_like(labels, dtype=torch.bool)
-    agrees[:, :-1] = (labels[:, 1:] == greedy[:, 1:]) & (labels[:, 1:] != IGNORE_INDEX)
-    out, run = [], torch.ones_like(agrees)
-    for k in range(num_heads):
-        run = run & _shift_left(agrees, k)  # text agrees with greedy at t, ..., t + k
-        target = shift_labels_for_head(greedy, k)
-        trained = shift_labels_for_head(labels, k) != IGNORE_INDEX
-        out.append(torch.where(run & trained, target, IGNORE_INDEX))
-    return torch.stack(out)
-
-
-def next_token_inputs(labels: torch.Tensor, num_heads: int,
-                      greedy: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The next token heads that read it (``heads.next_token_input``) are given at each position in
-    training: the text's own ``labels[:, t + 1]``, whose continuation the targets are. Where that is
-    not trained text but some head has a target (the last prompt token of a turn), the backbone's
-    greedy choice, what decoding gives them: ``greedy(mask)`` returns it for the positions of the
-    bool ``mask`` (batch, seq), so the LM head runs on those few positions only. Positions no head
-    reads get token 0 (never read by the loss).
-
-    Heads that read their path (``heads.path_input``) take these tokens at ``t, ..., t + k`` (see
-    ``MedusaModel.head_inputs``); each of those positions is one where a shorter head has the same
-    target, so it already gets its token here.
-
-    On greedy targets the text and the greedy choice agree wherever a head keeps a target (see
-    ``head_targets``).
-    """
-    tokens = torch.full_like(labels, IGNORE_INDEX)
-    tokens[..., :-1] = labels[..., 1:]
-    needed = (tokens == IGNORE_INDEX) & (head_targets(labels, num_heads) != IGNORE_INDEX).any(dim=0)
-    if needed.any():
-        tokens[needed] = greedy(needed).to(tokens.device)
-    return tokens.masked_fill_(tokens == IGNORE_INDEX, 0)
-
-
-def _shift_left(x: torch.Tensor, by: int) -> torch.Tensor:
-    """``out[:, t] = x[:, t + by]``, False past the end."""
-    if by == 0:
-        return x
-    out = torch.zeros_like(x)
-    if by < x.shape[-1]:
-        out[..., :-by] = x[..., by:]
-    return out
-
-
 def head_weights(num_heads: int, head_decay: float) -> list[float]:
     """Loss weights ``decay**k`` normalised to sum to 1, so the head count does not change the loss scale."""
     if num_heads < 1:
@@ -192,14 +83,11 @@ def head_weights(num_heads: int, head_decay: float) -> list[float]:
 def medusa_loss_backward(
     head_logits_fn: HeadLogitsFn,
     hidden: torch.Tensor,
-    labels: torch.Tensor,
-    num_heads: int,
+    targets: HeadTargets,
     head_decay: float = 0.8,
     chunk_size: int | None = None,
     backward: Callable[[torch.Tensor], None] | None = torch.Tensor.backward,
     loss_scale: float = 1.0,
-    predictions: torch.Tensor | None = None,
-    teacher: Teacher | None = None,
 ) -> LossResult:
     """Medusa loss, forward and backward one head (and one sequence chunk) at a time.
 
@@ -216,44 +104,34 @@ def medusa_loss_backward(
     Args:
         head_logits_fn: ``(hidden, k) -> logits`` of head ``k``, e.g. ``model.head_logits``.
         hidden: (batch, seq, hidden) final hidden states, requiring grad or not.
-        labels: (batch, seq) token at each position, ``IGNORE_INDEX`` (-100) where not trained.
-        num_heads: Number of heads.
+        targets: What each head learns (``training.targets``): token ids, or soft labels with a
+            ``teacher`` (cross-entropy to the backbone's distribution; top-1/top-5 count hits on its top token).
         head_decay: Head ``k`` is weighted ``head_decay**k`` (normalised, see ``head_weights``).
         chunk_size: Sequence positions per chunk; ``None`` for the whole sequence.
         backward: Called on each weighted partial loss (e.g. ``accelerator.backward``);
             ``None`` computes metrics only, without gradients (evaluation).
         loss_scale: Factor on what is backpropagated (e.g. ``1 / grad_accum_steps``); the
             returned loss is not scaled.
-        predictions: (batch, seq) the frozen backbone's greedy next token at each position;
-            when given, heads learn the greedy continuation (see ``head_targets``).
-        teacher: Soft targets (see ``Teacher``) at the text's trained positions; each head's
-            loss is then the cross-entropy to the backbone's distribution and its top-1/top-5
-            count hits on that distribution's top token.
-
     Returns:
         The detached total loss and per-head metrics.
 
     Raises:
-        ValueError: ``hidden`` and ``labels`` differ in (batch, seq), ``chunk_size`` < 1, or both
-            ``predictions`` and ``teacher`` are given.
+        ValueError: ``hidden`` and the targets differ in (batch, seq), or ``chunk_size`` < 1.
     """
-    if labels.dim() != 2 or hidden.shape[:2] != labels.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} differ in (batch, seq)")
+    _check_shapes(hidden, targets)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}: must be >= 1 or None")
-    if predictions is not None and teacher is not None:
-        raise ValueError("give predictions (greedy targets) or a teacher (soft targets), not both")
-    seq = labels.shape[1]
+    num_heads, teacher = targets.num_heads, targets.teacher
+    seq = hidden.shape[1]
     step = chunk_size or seq
     weights = head_weights(num_heads, head_decay)
-    labels = labels.to(hidden.device)
     train = backward is not None
     to_backbone = train and hidden.requires_grad
     leaf = hidden.detach().requires_grad_(to_backbone)
 
     # Counts first (one sync): every chunk's share is normalised by its head's total count.
-    targets = head_targets(labels, num_heads, None if predictions is None else predictions.to(labels.device))
-    valid = targets != IGNORE_INDEX
+    tokens = targets.tokens.to(hidden.device)
+    valid = tokens != IGNORE_INDEX
     chunk_counts = torch.stack([v.sum(dim=(1, 2)) for v in valid.split(step, dim=2)], dim=1).tolist()
     counts = [sum(c) for c in chunk_counts]
     stats = torch.zeros(num_heads, 3, device=hidden.device)  # summed CE, top-1 hits, top-k hits
@@ -265,7 +143,7 @@ def medusa_loss_backward(
                     continue
                 mask = valid[k, :, start:start + step]
                 soft = None if teacher is None else teacher.probs(k, start, start + step, mask)
-                chunk_targets = targets[k, :, start:start + step][mask] if soft is None else soft.argmax(-1)
+                chunk_targets = tokens[k, :, start:start + step][mask] if soft is None else soft.argmax(-1)
                 logits = head_logits_fn(leaf[:, start:start + step][mask].unsqueeze(0), k)
                 logits = logits.reshape(-1, logits.shape[-1])  # (n, vocab)
                 with torch.no_grad():
@@ -283,11 +161,8 @@ def medusa_loss_backward(
 def medusa_loss_naive(
     head_logits_fn: HeadLogitsFn,
     hidden: torch.Tensor,
-    labels: torch.Tensor,
-    num_heads: int,
+    targets: HeadTargets,
     head_decay: float = 0.8,
-    predictions: torch.Tensor | None = None,
-    teacher: Teacher | None = None,
 ) -> tuple[torch.Tensor, LossResult]:
     """Reference Medusa loss: every head's logits at once, one differentiable total.
 
@@ -295,10 +170,11 @@ def medusa_loss_naive(
         ``(loss, result)``: the total with its autograd graph (call ``.backward()`` on it) and
         the same detached total with per-head metrics.
     """
+    _check_shapes(hidden, targets)
+    num_heads, teacher = targets.num_heads, targets.teacher
     weights = head_weights(num_heads, head_decay)
-    labels = labels.to(hidden.device)
     logits = [head_logits_fn(hidden, k) for k in range(num_heads)]
-    all_targets = head_targets(labels, num_heads, predictions)
+    all_targets = targets.tokens.to(hidden.device)
     total = torch.zeros((), device=hidden.device)
     stats = torch.zeros(num_heads, 3, device=hidden.device)
     counts = []
@@ -361,6 +237,12 @@ class _SumCrossEntropy(torch.autograd.Function):
             if grad is not block:
                 block.copy_(grad)
         return logits, None
+
+
+def _check_shapes(hidden: torch.Tensor, targets: HeadTargets) -> None:
+    if targets.tokens.dim() != 3 or hidden.shape[:2] != targets.tokens.shape[1:]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.tokens.shape)} (heads, batch, seq) "
+                         "differ in (batch, seq)")
 
 
 def _block_rows(logits: torch.Tensor) -> int:

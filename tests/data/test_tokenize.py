@@ -31,7 +31,7 @@ def label_runs(example: dict) -> list[list[int]]:
 
 def test_exact_label_mask_two_turns(word_tokenizer):
     example = tokenize_conversation(word_tokenizer, TWO_TURNS, max_length=512)
-    # <|im_start|>=1 <|im_end|>=2 "\n"=4 " "=5; system=6 user=7 assistant=8 ... (see conftest.VOCAB)
+    # <|im_start|>=1 <|im_end|>=2 "\n"=4 " "=5; system=6 user=7 assistant=8 ... (see helpers/tokenizers.py: VOCAB)
     assert example["input_ids"] == [
         1, 6, 4, 9, 5, 10, 5, 11, 5, 12, 5, 13, 5, 8, 2, 4,  # default system prompt
         1, 7, 4, 14, 5, 15, 2, 4,  # <|im_start|>user\nHi there<|im_end|>\n

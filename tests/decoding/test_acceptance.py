@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import make_tiny_backbone
+from helpers.backbones import make_tiny_backbone
 
 from medusa_train import MedusaModel
 from medusa_train.decoding import MedusaTree, medusa_generate

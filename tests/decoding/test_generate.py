@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_backbone
+from helpers.backbones import make_tiny_backbone
 from transformers import DynamicCache
 
 from medusa_train import MedusaModel
@@ -204,13 +204,52 @@ def test_default_eos_comes_from_generation_config():
     assert out.sequences[0, ids.shape[1]:].tolist() == free[: free.index(free[5]) + 1]
 
 
-def test_bfloat16_runs():
-    backbone = make_tiny_backbone("llama", seed=10).to(torch.bfloat16)
+BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: spacing of bf16 numbers in [1, 2)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+@pytest.mark.parametrize("heads", ["perturbed", "oracle"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_greedy_equals_plain_bf16_greedy_up_to_near_ties(arch, heads):
+    """In bf16, Medusa's greedy output is plain bf16 greedy decoding's (``generate(do_sample=False)``).
+
+    The tree pass sums attention over a different set of keys than the one-token-at-a-time forward, so
+    the two can round differently; they may only part where the base model's two best next tokens are
+    within bf16 rounding of each other (gap <= 2 eps max|logit|), measured by a plain bf16 forward of the
+    common prefix, and both tokens must be among those best. (Measured on CPU with these seeds: llama parts
+    on 2 of 6 prompts, qwen2 on 1, gpt_neox never; each time at a gap of 0 or one bf16 step.)"""
+    backbone = make_tiny_backbone(arch, seed=0).to(torch.bfloat16)
     model = MedusaModel.from_backbone(backbone, num_heads=4)
-    ids = prompts(1, seed=2)[0]
-    out = medusa_generate(model, ids, "default", max_new_tokens=12, eos_token_id=[])
-    assert out.sequences.shape == (1, ids.shape[1] + 12)
-    assert out.timings["prefill_s"] > 0 and out.timings["decode_s"] > 0
+    if heads == "perturbed":
+        perturb_heads(model, seed=1)
+    tree = MedusaTree.from_name("default")
+    identical, parted, lengths = 0, [], []
+    for i, ids in enumerate(prompts(6, seed=0)):
+        ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
+        if heads == "oracle":
+            install_oracle_heads(model, ref, seed=i)
+        out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
+        assert out.sequences.shape == ref.shape == (1, ids.shape[1] + 40)
+        assert out.sequences[0, : ids.shape[1]].tolist() == ids[0].tolist()
+        lengths += out.accept_lengths
+        at = first_difference(out.sequences[0].tolist(), ref[0].tolist())
+        if at is None:
+            identical += 1
+            continue
+        with torch.no_grad():
+            logits = backbone(ref[:, :at]).logits[0, -1].float()
+        best, second = logits.topk(2).values.tolist()
+        tolerance = 2 * BF16_EPS * logits.abs().max().item()
+        parted.append((i, at, best - second, tolerance))
+        assert best - second <= tolerance, (i, at, best, second, tolerance)
+        for token in (out.sequences[0, at].item(), ref[0, at].item()):
+            assert best - logits[token].item() <= tolerance, (i, at, token)
+    print(f"bf16 {arch} {heads} heads: {identical} of 6 identical; parted (prompt, position, gap, tol): {parted}")
+    assert identical >= 3, parted  # a near-tie is the exception, not the rule
+    assert max(lengths) >= (3 if heads == "oracle" else 1)  # oracle heads: multi-token steps in bf16 too
 
 
 # ------------------------------------------------------------------------------------------ pieces

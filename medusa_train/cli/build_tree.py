@@ -1,0 +1,95 @@
+"""``scripts/build_tree.py``: fit a Medusa tree to the heads' measured accuracies and write it as a tree YAML.
+
+    python scripts/build_tree.py heads=outputs/medusa1/export nodes=64 calibration=packaged:sharegpt-v3
+
+Options: ``configs/commands/build_tree.yaml`` (schema: ``medusa_train.config.build_tree.BuildTreeConfig``);
+the measuring is ``medusa_train.evaluation.calibrate``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from medusa_train.cli.evaluate import check_heads
+from medusa_train.config.build_tree import BuildTreeConfig, check_build_tree_config
+from medusa_train.config.check import Problems, parse_config
+from medusa_train.config.evaluate import default_output_dir
+from medusa_train.decoding.tree import MedusaTree, build_tree, expected_accept_length
+from medusa_train.evaluation.calibrate import (
+    CONVERSATION_SOURCES,
+    calibration_prompts,
+    greedy_continuations,
+    measure_rank_accuracies,
+    training_prompts,
+    write_tree,
+)
+from medusa_train.evaluation.evaluate import load_medusa
+
+
+def build_build_tree_config(raw) -> BuildTreeConfig:
+    """A validated ``BuildTreeConfig``: the schema's range checks and those that read the heads and the
+    calibration source, every problem reported at once (``ConfigError``)."""
+    return parse_config(BuildTreeConfig, raw, lambda c: check_build_tree_config(c) + check_build_tree_inputs(c))
+
+
+def check_build_tree_inputs(c: BuildTreeConfig) -> list[str]:
+    """The checks that need the heads folder or the calibration file."""
+    from medusa_train.backbone.load import DTYPES
+
+    p = Problems()
+    check_heads(c.heads, p)
+    p.need(c.calibration in CONVERSATION_SOURCES or Path(c.calibration).expanduser().is_file(), "calibration",
+           c.calibration, f"must be one of {', '.join(CONVERSATION_SOURCES)} or an existing .jsonl of prompts")
+    p.need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, "must be float32, bfloat16 or float16")
+    return p
+
+
+def run(cfg: BuildTreeConfig) -> dict:
+    """Measure, build and write the tree; print where it went and (last) the expected accepted length."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, tokenizer = load_medusa(cfg.heads, cfg.model, cfg.device)
+    seen = training_prompts(cfg.heads) if cfg.exclude_training_data else set()
+    prompts = calibration_prompts(cfg.calibration, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.exclude,
+                                  seen)
+    if not prompts:
+        raise SystemExit(f"calibration={cfg.calibration}: no usable prompts (all too long, empty, excluded or "
+                         "in the heads' training data); pass calibration=<a .jsonl of held-out prompts>")
+    if seen:
+        print(f"calibration: {len(prompts)} prompts of {cfg.calibration} the heads were not trained on "
+              f"({len(seen):,} training prompts passed over)")
+    sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
+    accuracies, counts = measure_rank_accuracies(model, sequences, cfg.top_k)
+    name = Path(default_output_dir(cfg.heads)).name
+    output = cfg.output or str(Path("outputs") / "trees" / f"{name}-n{cfg.nodes}.yaml")
+    command = (f"python scripts/build_tree.py heads={cfg.heads} nodes={cfg.nodes} calibration={cfg.calibration} "
+               f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "
+               f"model.dtype={cfg.model.dtype}")
+    nodes = len(build_tree(accuracies, cfg.nodes)) + 1
+    comments = [command, f"use: python scripts/evaluate.py heads={cfg.heads} tree={output}",
+                f"{nodes} nodes (root + paths), most likely path first, fitted to rank accuracies measured on "
+                f"{len(sequences)} greedy continuations ({counts[0]} positions for head 1)."]
+    path, choices, expected = write_tree(output, accuracies, cfg.nodes, comments)
+    default = MedusaTree.from_name("default").truncated(max_nodes=cfg.nodes, max_depth=len(accuracies))
+    default_expected = expected_accept_length([c for c in default.choices if max(c) < cfg.top_k], accuracies)
+    print("top-1 accuracy by head: " + ", ".join(f"{row[0]:.3f}" for row in accuracies))
+    print(f"top-{cfg.top_k} accuracy by head: " + ", ".join(f"{sum(row):.3f}" for row in accuracies))
+    print(f"tree: {path} ({len(choices) + 1} nodes)")
+    if len(choices) + 1 < cfg.nodes:
+        print(f"note: only {len(choices)} paths have a measured accuracy above 0 (asked for {cfg.nodes - 1}); "
+              "calibrate on more prompts for a bigger tree")
+    print(f"the built-in default tree cut to {default.num_nodes} nodes, under these accuracies: "
+          f"{default_expected:.2f} tokens per step")
+    print(f"expected accepted length: {expected:.2f}")
+    return {"path": str(path), "choices": choices, "rank_accuracies": accuracies, "positions": counts,
+            "expected_accept_length": expected}
+
+
+def main() -> None:
+    """Entry point of ``scripts/build_tree.py``."""
+    from medusa_train.cli.entry import run_command
+
+    run_command("build_tree", build_build_tree_config, run)
+

@@ -1,0 +1,51 @@
+"""The one Hydra entry helper every command goes through.
+
+Training composes ``configs/train.yaml`` with its config groups; every other command has its own
+config root (``configs/commands/``), so an option such as ``heads=`` or ``tree=`` is a plain key
+there and never collides with training's groups. ``build`` parses and checks the composed config
+(``config.check.parse_config``): a ``ConfigError`` prints every problem with its key and exits 2
+before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from medusa_train.config.check import ConfigError
+from medusa_train.config.paths import CONFIG_DIR
+
+COMMANDS_DIR = CONFIG_DIR / "commands"
+
+
+def run_command(config_name: str, build: Callable[[Any], Any], run: Callable[[Any], Any],
+                config_dir: Path = COMMANDS_DIR, resolvers: dict[str, Callable] | None = None) -> None:
+    """Run ``run(build(composed config))`` as a Hydra app on ``<config_dir>/<config_name>.yaml``.
+
+    Args:
+        config_name: The YAML's name without suffix.
+        build: Raw Hydra config -> validated config; raises ``ConfigError`` listing every problem.
+        run: Does the work.
+        config_dir: The command's config root (training: ``CONFIG_DIR``; others: ``configs/commands``).
+        resolvers: OmegaConf resolvers the YAML uses (e.g. a default output folder).
+    """
+    import hydra
+    from omegaconf import OmegaConf
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name, fn in (resolvers or {}).items():
+        OmegaConf.register_new_resolver(name, fn, replace=True)
+
+    @hydra.main(config_path=str(config_dir), config_name=config_name, version_base="1.3")
+    def _main(raw) -> None:
+        try:
+            cfg = build(raw)
+        except ConfigError as err:
+            print(err, file=sys.stderr)
+            sys.exit(2)
+        run(cfg)
+
+    _main()

@@ -1,0 +1,142 @@
+"""``scripts/evaluate.py``: measure heads on a benchmark against plain decoding and write the report.
+
+    python scripts/evaluate.py heads=outputs/medusa1/export                    # MT-Bench, 80 x 2 turns
+    python scripts/evaluate.py heads=outputs/medusa1/export bench.limit=5 generation.max_new_tokens=64
+
+Options: ``configs/commands/evaluate.yaml`` (schema: ``medusa_train.config.evaluate.EvalConfig``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from medusa_train.config.check import Problems, parse_config
+from medusa_train.config.evaluate import EvalConfig, check_eval_config, default_output_dir
+from medusa_train.evaluation.evaluate import (
+    evaluate,
+    heads_metadata,
+    load_medusa,
+    measure_drift,
+    resolve_tree,
+)
+
+
+# ------------------------------------------------------------------------------------------- checks
+def build_eval_config(raw) -> EvalConfig:
+    """A validated ``EvalConfig`` from a Hydra ``DictConfig`` or a dict: the schema's range checks and
+    those that read the heads, the tree and the benchmark, every problem reported at once.
+
+    Raises:
+        ConfigError: listing each invalid value with the key to change.
+    """
+    return parse_config(EvalConfig, raw, lambda c: check_eval_config(c) + check_eval_inputs(c))
+
+
+def check_heads(heads: str | None, p: Problems) -> tuple[int | None, str | None]:
+    """Adds the problems of ``heads=`` to ``p``; returns ``(num_heads, base model)`` when the folder reads."""
+    if not heads:
+        return None, None  # the schema check says it is required
+    if not (Path(heads).expanduser() / "config.json").is_file():
+        p.append(f"heads={heads}: not a folder of exported heads (no config.json)")
+        return None, None
+    try:
+        return heads_metadata(Path(heads).expanduser())
+    except ValueError as err:
+        p.append(str(err))
+        return None, None
+
+
+def check_eval_inputs(c: EvalConfig) -> list[str]:
+    """The checks that need the heads folder, the tree, the benchmark file or this machine."""
+    from medusa_train.backbone.load import DTYPES
+    from medusa_train.data.benchmarks import BENCH_PICKS, BENCHMARK_PACKAGES
+    from medusa_train.decoding import ACCEPTANCE_METHODS
+
+    p = Problems()
+    num_heads, base = check_heads(c.heads, p)
+    if num_heads is not None:
+        p.need(bool(base or c.model.name_or_path), "model.name_or_path", None,
+               "the heads' config.json names no base model; set model.name_or_path")
+    p.need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, "must be float32, bfloat16 or float16")
+    medusa2 = bool(c.heads) and (Path(c.heads).expanduser() / "backbone.json").is_file()
+    p.need(c.model.form != "adapter" or medusa2, "model.form", c.model.form,
+           "adapter needs a Medusa-2 export (no backbone.json in heads=)")
+    p.need(c.drift.original != "auto" or medusa2, "drift.original", c.drift.original,
+           "auto needs a Medusa-2 export (no backbone.json in heads=); name the original model instead")
+    src = c.bench.source
+    p.need(src in BENCHMARK_PACKAGES or (not src.startswith("packaged:") and Path(src).expanduser().is_file()),
+           "bench.source", src, f"must be one of {', '.join(BENCHMARK_PACKAGES)} or an existing .jsonl file")
+    p.need(c.bench.pick in BENCH_PICKS, "bench.pick", c.bench.pick, f"must be one of {', '.join(BENCH_PICKS)}")
+    p.need(c.generation.acceptance in ACCEPTANCE_METHODS, "generation.acceptance", c.generation.acceptance,
+           f"must be one of {', '.join(ACCEPTANCE_METHODS)}")
+    p.need(not (c.device or "").startswith("cuda") or torch.cuda.is_available(), "device", c.device,
+           "CUDA is not available here")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a built-in tree cut to the heads' depth is said once, at run time
+            resolve_tree(c.tree, num_heads)
+    except (ValueError, FileNotFoundError) as err:
+        p.append(str(err) if str(err).startswith("tree") else f"tree={c.tree}: {err}")
+    return p
+
+
+# ------------------------------------------------------------------------------------------- running
+def busy_cpu_note() -> None:
+    """Say so when other processes keep the CPU busy: with several torch threads, every parallel op then
+    waits for a descheduled thread, and timings come out many times too slow (one thread is steadier)."""
+    load, cores, threads = os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads()
+    if threads > 1 and load >= 0.75 * cores:
+        print(f"note: the CPU is busy (load average {load:.1f} on {cores} cores) and torch uses {threads} threads: "
+              "timings will be noisy and slow; threads=1 gives steadier numbers on a shared machine")
+
+
+def run(cfg: EvalConfig) -> dict:
+    """Load what ``cfg`` names, evaluate, write the report, and print the summary (last two lines:
+    ``mean accepted length: X.XX`` and ``speedup: Y.YYx``)."""
+    from medusa_train.data.benchmarks import load_benchmark
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    prompts = load_benchmark(cfg.bench.source, cfg.bench.limit, pick=cfg.bench.pick)
+    model, tokenizer = load_medusa(cfg.heads, cfg.model, cfg.device)
+    if model.lm_head.weight.device.type == "cpu":
+        busy_cpu_note()
+    output_dir = cfg.output_dir or default_output_dir(cfg.heads)
+    settings = {"heads": str(cfg.heads), "model": model.backbone.name_or_path, "bench": asdict(cfg.bench),
+                "attn_implementation": cfg.model.attn_implementation}
+    extra = {}
+    if cfg.drift.original:
+        extra["drift"] = measure_drift(model.backbone, tokenizer, prompts, cfg.drift, cfg.heads, cfg.model)
+        d = extra["drift"]
+        print(f"backbone drift from {d['original']}: mean KL {d['mean_kl']:.4f} per token, greedy agreement "
+              f"{d['greedy_agreement']:.1%} over {d['num_tokens']} tokens of {d['prompts']} prompts", flush=True)
+    report = evaluate(model, tokenizer, prompts, cfg.tree, turns=cfg.bench.turns, generation=cfg.generation,
+                      warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress, settings=settings,
+                      extra=extra)
+    tps = report["tokens_per_s"]
+    print(f"report: {report['files']['json']}")
+    print(f"prompts: {len(prompts)} x up to {cfg.bench.turns} turns = {report['totals']['count']} generations; "
+          f"tree: {cfg.tree} ({report['settings']['tree_nodes']} nodes); dtype: {report['settings']['dtype']}")
+    print("per-head acceptance: " + ", ".join(f"{a:.3f}" for a in report["per_head_acceptance"]))
+    print(f"tokens/s (wall, prefill + decode): medusa {tps['medusa']:.1f}, plain {tps['plain']:.1f}; "
+          f"decode-only speedup {report['decode_speedup']:.2f}x")
+    if report["mismatches"] is not None:
+        print(f"greedy mismatches vs plain decoding: {report['mismatches']}")
+        for m in report["mismatch_details"]:
+            print(f"  id {m['id']} turn {m['turn']}: first difference at token {m['position']}, "
+                  f"base top-2 logit gap {m['top2_gap']:.3g}")
+    print(f"mean accepted length: {report['mean_accepted_length']:.2f}")
+    print(f"speedup: {report['speedup']:.2f}x")
+    return report
+
+
+def main() -> None:
+    """Entry point of ``scripts/evaluate.py``."""
+    from medusa_train.cli.entry import run_command
+
+    run_command("evaluate", build_eval_config, run, resolvers={"default_output_dir": default_output_dir})

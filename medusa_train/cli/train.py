@@ -1,0 +1,38 @@
+"""``accelerate launch train.py +recipe=medusa1|medusa2 ...``: compose configs/train.yaml, check it, run the recipe."""
+
+from __future__ import annotations
+
+from medusa_train.config.paths import CONFIG_DIR
+from medusa_train.config.train import TrainConfig, build_config
+
+
+def recipe_class(method: str):
+    """The recipe class of ``method`` (medusa2 imports peft and bitsandbytes only when asked for)."""
+    if method == "medusa2":
+        from medusa_train.training.medusa2 import Medusa2Recipe
+
+        return Medusa2Recipe
+    from medusa_train.training.medusa1 import Medusa1Recipe
+
+    return Medusa1Recipe
+
+
+def run(cfg: TrainConfig) -> dict:
+    """setup -> train -> save_checkpoint -> cleanup of the recipe ``cfg.method`` names; the last eval record."""
+    recipe = recipe_class(cfg.method)(cfg)
+    recipe.setup()
+    try:
+        metrics = recipe.train()
+        recipe.save_checkpoint()
+    finally:
+        recipe.cleanup()
+    return metrics
+
+
+def main() -> None:
+    """Entry point of the root ``train.py`` (so ``accelerate launch train.py`` works from the checkout)."""
+    from medusa_train.cli.entry import run_command
+    from medusa_train.cli.launch import relaunch_cpu_processes_if_asked
+
+    relaunch_cpu_processes_if_asked()
+    run_command("train", build_config, run, config_dir=CONFIG_DIR)

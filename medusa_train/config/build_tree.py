@@ -1,0 +1,45 @@
+"""Typed configuration of ``scripts/build_tree.py`` (``configs/commands/build_tree.yaml``) and its range checks.
+
+Checks that read the heads folder or look for the calibration file live with the command
+(``medusa_train.cli.build_tree``), which runs them together with these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from medusa_train.config.check import Problems
+from medusa_train.config.evaluate import EvalModelConfig
+
+
+@dataclass
+class BuildTreeConfig:
+    heads: str | None = None  #: folder of exported heads
+    nodes: int = 64  #: tree size, root included
+    calibration: str = "packaged:sharegpt-v3"  #: packaged:sharegpt-v3 or a .jsonl of prompts (not MT-Bench)
+    num_prompts: int = 16  #: calibration prompts (their first user turn)
+    max_new_tokens: int = 96  #: greedy continuation length per prompt
+    max_prompt_tokens: int = 256  #: longer prompts are passed over
+    top_k: int = 10  #: ranks measured per head
+    exclude: str | None = "packaged:mt-bench"  #: drop calibration prompts found in this benchmark (null: keep all)
+    exclude_training_data: bool = True  #: drop prompts of the heads' training data (their training_config.json)
+    output: str | None = None  #: tree YAML path; default outputs/trees/<heads name>-n<nodes>.yaml
+    model: EvalModelConfig = field(default_factory=EvalModelConfig)
+    device: str | None = None  #: default: cuda when available, else cpu
+    threads: int | None = None  #: torch CPU threads (null = torch's default)
+
+
+def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
+    """Range checks that need only the values; every problem names its key."""
+    p = Problems()
+    if not c.heads:
+        p.append("heads: required; pass heads=<folder of exported heads>")
+    p.need(c.nodes >= 1, "nodes", c.nodes, "must be >= 1 (the root)")
+    p.need(c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1")
+    p.need(c.max_new_tokens >= 4, "max_new_tokens", c.max_new_tokens, "must be >= 4")
+    p.need(c.max_prompt_tokens >= 1, "max_prompt_tokens", c.max_prompt_tokens, "must be >= 1")
+    p.need(c.top_k >= 1, "top_k", c.top_k, "must be >= 1")
+    p.need(c.calibration != c.exclude and "mt-bench" not in c.calibration, "calibration", c.calibration,
+           "MT-Bench is the evaluation set; calibrate on other prompts (default packaged:sharegpt-v3)")
+    p.need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null")
+    return p

@@ -1,0 +1,101 @@
+"""Typed configuration of ``scripts/demo.py`` (``make demo``; ``configs/commands/demo.yaml``) and its checks.
+
+Each section holds the settings of one pipeline stage. The demo keys its output folders by hashing
+whole sections (``scripts/demo.py: _key``), so a section's fields must stay exactly the YAML's keys,
+with the YAML's types: adding, renaming or retyping one moves every finished run's folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from medusa_train.config.check import Problems, parse_config
+
+
+@dataclass
+class DistillStage:
+    num_prompts: int | None = 400  #: ShareGPT conversations (MT-Bench prompts excluded; null = all)
+    max_prompt_tokens: int = 256
+    keep_truncated: bool = True  #: replies cut at max_new_tokens are still the model's own text
+    trim_loops: bool = True  #: a reply stuck in a loop is kept up to where the loop began
+    max_turns: int = 1
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class TrainStage:
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = True
+    next_token_input: bool = True
+    path_input: bool = True
+    prefix_attention: bool = True
+    epochs: int = 6
+    lr: float = 2.0e-3
+    max_length: int = 512
+    batch_size: int = 8
+    head_decay: float = 0.8
+    targets: str = "text"  #: text | greedy | teacher
+    eval_size: int = 8  #: held-out conversations for the training-time eval
+    dtype: str = "bfloat16"  #: bfloat16 | float32 (backbone weights and autocast)
+
+
+@dataclass
+class Medusa2Stage:
+    stage1_epochs: int = 5  #: heads first on the frozen 4-bit backbone; 0 = joint throughout
+    lr: float = 1.0e-4  #: LoRA learning rate in the joint epochs
+    head_lr: float = 1.0e-3  #: heads' learning rate in the joint epochs
+    head_weight: float = 0.2  #: lambda: L = KL(original || adapted) + lambda * heads' loss
+    head_warmup_steps: int = 0
+    lora_r: int = 16  #: LoRA rank (alpha = 2 r)
+
+
+@dataclass
+class TreeStage:
+    nodes: int = 64
+    num_prompts: int = 16
+
+
+@dataclass
+class EvalStage:
+    limit: int | None = 24  #: MT-Bench questions (null = all 80)
+    turns: int = 1
+    max_new_tokens: int = 128
+    dtype: str = "float32"
+
+
+@dataclass
+class DemoConfig:
+    output_dir: str = "outputs/demo"
+    model: str = "packaged:smollm2-135m-instruct"
+    threads: int | None = None  #: torch threads per stage (null = all cores)
+    recipe: str = "medusa1"  #: medusa1 | medusa2
+    distill: DistillStage = field(default_factory=DistillStage)
+    train: TrainStage = field(default_factory=TrainStage)
+    medusa2: Medusa2Stage = field(default_factory=Medusa2Stage)
+    tree: TreeStage = field(default_factory=TreeStage)
+    eval: EvalStage = field(default_factory=EvalStage)
+
+
+def check_demo_config(c: DemoConfig) -> list[str]:
+    """What the demo cannot run; every problem names its key."""
+    p = Problems()
+    p.need(c.recipe in ("medusa1", "medusa2"), "recipe", c.recipe, "must be medusa1 or medusa2")
+    p.need(c.train.dtype in ("bfloat16", "float32"), "train.dtype", c.train.dtype, "must be bfloat16 or float32")
+    p.need(c.train.epochs >= 1, "train.epochs", c.train.epochs, "must be >= 1")
+    p.need(c.recipe != "medusa2" or 0 <= c.medusa2.stage1_epochs < c.train.epochs, "medusa2.stage1_epochs",
+           c.medusa2.stage1_epochs, f"must be in [0, train.epochs={c.train.epochs}) so that at least one epoch "
+           "trains jointly")
+    p.need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null (all cores)")
+    return p
+
+
+def build_demo_config(raw) -> DemoConfig:
+    """A validated ``DemoConfig`` from a Hydra ``DictConfig`` or a dict; every problem reported at once.
+
+    Raises:
+        ConfigError: listing each problem with the key to change.
+    """
+    return parse_config(DemoConfig, raw, check_demo_config)

@@ -1,0 +1,92 @@
+"""Configuration of ``scripts/distill.py``: self-distilled training data, checked before anything loads.
+
+Hydra composes ``configs/commands/distill.yaml``; ``build_distill_config`` turns it into these
+dataclasses and reports every problem at once, each with the key to change. The limit that needs
+the loaded model (prompt + reply within its context) is checked by ``data.distill.run.distill``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from medusa_train.config.check import Problems, parse_config
+from medusa_train.config.train import ModelConfig, check_model
+
+# Settings that change what a record contains: resuming an output made with others is refused.
+RECORD_SETTINGS = ("model.name_or_path", "model.dtype", "model.quantization", "source", "max_turns",
+                   "max_prompt_tokens", "seed", "exclude_benchmark", "generation", "filters")
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int = 256  #: tokens per reply at most
+    temperature: float = 0.0  #: 0 = greedy (the default: the heads learn the greedy continuation)
+    top_p: float = 1.0  #: nucleus sampling (only when temperature > 0)
+
+
+@dataclass
+class FilterConfig:
+    skip_truncated: bool = True  #: drop replies with no end-of-turn token within max_new_tokens
+    repetition_ngram: int = 8  #: n-gram size (tokens) of the repetition test
+    max_repeated_fraction: float | None = 0.5  #: drop replies whose repeated n-grams cover this share (null = off)
+    #: stop a reply once its last ``loop_window`` n-grams all repeat earlier ones (null = generate on to the limit)
+    loop_window: int | None = 64
+    trim_loops: bool = True  #: keep a stopped reply's text before its loop (else skip it as ``repetition``)
+
+
+@dataclass
+class DistillConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    source: str = "packaged:sharegpt-v3"  #: conversations whose user turns are the prompts (any data.source)
+    num_prompts: int | None = 400  #: conversations to distill, after exclusions (null = all)
+    max_turns: int = 2  #: user turns answered per conversation (system turns are kept)
+    max_prompt_tokens: int = 512  #: longer first prompts are not selected; longer later contexts end the conversation
+    batch_size: int = 8  #: conversations generated together (left-padded)
+    sort_window: int = 8  #: batches per window inside which prompts are sorted by length
+    seed: int = 0  #: sampling seed (greedy ignores it)
+    output: str | None = None  #: jsonl to write (default: outputs/distill/<model>-<num_prompts>.jsonl)
+    exclude_benchmark: str | None = "packaged:mt-bench"  #: benchmark (any bench.source) whose prompts are never distilled
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    progress: bool = True  #: tqdm bar with tokens/s
+
+
+def build_distill_config(raw: Any) -> DistillConfig:
+    """A validated ``DistillConfig`` (see ``config.check.parse_config``)."""
+    return parse_config(DistillConfig, raw, check_distill_config)
+
+
+def check_distill_config(c: DistillConfig) -> list[str]:
+    """Range checks; returns every problem found, each naming its key."""
+    p = Problems(check_model(c.model))
+    p.need(bool(c.source), "source", c.source, "must name a conversation source")
+    p.need(c.num_prompts is None or c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1 or null (all)")
+    p.need(c.max_turns >= 1, "max_turns", c.max_turns, "must be >= 1")
+    p.need(c.max_prompt_tokens >= 8, "max_prompt_tokens", c.max_prompt_tokens, "must be >= 8")
+    p.need(c.batch_size >= 1, "batch_size", c.batch_size, "must be >= 1")
+    p.need(c.sort_window >= 1, "sort_window", c.sort_window, "must be >= 1")
+    p.need(c.output is None or bool(c.output), "output", c.output, "must be a path or null")
+    g, f = c.generation, c.filters
+    p.need(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
+    p.need(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0 (0 = greedy)")
+    p.need(0 < g.top_p <= 1, "generation.top_p", g.top_p, "must be in (0, 1]")
+    p.need(f.repetition_ngram >= 1, "filters.repetition_ngram", f.repetition_ngram, "must be >= 1")
+    p.need(f.loop_window is None or f.loop_window >= 1, "filters.loop_window", f.loop_window,
+           "must be >= 1 or null (off)")
+    p.need(f.max_repeated_fraction is None or 0 < f.max_repeated_fraction <= 1, "filters.max_repeated_fraction",
+           f.max_repeated_fraction, "must be in (0, 1] or null (off)")
+    return p
+
+
+def record_settings(cfg: DistillConfig) -> dict:
+    """The ``RECORD_SETTINGS`` of ``cfg``, by dotted key (saved beside the output, compared on resume)."""
+    data = dataclasses.asdict(cfg)
+    flat = {}
+    for key in RECORD_SETTINGS:
+        value = data
+        for part in key.split("."):
+            value = value[part]
+        flat[key] = value
+    return flat

@@ -1,0 +1,33 @@
+"""Typed configuration of ``scripts/export.py`` (``configs/commands/export.yaml``).
+
+The layout names and their options are checked by the command (``medusa_train.cli.export``) with
+``model.export.option_problems``, together with the required keys checked here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from medusa_train.config.check import Problems
+
+
+@dataclass
+class ExportConfig:
+    heads: str | None = None  #: folder of heads to convert, any layout (usually <trainer.output_dir>/export)
+    format: str | None = None  #: native | medusa_v1 (original Medusa / TensorRT-LLM) | vllm
+    output: str | None = None  #: folder to write; replaced whole (written to a temporary name, then renamed)
+    lm_head_pt: bool = False  #: medusa_v1 only: also write medusa_lm_head.pt (what the original Medusa loader reads)
+    max_paths: int = 64  #: vllm only: config.json max_paths
+    topk: int = 10  #: vllm only: config.json topk
+    model: str | None = None  #: backbone to load when the heads share its LM head (null: base_model_name_or_path)
+    dtype: str | None = None  #: dtype of that backbone (null: the heads' dtype)
+
+
+def check_export_config(c: ExportConfig) -> list[str]:
+    """The keys every export needs; every problem names its key."""
+    p = Problems()
+    for key, hint in (("heads", "<folder of heads to convert>"), ("format", "native|medusa_v1|vllm"),
+                      ("output", "<folder to write>")):
+        if not getattr(c, key):
+            p.append(f"{key}: required; pass {key}={hint}")
+    return p

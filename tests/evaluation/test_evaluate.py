@@ -1,0 +1,237 @@
+"""evaluate: report numbers recomputed from per-prompt records, greedy parity, files, config, command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT
+from helpers.training import make_model_dir
+
+from medusa_train import MedusaModel, load_backbone
+from medusa_train.cli.evaluate import build_eval_config, run
+from medusa_train.config.evaluate import default_output_dir
+from medusa_train.config.train import ConfigError
+from medusa_train.data.benchmarks import BenchPrompt
+from medusa_train.decoding import MedusaTree
+from medusa_train.evaluation.evaluate import (
+    encode_chat,
+    evaluate,
+    first_difference,
+    mismatch_detail,
+    plain_generate,
+    resolve_tree,
+)
+
+REQUIRED_KEYS = {"mean_accepted_length", "speedup", "mismatches", "per_head_acceptance", "per_category",
+                 "tokens_per_s", "settings", "per_prompt"}
+PROMPTS = [
+    BenchPrompt("a", "writing", ["Hello there! How are you today?", "Now say it again."]),
+    BenchPrompt("b", "coding", ["def add(a, b):", "And subtract?"]),
+    BenchPrompt("c", "writing", ["The quick brown fox."]),  # one turn only
+]
+TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory) -> Path:
+    """A tiny Llama folder (ChatML BPE tokenizer) and 3 heads for it, perturbed so they differ from the LM head."""
+    root = tmp_path_factory.mktemp("eval")
+    model_dir = make_model_dir(root / "model")
+    backbone, _ = load_backbone(str(model_dir), dtype="float32")
+    model = MedusaModel.from_backbone(backbone, num_heads=3)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.save_pretrained(root / "run" / "export")
+
+
+@pytest.fixture(scope="module")
+def loaded(heads_dir):
+    from medusa_train.evaluation.evaluate import load_medusa
+
+    return load_medusa(heads_dir, device="cpu")
+
+
+def test_report_numbers_recompute_from_per_prompt(loaded):
+    model, tokenizer = loaded
+    report = evaluate(model, tokenizer, PROMPTS, TREE, max_new_tokens=12, progress=False)
+    rows = report["per_prompt"]
+    assert [(r["id"], r["turn"]) for r in rows] == [("a", 1), ("a", 2), ("b", 1), ("b", 2), ("c", 1)]
+    tokens, steps = sum(r["new_tokens"] for r in rows), sum(r["steps"] for r in rows)
+    assert report["mean_accepted_length"] == pytest.approx(tokens / steps)
+    assert all(sum(r["accept_lengths"]) == r["new_tokens"] and len(r["accept_lengths"]) == r["steps"] for r in rows)
+    assert sum(report["accept_length_histogram"].values()) == steps
+    depths = [d for r in rows for d in r["accepted_depths"]]
+    assert report["per_head_acceptance"] == pytest.approx([sum(d > k for d in depths) / steps for k in range(3)])
+    assert report["per_head_acceptance"] == sorted(report["per_head_acceptance"], reverse=True)
+    # plain decoding is the reference: greedy Medusa reproduces it token for token
+    assert report["mismatches"] == 0 and report["mismatch_details"] == []
+    assert all(r["match"] and r["plain_new_tokens"] == r["new_tokens"] for r in rows)
+    cats = report["per_category"]
+    assert {c: v["count"] for c, v in cats.items()} == {"coding": 2, "writing": 3}
+    writing = [r for r in rows if r["category"] == "writing"]
+    assert cats["writing"]["accepted_length"] == pytest.approx(
+        sum(r["new_tokens"] for r in writing) / sum(r["steps"] for r in writing))
+    medusa_tps = tokens / sum(r["medusa_s"]["wall_s"] for r in rows)
+    plain_tps = sum(r["plain_new_tokens"] for r in rows) / sum(r["plain_s"]["wall_s"] for r in rows)
+    assert report["tokens_per_s"] == pytest.approx({"medusa": medusa_tps, "plain": plain_tps})
+    assert report["speedup"] == pytest.approx(medusa_tps / plain_tps)
+    assert report["settings"]["tree_nodes"] == len(TREE) + 1 and report["settings"]["max_new_tokens"] == 12
+
+
+def install_oracle_heads(monkeypatch, model, tokenizer, prompts, max_new_tokens):
+    """Heads that know the greedy answer to each prompt's first turn: at a hidden state of that answer,
+    head k puts the true token k + 2 ahead first (elsewhere they keep their own guesses)."""
+    eos = [model.backbone.config.eos_token_id]
+    hiddens, targets = [], []
+    for prompt in prompts:
+        ids = encode_chat(tokenizer, [{"role": "user", "content": prompt.turns[0]}])
+        new, _ = plain_generate(model.backbone, ids, max_new_tokens, eos, tokenizer.pad_token_id)
+        seq = torch.cat([ids[0], torch.tensor(new)])
+        with torch.no_grad():
+            hiddens.append(model(seq[None]).hidden_states[0])
+        targets += [[seq[t + k + 2].item() if t + k + 2 < len(seq) else None for k in range(model.num_heads)]
+                    for t in range(len(seq))]
+    reference = torch.cat(hiddens)
+    own = model.head_logits
+
+    def head_logits(hidden, k):
+        logits = own(hidden, k).clone()
+        flat = logits.view(-1, logits.shape[-1])
+        dist, pos = torch.cdist(hidden.reshape(-1, hidden.shape[-1]), reference,
+                                compute_mode="donot_use_mm_for_euclid_dist").min(-1)
+        for row, (d, j) in enumerate(zip(dist.tolist(), pos.tolist())):
+            if d < 1e-3 and targets[j][k] is not None:
+                flat[row, targets[j][k]] = flat[row].max() + 1
+        return logits
+
+    monkeypatch.setattr(model, "head_logits", head_logits)
+
+
+def test_long_accepted_paths_stay_lossless(loaded, monkeypatch):
+    model, tokenizer = loaded
+    install_oracle_heads(monkeypatch, model, tokenizer, PROMPTS, 16)
+    report = evaluate(model, tokenizer, PROMPTS, TREE, turns=1, max_new_tokens=16, warmup=False, progress=False)
+    rows = report["per_prompt"]
+    assert report["mismatches"] == 0
+    assert report["mean_accepted_length"] == pytest.approx(sum(r["new_tokens"] for r in rows) /
+                                                           sum(r["steps"] for r in rows))
+    assert report["mean_accepted_length"] > 3  # the chain [0, 0, 0] is taken almost every step
+    assert report["per_head_acceptance"][2] > 0.5
+
+
+def test_turns_one_and_limit(loaded):
+    model, tokenizer = loaded
+    report = evaluate(model, tokenizer, PROMPTS, "chain", turns=1, limit=2, max_new_tokens=6, warmup=False,
+                      progress=False)
+    assert [(r["id"], r["turn"]) for r in report["per_prompt"]] == [("a", 1), ("b", 1)]
+    assert report["settings"]["tree_depth"] == 3  # chain is built for the model's 3 heads
+
+
+def test_sampling_reports_no_mismatch_count(loaded):
+    model, tokenizer = loaded
+    report = evaluate(model, tokenizer, PROMPTS[:1], TREE, turns=1, max_new_tokens=6, temperature=0.8,
+                      acceptance="rejection", warmup=False, progress=False)
+    assert report["mismatches"] is None and report["per_prompt"][0]["match"] is None
+    assert report["settings"]["sampling"] is True
+
+
+def test_mismatch_detail_describes_the_base_models_choice(loaded):
+    model, tokenizer = loaded
+    ids = encode_chat(tokenizer, [{"role": "user", "content": "Hello there!"}])
+    plain, _ = plain_generate(model.backbone, ids, 8, [], tokenizer.pad_token_id)
+    other = plain[:3] + [(plain[3] + 1) % len(tokenizer)] + plain[4:]
+    assert first_difference(plain, plain) is None
+    assert first_difference(plain, other) == 3 and first_difference(plain, plain[:5]) == 5
+    detail = mismatch_detail(model, ids, plain, other, 3)
+    assert detail["position"] == 3 and detail["plain_token"] == plain[3] and detail["medusa_token"] == other[3]
+    assert detail["top2_gap"] >= 0 and detail["plain_minus_medusa_logit"] >= 0  # plain's token is the argmax
+
+
+def test_resolve_tree():
+    assert resolve_tree("chain", 2) == MedusaTree([[0], [0, 0]])
+    with pytest.warns(UserWarning, match="tree=default is 4 deep"):
+        assert resolve_tree("default", 2).depth == 2
+    with pytest.raises(ValueError, match=r"needs \d heads but num_heads=2"):
+        resolve_tree(str(ROOT / "configs" / "tree" / "chain.yaml"), 2)
+
+
+def write_bench(path: Path) -> Path:
+    lines = [{"turns": p.turns, "category": p.category, "id": p.id} for p in PROMPTS]
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    return path
+
+
+def test_run_writes_report_files_and_prints_headline_last(heads_dir, tmp_path, capsys):
+    cfg = build_eval_config({"heads": str(heads_dir), "tree": "default",
+                             "bench": {"source": str(write_bench(tmp_path / "bench.jsonl")), "limit": 2},
+                             "generation": {"max_new_tokens": 8}, "output_dir": str(tmp_path / "out"),
+                             "device": "cpu", "progress": False})
+    with pytest.warns(UserWarning, match="tree=default"):  # default is 4 deep, the heads 3
+        run(cfg)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(r"mean accepted length: \d+\.\d\d", lines[-2])
+    assert re.fullmatch(r"speedup: \d+\.\d\dx", lines[-1])
+    for name in ("report.json", "report.md", "report.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert REQUIRED_KEYS <= set(report)
+    assert set(report["tokens_per_s"]) == {"medusa", "plain"}
+    assert report["mismatches"] == 0 and len(report["per_prompt"]) == 4
+    assert f"{report['mean_accepted_length']:.2f}" in lines[-2]
+    assert "| writing |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_config_errors_are_reported_together(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        build_eval_config({"heads": str(tmp_path), "tree": "nope", "model": {"dtype": "int3"},
+                           "bench": {"turns": 0, "source": str(tmp_path / "none.jsonl")},
+                           "generation": {"max_new_tokens": 0, "acceptance": "maybe"}, "colour": "red"})
+    text = str(err.value)
+    for key in ("heads=", "tree=nope", "model.dtype='int3'", "bench.turns=0", "bench.source=",
+                "generation.max_new_tokens=0", "generation.acceptance='maybe'", "colour: unknown key"):
+        assert key in text, key
+    with pytest.raises(ConfigError, match="heads: required"):
+        build_eval_config({})
+
+
+def test_command_line_names():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from medusa_train.cli.entry import COMMANDS_DIR
+
+    # heads= and tree= are plain keys of the command's own config root, not training's config groups
+    OmegaConf.register_new_resolver("default_output_dir", default_output_dir, replace=True)
+    with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
+        raw = compose("evaluate", ["heads=/x/run/export", "tree=t.yaml", "bench.limit=2"])
+    assert (raw.heads, raw.tree, raw.bench.limit) == ("/x/run/export", "t.yaml", 2)
+    assert raw.output_dir == os.path.join("outputs", "eval", "run")
+    assert default_output_dir("/runs/medusa1/export") == os.path.join("outputs", "eval", "medusa1")
+    assert default_output_dir("/runs/my-heads") == os.path.join("outputs", "eval", "my-heads")
+
+
+def test_script_with_a_tree_file(heads_dir, tmp_path):
+    tree = tmp_path / "tree.yaml"
+    tree.write_text("# test\nchoices: [[0], [1], [0, 0]]\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"heads={heads_dir}", f"tree={tree}",
+           f"bench.source={write_bench(tmp_path / 'bench.jsonl')}", "bench.limit=1", "bench.turns=1",
+           "generation.max_new_tokens=6", f"output_dir={out}", "progress=false", "threads=1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("speedup: ")
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["tree_nodes"] == 4 and report["settings"]["tree"] == str(tree)

@@ -1,0 +1,63 @@
+"""A tiny but real training setup: a random Llama folder with a BPE chat tokenizer, chat data, overrides
+that shrink the real training config to seconds on CPU, and the one way tests compose that config."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from helpers.backbones import make_tiny_backbone
+from helpers.tokenizers import make_bpe_tokenizer
+
+WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def make_model_dir(path: Path, arch: str = "llama") -> Path:
+    """Save a tiny random backbone plus a ChatML BPE tokenizer as a Hugging Face folder."""
+    tokenizer = make_bpe_tokenizer()
+    backbone = make_tiny_backbone(arch, vocab_size=len(tokenizer))
+    backbone.config.pad_token_id = tokenizer.pad_token_id
+    backbone.config.eos_token_id = tokenizer.eos_token_id
+    backbone.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_chat_jsonl(path: Path, n: int = 48, seed: int = 0) -> Path:
+    """Conversations whose replies count upwards: easy for heads to learn, so accuracy must rise."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            start = rng.randrange(5)
+            reply = " ".join(WORDS[(start + i) % 10] for i in range(rng.randrange(12, 30)))
+            record = {"messages": [{"role": "user", "content": f"Count from {WORDS[start]}."},
+                                   {"role": "assistant", "content": reply}]}
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def train_overrides(model_dir: Path, data: Path, output_dir: Path, **extra) -> list[str]:
+    """Overrides that shrink the real config to seconds on CPU."""
+    values = {"model.name_or_path": model_dir, "model.dtype": "float32", "data.source": data,
+              "data.max_samples": "null", "data.max_length": 96, "data.eval_size": 8, "data.batch_size": 4,
+              "trainer.output_dir": output_dir, "trainer.mixed_precision": "no", "trainer.log_every": 1,
+              "heads.num_heads": 3, "optim.lr": 0.01, **extra}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def compose_config(overrides: list[str], recipe: str = "medusa1"):
+    """The real training config (configs/train.yaml + recipe + the smoke trainer), validated, with
+    ``overrides`` applied last: what ``train.py +recipe=<recipe> trainer=smoke <overrides>`` would run."""
+    from hydra import compose, initialize_config_dir
+
+    from medusa_train.config.paths import CONFIG_DIR
+    from medusa_train.config.train import build_config
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return build_config(compose("train", overrides=[f"+recipe={recipe}", "trainer=smoke", *overrides]))
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    """The records a run appended to ``<output_dir>/metrics.jsonl``, in order."""
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

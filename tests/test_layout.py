@@ -1,0 +1,227 @@
+"""The package's layout, read from its source (AST, nothing imported): modules stay small, imports run
+one way along the data flow and never in a circle, and the head variants' knobs stay inside model/.
+
+Stages: config (0) < backbone (1) < model (2) < data (3) < training (4) = decoding (4) < evaluation (5)
+< cli (6). A module imports only from its own stage folder or an earlier stage (training and decoding
+not from each other); the top-level ``medusa_train/__init__.py`` is exempt. Every import counts, also one
+inside a function (it is still a dependency); only ``if TYPE_CHECKING:`` imports are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+from helpers import ROOT
+
+PACKAGE = ROOT / "medusa_train"
+MAX_LINES = 400
+STAGES = {"config": 0, "backbone": 1, "model": 2, "data": 3, "training": 4, "decoding": 4, "evaluation": 5,
+          "cli": 6}
+HEAD_VARIANT_WORDS = ("path_input", "prefix_attention", "next_token_input")
+HEAD_VARIANT_HOMES = ("config/", "model/")  # model/export.py and model/layouts.py are in model/
+
+
+# ------------------------------------------------------------------------------------ reading the source
+@cache
+def modules() -> dict[str, Path]:
+    """``medusa_train.x.y`` -> its file, for every module and package ``__init__``."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+@cache
+def tree(name: str) -> ast.Module:
+    return ast.parse(modules()[name].read_text(), filename=str(modules()[name]))
+
+
+def _type_checking_only(module: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:``."""
+    skipped = set()
+    for node in ast.walk(module):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skipped
+
+
+def imports(name: str) -> list[tuple[str, int, bool]]:
+    """``(imported module, line, at module level)`` for every import of a package module by ``name``."""
+    known, module = modules(), tree(name)
+    is_package = modules()[name].name == "__init__.py"
+    skipped = _type_checking_only(module)
+    top_level = {id(n) for n in module.body}
+    found = []
+    for node in ast.walk(module):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            # ``from pkg import sub`` imports the submodule; ``from mod import name`` the module
+            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
+        else:
+            continue
+        for target in dict.fromkeys(targets):
+            if target == "medusa_train" or target.startswith("medusa_train."):
+                while target not in known:  # ``import medusa_train.x.Name``-style leftovers
+                    target = target.rsplit(".", 1)[0]
+                found.append((target, node.lineno, id(node) in top_level))
+    return found
+
+
+def stage_of(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else None  # None: the top-level package itself
+
+
+def where(name: str, line: int) -> str:
+    return f"{modules()[name].relative_to(ROOT)}:{line}"
+
+
+# ------------------------------------------------------------------------------------ the checks
+def long_modules() -> list[str]:
+    lengths = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    return [f"{modules()[n].relative_to(ROOT)}: {k} lines" for n, k in sorted(lengths.items()) if k > MAX_LINES]
+
+
+def backward_imports() -> list[str]:
+    offenders = []
+    for name in modules():
+        stage = stage_of(name)
+        if stage is None:
+            continue  # medusa_train/__init__.py gathers the public API from every stage
+        if stage not in STAGES:
+            offenders.append(f"{modules()[name].relative_to(ROOT)}: in no stage folder ({', '.join(STAGES)})")
+            continue
+        for target, line, _ in imports(name):
+            other = stage_of(target)
+            if other == stage:
+                continue
+            if other is None:
+                problem = "imports the package root medusa_train (which loads every stage)"
+            elif other not in STAGES:
+                problem = f"imports {target}, in no stage folder"
+            elif STAGES[other] > STAGES[stage]:
+                problem = f"imports {target}: {other} ({STAGES[other]}) comes after {stage} ({STAGES[stage]})"
+            elif STAGES[other] == STAGES[stage]:
+                problem = f"imports {target}: {stage} and {other} are parallel stages"
+            else:
+                continue
+            offenders.append(f"{where(name, line)}: {problem}")
+    return offenders
+
+
+def import_cycles() -> list[str]:
+    """Strongly connected components (Tarjan) of the module import graph with more than one module,
+    each with the edges that close it."""
+    graph = {name: sorted({t for t, _, _ in imports(name) if t != name}) for name in modules()}
+    index, low, on_stack, stack, components, counter = {}, {}, set(), [], [], [0]
+
+    def visit(node):
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            components.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    offenders = []
+    for component in sorted(c for c in components if len(c) > 1):
+        members = set(component)
+        edges = [f"{where(a, line)} -> {t}{'' if top else ' (inside a function)'}"
+                 for a in component for t, line, top in imports(a) if t in members and t != a]
+        offenders.append(f"cycle {' <-> '.join(component)}: " + "; ".join(edges))
+    return offenders
+
+
+def head_variant_leaks() -> list[str]:
+    """Identifiers and strings naming a head variant (path_input, prefix_attention, next_token_input)
+    outside model/ and config/."""
+    hits: dict[tuple[str, int], set[str]] = {}
+    for name, path in modules().items():
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith(HEAD_VARIANT_HOMES):
+            continue
+        for node in ast.walk(tree(name)):
+            if isinstance(node, ast.Name):
+                words = [node.id]
+            elif isinstance(node, ast.Attribute):
+                words = [node.attr]
+            elif isinstance(node, ast.keyword):
+                words = [node.arg or ""]
+            elif isinstance(node, ast.arg):
+                words = [node.arg]
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                words = [node.name]
+            elif isinstance(node, ast.alias):
+                words = [node.name, node.asname or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                words = [node.value]  # docstrings and config keys too
+            else:
+                continue
+            found = {w for w in HEAD_VARIANT_WORDS for text in words if w in text}
+            if found:
+                hits.setdefault((name, getattr(node, "lineno", 0)), set()).update(found)
+    return [f"{where(name, line)}: {', '.join(sorted(words))}" for (name, line), words in sorted(hits.items())]
+
+
+def report(title: str, offenders: list[str]) -> str:
+    text = f"{title}: {len(offenders)} offender(s)" + "".join(f"\n  {o}" for o in offenders)
+    print(text)
+    return text
+
+
+# ------------------------------------------------------------------------------------ tests
+def test_the_layout_is_read_from_every_stage_folder():
+    """The checks below see the package (a wrong root would pass them all vacuously)."""
+    assert {stage_of(n) for n in modules()} - {None} == set(STAGES)
+    assert {stage_of(t) for t, _, _ in imports("medusa_train")} >= {"backbone", "model", "decoding"}
+    assert any(target == "medusa_train.config.paths" for name in modules() for target, _, _ in imports(name))
+
+
+def test_no_module_is_over_400_lines():
+    offenders = long_modules()
+    assert not offenders, report(f"modules over {MAX_LINES} lines", offenders)
+
+
+def test_imports_run_only_down_the_data_flow():
+    offenders = backward_imports()
+    assert not offenders, report("imports from a later (or parallel) stage", offenders)
+
+
+def test_no_import_cycle_between_modules():
+    offenders = import_cycles()
+    assert not offenders, report("import cycles", offenders)
+
+
+def test_head_variants_are_named_only_in_model_and_config():
+    offenders = head_variant_leaks()
+    assert not offenders, report(f"{', '.join(HEAD_VARIANT_WORDS)} outside model/ and config/", offenders)

@@ -1,0 +1,103 @@
+"""The package's shape: the wheel carries configs/ and the built-in trees, and an installed medusa_train
+uses them (not a checkout); config/ is the first stage of the data flow and imports no later one."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "medusa_train", "configs")  # all the build reads
+
+INSTALLED_CHECK = """
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+import medusa_train
+from medusa_train import MedusaTree
+from medusa_train.cli.entry import COMMANDS_DIR
+from medusa_train.config.paths import CONFIG_DIR
+
+site = Path(sys.argv[1]).resolve()
+assert Path(medusa_train.__file__).resolve().is_relative_to(site), medusa_train.__file__
+assert CONFIG_DIR.resolve() == site / "medusa_train" / "configs", CONFIG_DIR
+with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+    train = compose("train", overrides=["+recipe=medusa1"])
+assert train.method == "medusa1" and train.heads.num_heads == 4, (train.method, train.heads)
+with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
+    evaluate = compose("evaluate", overrides=["heads=somewhere", "tree=small"])
+assert (evaluate.heads, evaluate.tree) == ("somewhere", "small")
+tree = MedusaTree.from_name("default")
+assert tree.num_nodes == 64, tree
+print("installed medusa_train works from", site)
+"""
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_configs_and_trees_and_works_without_the_checkout(tmp_path):
+    # Built from a clean copy: a build in the checkout would leave build/ there, and a later build
+    # would ship stale files from it.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in BUILD_INPUTS:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(ROOT / name, source / name)
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env.pop("PYTHONPATH", None)
+    pip = [sys.executable, "-m", "pip"]
+    built = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), "."],
+                           cwd=source, env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    assert "BuildBackendWarning" not in built.stderr, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("medusa_train-*.whl")
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "medusa_train").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    configs = {f"medusa_train/configs/{p.relative_to(ROOT / 'configs').as_posix()}"
+               for p in (ROOT / "configs").rglob("*.yaml")}
+    assert "medusa_train/configs/tree/default.yaml" in configs
+    assert not (modules | configs) - names, sorted((modules | configs) - names)
+
+    site = tmp_path / "site"
+    # --target installs beside the environment: the environment's own (editable) install is left alone
+    installed = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+
+    elsewhere = tmp_path / "elsewhere"  # neither the checkout nor the wheel's folder is the working directory
+    elsewhere.mkdir()
+    ran = subprocess.run([sys.executable, "-c", INSTALLED_CHECK, str(site)], cwd=elsewhere,
+                         env={**env, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    assert "installed medusa_train works from" in ran.stdout
+
+
+def _imported(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield "." * node.level + (node.module or "")
+
+
+def test_config_imports_nothing_from_a_later_stage():
+    """config/ is the first stage of the data flow: schemas and checks that need only the values. (Importing
+    ``medusa_train`` itself would load every stage through the package's __init__.)"""
+    later = [f"{path.name}: {name}" for path in sorted((ROOT / "medusa_train" / "config").glob("*.py"))
+             for name in _imported(path)
+             if name == "medusa_train" or name.startswith("..")
+             or (name.startswith("medusa_train.") and name.split(".")[1] != "config")]
+    assert not later, later
