@@ -32,8 +32,8 @@ from transformers import DynamicCache
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.acceptance import greedy_accept
+from medusa_train.decoding.fit_tree import assumed_rank_accuracies, expected_accept_length
 from medusa_train.decoding.generate import candidate_tokens, compact_cache, verify_tree
-from medusa_train.decoding.tree import assumed_rank_accuracies, expected_accept_length
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,

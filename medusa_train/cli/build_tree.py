@@ -16,7 +16,8 @@ from medusa_train.cli.evaluate import check_heads
 from medusa_train.config.build_tree import BuildTreeConfig, check_build_tree_config
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.evaluate import default_output_dir
-from medusa_train.decoding.tree import MedusaTree, build_tree, expected_accept_length
+from medusa_train.decoding.fit_tree import build_tree, expected_accept_length
+from medusa_train.decoding.tree import MedusaTree
 from medusa_train.evaluation.calibrate import (
     CONVERSATION_SOURCES,
     calibration_prompts,

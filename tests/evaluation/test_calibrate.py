@@ -17,7 +17,7 @@ from medusa_train.cli.build_tree import build_build_tree_config, run
 from medusa_train.config.train import ConfigError
 from medusa_train.data.benchmarks import normalise_prompt
 from medusa_train.decoding import MedusaTree
-from medusa_train.decoding.tree import expected_accept_length
+from medusa_train.decoding.fit_tree import expected_accept_length
 from medusa_train.evaluation.calibrate import (
     calibration_prompts,
     greedy_continuations,
