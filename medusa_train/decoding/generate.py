@@ -199,8 +199,8 @@ def candidate_tokens(model, tree: MedusaTree, accepted_hidden: torch.Tensor, roo
     """(num_nodes,) tokens: the root, then, depth by depth, each node's head's top-k guess at its rank.
 
     Head d reads the path to each depth-d node that has children (root first) and its top-k fill
-    those children. The model decides what the heads read (``MedusaModel.head_features``): heads
-    that read no more than the root give one row of guesses that every parent shares.
+    those children. The model decides what the heads read (``MedusaModel.head_features``); when no
+    guess follows the path before it, every head is asked at once.
 
     Args:
         model: A ``MedusaModel``.
@@ -214,6 +214,12 @@ def candidate_tokens(model, tree: MedusaTree, accepted_hidden: torch.Tensor, roo
     tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=device)
     tokens[0] = root_token
     ancestors, levels = tree.path_buffers(device)
+    if levels and not model.guesses_follow_path:  # every head at once: one LM-head read when it is shared
+        features = model.head_features(accepted_hidden, tokens[:1, None], heads_state)
+        logits = model.all_head_logits(features, len(levels))  # (depth, 1, vocab)
+        for d, (_, children, _, ranks) in enumerate(levels):
+            tokens[children] = logits[d, 0].topk(tree.head_top_k[d]).indices[ranks]
+        return tokens
     for d, (parents, children, rows, ranks) in enumerate(levels):
         paths = tokens[ancestors[parents, : d + 1]]  # (parents, d + 1): root, then the guesses on the way
         features = model.head_features(accepted_hidden if d == 0 else None, paths, heads_state)

@@ -169,6 +169,13 @@ class MedusaModel(nn.Module):
         """What medusa-train adds to the backbone: the heads, and the prefix attention layer if any."""
         return [self.heads] + ([self.prefix] if self.prefix is not None else [])
 
+    @property
+    def guesses_follow_path(self) -> bool:
+        """Whether a head's guess depends on the guesses before it on its tree path (not only on the
+        root): then a decoder must ask the heads depth by depth; otherwise it may ask every head at
+        once, which with a shared LM head reads its weight once instead of once per head."""
+        return any(self.config.token_inputs(k) > 1 for k in range(self.num_heads))
+
     def new_decode_state(self) -> DecodeState:
         """Fresh decode-time state for one sequence (pass it to every ``head_features`` call of that decode)."""
         return DecodeState(PrefixCache())
