@@ -224,7 +224,7 @@ def candidate_tokens(model, tree: MedusaTree, accepted_hidden: torch.Tensor, roo
         paths = tokens[ancestors[parents, : d + 1]]  # (parents, d + 1): root, then the guesses on the way
         features = model.head_features(accepted_hidden if d == 0 else None, paths, heads_state)
         top = model.head_logits(features, d).topk(tree.head_top_k[d], dim=-1).indices
-        tokens[children] = top.expand(len(parents), -1)[rows, ranks]
+        tokens[children] = top[rows, ranks]
     return tokens
 
 

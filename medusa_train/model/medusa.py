@@ -192,8 +192,8 @@ class MedusaModel(nn.Module):
         Decoding (``state`` from ``new_decode_state``): ``hidden`` (n, hidden) holds the positions accepted
         since the last call (``None``: none, e.g. asking again at the next tree depth); ``tokens`` (P, L)
         holds tree paths from the root (L >= 1). Returns the features at the last accepted position for
-        each path: (P, features), or (1, features) when no head reads past the root (every path starts
-        there), so the caller may broadcast.
+        each path: (P, features), or (1, features) when no guess follows the path past the root
+        (``guesses_follow_path`` is false: every path starts there, so one row serves them all).
         """
         if state is None:
             context = self._context(hidden)
@@ -207,7 +207,7 @@ class MedusaModel(nn.Module):
             raise ValueError("the decode state has seen no position yet: pass the prompt's hidden states first")
         if not self.config.next_token_input:
             return state.last
-        if not self.config.path_input:
+        if not self.guesses_follow_path:  # every path starts at the root: one row serves them all
             return self._with_tokens(state.last, tokens[:1, :1])
         return self._with_tokens(state.last.expand(tokens.shape[0], -1), tokens)
 

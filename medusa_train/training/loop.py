@@ -255,8 +255,9 @@ class HeadEvalSums:
         self.kept = False  # the targets keep only a share of the text's (greedy)
 
     def add(self, result: LossResult, targets: HeadTargets) -> None:
-        text = targets.text_counts or [0] * len(result.per_head)
-        self.kept |= targets.text_counts is not None
+        text = targets.text_counts()
+        self.kept |= text is not None
+        text = text or [0] * len(result.per_head)
         for k, h in enumerate(result.per_head):
             self.sums[k] += torch.tensor([h.loss * h.count, h.top1 * h.count, h.top5 * h.count, h.count, text[k]],
                                          dtype=torch.float64)

@@ -32,6 +32,7 @@ recipe inherits from none).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,8 +248,6 @@ class Medusa2Recipe:
                     "dtype": m.dtype, "bnb_compute_dtype": m.bnb_compute_dtype,
                     "bnb_double_quant": m.bnb_double_quant, "adapter": ADAPTER_DIR if self.joint else None,
                     "merged": MERGED_DIR if merge else None, "stage": cfg.stage}
-            import json
-
             (tmp / BACKBONE_INFO).write_text(json.dumps(info, indent=2) + "\n")
             loop.write_training_config(cfg, tmp)
             assets.replace_dir(tmp, target)

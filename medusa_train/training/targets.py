@@ -6,7 +6,7 @@ and a ``HeadTargets``, the one type the loss takes:
 
 - ``text``: the data's own token ``labels[:, t + k + 2]``;
 - ``greedy``: the frozen backbone's greedy continuation, where this one forward pass knows it
-  (``greedy_tokens``); ``HeadTargets.text_counts`` says how many of the text's targets it kept;
+  (``greedy_tokens``); ``HeadTargets.text_counts()`` says how many targets the text offered;
 - ``teacher``: the backbone's whole next-token distribution at ``t + k + 1`` (soft labels, ``Teacher``),
   at the text's trained positions.
 """
@@ -60,13 +60,19 @@ class HeadTargets:
             where it learns nothing.
         teacher: Soft labels at the same positions (``loss.targets=teacher``); ``tokens`` then only
             say where.
-        text_counts: Per head, how many targets the text offers, when these targets keep only a
-            share of them (greedy targets); ``None`` otherwise.
+        text_labels: The text's labels, when these targets keep only a share of its targets (greedy
+            targets); ``None`` otherwise. Only an evaluation asks how many (``text_counts``).
     """
 
     tokens: torch.Tensor
     teacher: Teacher | None = None
-    text_counts: list[int] | None = None
+    text_labels: torch.Tensor | None = None
+
+    def text_counts(self) -> list[int] | None:
+        """Per head, how many targets the text offers (``None`` unless these targets keep a share of them)."""
+        if self.text_labels is None:
+            return None
+        return (text_tokens(self.text_labels, self.num_heads) != IGNORE_INDEX).sum(dim=(1, 2)).tolist()
 
     @property
     def num_heads(self) -> int:
@@ -127,10 +133,9 @@ def text_targets(labels: torch.Tensor, num_heads: int) -> HeadTargets:
 
 
 def greedy_targets(labels: torch.Tensor, num_heads: int, predictions: torch.Tensor) -> HeadTargets:
-    """``loss.targets=greedy`` (see ``greedy_tokens``), with the text's target counts."""
+    """``loss.targets=greedy`` (see ``greedy_tokens``), keeping the text's labels for ``text_counts``."""
     labels = labels.to(predictions.device)
-    text = (text_tokens(labels, num_heads) != IGNORE_INDEX).sum(dim=(1, 2)).tolist()
-    return HeadTargets(greedy_tokens(labels, num_heads, predictions), text_counts=text)
+    return HeadTargets(greedy_tokens(labels, num_heads, predictions), text_labels=labels)
 
 
 def teacher_targets(labels: torch.Tensor, num_heads: int, teacher: Teacher) -> HeadTargets:
