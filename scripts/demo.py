@@ -122,6 +122,7 @@ def run(cfg: DemoConfig) -> None:
         f"bench.turns={e.turns}", f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
         f"output_dir={report}", *(["drift.original=auto"] if cfg.recipe == "medusa2" else [])], done=newer(report / "report.json", tree, export / "model.safetensors"))
 
+    record_times(run_dir, times)
     result = json.loads((report / "report.json").read_text())
     print("\n== done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items() if v))
     print(f"distilled data   {data}\nheads (native)   {export}\ntree             {tree}\n"
@@ -157,6 +158,18 @@ def train_medusa2(cfg: DemoConfig, py: str, heads_flags: list[str], data: Path, 
     spent += stage("2/4 train LoRA and heads jointly (medusa2)", joint,
                    done=newer(run_dir / "export" / "training_config.json", *inputs))
     return spent
+
+
+def record_times(run_dir: Path, times: dict[str, float]) -> None:
+    """Add this invocation's stage wall times to ``<run_dir>/demo-times.json`` (seconds per stage,
+    summed over the invocations that ran it; a skipped stage adds nothing). An attempt that was
+    killed adds nothing either: a resumed stage counts only its resumed part."""
+    path = run_dir / "demo-times.json"
+    total = json.loads(path.read_text()) if path.exists() else {}
+    for name, seconds in times.items():
+        if seconds:
+            total[name] = total.get(name, 0.0) + seconds
+    path.write_text(json.dumps(total, indent=1) + "\n")
 
 
 def distill_path(out: Path, cfg: DemoConfig, num_prompts: int | None) -> Path:

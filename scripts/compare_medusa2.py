@@ -1,0 +1,104 @@
+"""Medusa-2 against Medusa-1 at the demo's data and step budget (issue 23), one row per setting.
+
+    .venv/bin/python scripts/compare_medusa2.py                      # every row, in order; resumes
+    .venv/bin/python scripts/compare_medusa2.py --rows medusa1 m2-default
+    nohup .venv/bin/python scripts/compare_medusa2.py > outputs/medusa2-compare.log 2>&1 &
+
+Each row is ``scripts/demo.py`` with the shared settings below plus the row's own overrides, so
+every row trains on the same distilled file (distilled once, by the first row), fits its tree the
+same way and is evaluated on the same 24 MT-Bench prompts. The demo skips finished stages and
+training resumes from its last checkpoint, so re-running this command after a kill (or in a later
+session) picks up where it stopped. After each row, ``docs/results/medusa2.json`` is rewritten with
+every finished row: a partial table is still a true one.
+
+The shared settings run the backbone in float32: on CPUs without native bf16 (AVX2 only, as here;
+``lscpu | grep avx512_bf16`` prints nothing) bf16 matmuls are ~5x slower than float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUT_DIR = "outputs/medusa2-compare"
+SHARED = [f"output_dir={OUTPUT_DIR}", "distill.dtype=float32", "train.dtype=float32"]
+ROWS: dict[str, list[str]] = {
+    "medusa1": ["recipe=medusa1"],
+    # 5 epochs of heads on the frozen 4-bit backbone, then 1 joint epoch (LoRA lr 1e-4, lambda 0.2)
+    "m2-default": ["recipe=medusa2"],
+    "m2-faithful": ["recipe=medusa2", "medusa2.lr=3.0e-5"],  # the backbone moves less
+    "m2-heads-first": ["recipe=medusa2", "medusa2.lr=3.0e-4", "medusa2.head_weight=1.0"],  # heads' loss counts more
+}
+RESULTS = ROOT / "docs" / "results" / "medusa2.json"
+
+
+def demo_paths(overrides: list[str]) -> dict[str, Path]:
+    """Where scripts/demo.py with ``overrides`` writes (its ``stage_paths``)."""
+    from hydra import compose, initialize_config_dir
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import demo
+
+    from medusa_train.config.demo import build_demo_config
+    from medusa_train.cli.entry import COMMANDS_DIR
+
+    with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
+        return demo.stage_paths(build_demo_config(compose("demo", overrides)))
+
+
+def row_result(name: str, overrides: list[str]) -> dict | None:
+    """The row's figures from its finished demo run, or None when the run has no report yet."""
+    paths = demo_paths(overrides)
+    report_file = paths["report"] / "report.json"
+    if not report_file.exists():
+        return None
+    report = json.loads(report_file.read_text())
+    times_file = paths["run"] / "demo-times.json"
+    times = json.loads(times_file.read_text()) if times_file.exists() else {}
+    drift = report.get("drift") or {"mean_kl": 0.0, "greedy_agreement": 1.0}  # medusa1: the backbone is untouched
+    recipe = next(o.split("=", 1)[1] for o in overrides if o.startswith("recipe="))
+    return {
+        "name": name, "recipe": recipe, "overrides": overrides,
+        "command": " ".join([".venv/bin/python scripts/demo.py", *overrides]),
+        "mean_accepted_length": report["mean_accepted_length"],
+        "per_head_acceptance": report["per_head_acceptance"],
+        "greedy_agreement": drift["greedy_agreement"], "mean_kl": drift["mean_kl"],
+        "train_minutes": round(times["train"] / 60, 1) if "train" in times else None,
+        "speedup": report["speedup"], "mismatches": report["mismatches"],
+        "report": str(report_file),
+    }
+
+
+def write_results(rows: list[dict]) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    partial = RESULTS.with_suffix(".json.partial")
+    partial.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    partial.replace(RESULTS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS),
+                        help="which rows to run (default: all, in order)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per stage (the demo's threads=); 1 when other jobs share the CPU")
+    args = parser.parse_args()
+    shared = SHARED + ([f"threads={args.threads}"] if args.threads else [])
+    for name in args.rows:
+        overrides = shared + ROWS[name]
+        print(f"\n##### {name}: {' '.join(overrides)}  ({time.strftime('%H:%M:%S')})", flush=True)
+        result = subprocess.run([sys.executable, "scripts/demo.py", *overrides], cwd=ROOT)
+        if result.returncode != 0:
+            sys.exit(f"row {name} failed (exit {result.returncode}); re-run the same command to resume it")
+        rows = [r for n in ROWS if (r := row_result(n, shared + ROWS[n]))]
+        write_results(rows)
+        print(f"##### {name} done; {len(rows)} row(s) in {RESULTS.relative_to(ROOT)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
