@@ -44,8 +44,8 @@ def demo_paths(overrides: list[str]) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT / "scripts"))
     import demo
 
-    from medusa_train.config.demo import build_demo_config
     from medusa_train.cli.entry import COMMANDS_DIR
+    from medusa_train.config.demo import build_demo_config
 
     with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
         return demo.stage_paths(build_demo_config(compose("demo", overrides)))

@@ -123,6 +123,7 @@ def load_backbone(
     attn_implementation: str | None = None,
     bnb_compute_dtype: str | None = None,
     bnb_double_quant: bool = True,
+    offload_folder: str | os.PathLike | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
@@ -136,6 +137,7 @@ def load_backbone(
         attn_implementation: ``"sdpa"`` / ``"eager"``; ``None`` keeps transformers' default.
         bnb_compute_dtype: Compute dtype of 4-bit layers (defaults to ``dtype``).
         bnb_double_quant: Double quantisation of the 4-bit scales.
+        offload_folder: Where ``device_map="auto"`` puts the layers that fit neither GPU nor CPU memory.
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode, the tokenizer with a pad token.
@@ -152,6 +154,8 @@ def load_backbone(
         kwargs["device_map"] = device_map or ("auto" if torch.cuda.is_available() else "cpu")
     elif device_map is not None:
         kwargs["device_map"] = device_map
+    if offload_folder is not None and device_map == "auto":
+        kwargs["offload_folder"] = str(offload_folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:

@@ -23,6 +23,9 @@ class ModelConfig:
     attn_implementation: str | None = "sdpa"  #: sdpa | eager | null (transformers' default)
     bnb_compute_dtype: str | None = None  #: compute dtype of 4-bit layers (default: dtype)
     bnb_double_quant: bool = True  #: double-quantise the 4-bit scales
+    #: null (one device per process) | auto (accelerate's big-model placement over every GPU, then CPU and
+    #: disk: for a backbone larger than one device, in scripts/capture.py with one process)
+    device_map: str | None = None
 
 
 @dataclass
@@ -36,6 +39,7 @@ class DataConfig:
     seed: int = 0  #: train/eval split and shuffling seed
     cache_hidden_states: bool = False  #: medusa1 only: run the frozen backbone once, train heads from cached states
     cache_dir: str | None = None  #: where hidden-state caches go (default: $MEDUSA_TRAIN_CACHE/hidden)
+    shard_tokens: int = 1048576  #: tokens per hidden-state shard (scripts/capture.py; each process writes whole shards)
 
 
 @dataclass
@@ -160,6 +164,8 @@ def check(c: TrainConfig) -> list[str]:
            c.data.eval_batch_size, "must be >= 1")
     p.need(not (c.data.cache_hidden_states and c.method == "medusa2" and c.stage != 1), "data.cache_hidden_states",
            True, "needs a frozen backbone: use it with +recipe=medusa1 (or medusa2 stage=1)")
+    p.need(c.model.device_map in (None, "auto"), "model.device_map", c.model.device_map, "must be null or auto")
+    p.need(c.data.shard_tokens >= 1, "data.shard_tokens", c.data.shard_tokens, "must be >= 1")
     p.need(0.0 < c.loss.head_decay <= 1.0, "loss.head_decay", c.loss.head_decay, "must be in (0, 1]")
     p.need(c.loss.chunk_size is None or c.loss.chunk_size >= 1, "loss.chunk_size", c.loss.chunk_size,
            "must be >= 1 or null")

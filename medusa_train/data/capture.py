@@ -1,12 +1,27 @@
-"""Cache of a frozen backbone's final hidden states, so heads train for many epochs without it.
+"""Hidden-state capture: the frozen backbone's final hidden states, stored once, read by every epoch and rank.
 
-With a frozen backbone (Medusa-1) every epoch would recompute the same hidden states; on the
-packaged model the backbone is a third of a step. ``build_hidden_cache`` runs the backbone once
-over the examples and stores, per example, its final-norm hidden states (in the backbone's
-dtype, bf16 by default: exactly what the uncached path feeds the heads) and labels, in
-safetensors shards. The folder is keyed by everything that changes the states (model, dtype,
-data, max_length, tokenizer; the whole model section, so a 4-bit backbone never reads states cached
-for the unquantized one) and is written to a temporary name and renamed when complete.
+With a frozen backbone (Medusa-1, or Medusa-2's stage 1) every epoch would recompute the same hidden
+states; on the packaged model the backbone is a third of a step, on a 70B model nearly all of it.
+``capture_split`` runs the backbone once over a split's examples and stores, per example, its
+final-norm hidden states (in the backbone's dtype: exactly what the uncached path feeds the heads)
+and labels. ``scripts/capture.py`` is this stage on its own; ``data.cache_hidden_states=true`` runs it
+before training.
+
+One folder per split, named by the settings key (a hash of everything that changes the states:
+model section, data, max_length, tokenizer, split)::
+
+    <root>/<key>-<split>/shard-00000.safetensors   {"<i>.hidden": (T, H), "<i>.labels": (T,)}
+                         shard-00000.json          its manifest: key, example ids, tokens, bytes
+                         index.json                written last: key, settings, shards, bytes per token
+
+The shard plan is fixed by the examples alone (length-sorted, ``shard_tokens`` tokens each), not by
+the number of processes: process ``r`` of ``n`` writes shards ``r, r + n, ...``, and a run resumed
+with another ``n`` keeps every finished shard. A shard is written to a ``.partial`` name and renamed,
+then its manifest; a shard without its manifest, or whose size differs from it, is torn: it is redone,
+never read. A manifest or index with another settings key is refused with both keys.
+
+Training reads the shards lazily (``load_captured``: memory-mapped safetensors), so each process
+reads from disk only the examples of its own batches.
 """
 
 from __future__ import annotations
@@ -14,17 +29,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from medusa_train.backbone import assets
 from medusa_train.data.tokenize import IGNORE_INDEX
 
-CACHE_FORMAT = 1
+CAPTURE_FORMAT = 2
 SHARD_TOKENS = 1 << 20  # ~1.1 GiB of bf16 states at hidden 576; keeps shards a manageable size
+LABEL_BYTES = 8  # int64 label per token
+
+HiddenFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, attention_mask) -> (B, T, H)
+
+
+class CaptureMismatch(ValueError):
+    """A stored shard or index was captured with other settings than the ones asked for."""
 
 
 def cache_key(**parts) -> str:
@@ -36,7 +60,7 @@ def cache_key(**parts) -> str:
             stat = path.stat()
             value = f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
         normalised[name] = str(value)
-    normalised["format"] = CACHE_FORMAT
+    normalised["format"] = CAPTURE_FORMAT
     return hashlib.sha256(json.dumps(normalised, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -44,87 +68,215 @@ def default_cache_root() -> Path:
     return assets.cache_dir() / "hidden"
 
 
-@torch.no_grad()
-def build_hidden_cache(model, examples: Sequence[dict], directory: str | os.PathLike, batch_size: int = 8,
-                       device: torch.device | str = "cpu", desc: str = "caching hidden states") -> Path:
-    """Run ``model`` (a ``MedusaModel``) once over ``examples`` and store hidden states + labels.
+def plan_shards(lengths: Sequence[int], shard_tokens: int = SHARD_TOKENS) -> list[list[int]]:
+    """Example ids per shard: length-sorted (little padding), at most ``shard_tokens`` tokens per shard
+    (an example longer than that is a shard of its own)."""
+    if shard_tokens < 1:
+        raise ValueError(f"data.shard_tokens={shard_tokens}: must be >= 1")
+    shards, current, tokens = [], [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if current and tokens + lengths[i] > shard_tokens:
+            shards.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += lengths[i]
+    return shards + ([current] if current else [])
 
-    Returns the cache folder; if it is already complete, nothing is recomputed.
+
+def shard_name(number: int) -> str:
+    return f"shard-{number:05d}.safetensors"
+
+
+@torch.no_grad()
+def capture_split(hidden_fn: HiddenFn, examples: Sequence[dict], folder: str | os.PathLike, key: str,
+                  batch_size: int = 8, device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
+                  shard_tokens: int = SHARD_TOKENS, desc: str = "capture") -> dict:
+    """Write this process's shards of ``examples`` into ``folder`` (finished ones are kept).
+
+    Args:
+        hidden_fn: ``(input_ids, attention_mask) -> hidden`` of the frozen backbone.
+        examples: ``{"input_ids", "labels"}`` token lists.
+        folder: The split's folder.
+        key: The settings key; stored in every manifest, and a stored one that differs is refused.
+        rank, world: This process writes shards ``rank, rank + world, ...``.
+
+    Returns:
+        ``{"shards": written here, "kept": found finished, "tokens": captured here, "seconds": ...}``.
     """
     from tqdm.auto import tqdm
 
-    final = Path(directory)
-    if (final / "index.json").is_file():
-        return final
-    tmp = assets.atomic_dir(final)
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))  # little padding
-    shards, shard, shard_tokens = [], {}, 0
-    bar = tqdm(total=sum(len(e["input_ids"]) for e in examples), desc=desc, unit="tok", dynamic_ncols=True)
-    for begin in range(0, len(order), batch_size):
-        batch_ids = order[begin:begin + batch_size]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = plan_shards([len(e["input_ids"]) for e in examples], shard_tokens)
+    mine = [s for s in range(len(plan)) if s % world == rank]
+    todo = [s for s in mine if not shard_finished(folder, s, plan[s], key)]
+    tokens = sum(len(examples[i]["input_ids"]) for s in todo for i in plan[s])
+    bar = tqdm(total=tokens, desc=f"{desc} (rank {rank})" if world > 1 else desc, unit="tok", dynamic_ncols=True,
+               disable=not todo)
+    started, written = time.perf_counter(), 0
+    for s in todo:
+        written += _capture_shard(hidden_fn, examples, plan[s], folder, s, key, batch_size, device, bar)
+        bar.set_postfix(bytes_per_tok=f"{written / max(bar.n, 1):.0f}")
+    bar.close()
+    return {"shards": len(todo), "kept": len(mine) - len(todo), "tokens": tokens,
+            "seconds": time.perf_counter() - started}
+
+
+def _capture_shard(hidden_fn: HiddenFn, examples: Sequence[dict], ids: list[int], folder: Path, number: int,
+                   key: str, batch_size: int, device, bar) -> int:
+    tensors, tokens = {}, 0
+    for begin in range(0, len(ids), batch_size):
+        batch_ids = ids[begin:begin + batch_size]
         lengths = [len(examples[i]["input_ids"]) for i in batch_ids]
         input_ids = torch.zeros(len(batch_ids), max(lengths), dtype=torch.long)
         mask = torch.zeros_like(input_ids)
         for row, (i, n) in enumerate(zip(batch_ids, lengths)):
             input_ids[row, :n] = torch.tensor(examples[i]["input_ids"])
             mask[row, :n] = 1
-        hidden = model(input_ids.to(device), attention_mask=mask.to(device)).hidden_states.cpu()
+        hidden = hidden_fn(input_ids.to(device), mask.to(device)).cpu()
         for row, (i, n) in enumerate(zip(batch_ids, lengths)):
-            shard[f"{i}.hidden"] = hidden[row, :n].clone()
-            shard[f"{i}.labels"] = torch.tensor(examples[i]["labels"], dtype=torch.long)
-            shard_tokens += n
+            tensors[f"{i}.hidden"] = hidden[row, :n].clone()
+            tensors[f"{i}.labels"] = torch.tensor(examples[i]["labels"], dtype=torch.long)
+        tokens += sum(lengths)
         bar.update(sum(lengths))
-        if shard_tokens >= SHARD_TOKENS:
-            shards.append(_write_shard(tmp, len(shards), shard))
-            shard, shard_tokens = {}, 0
-    if shard:
-        shards.append(_write_shard(tmp, len(shards), shard))
-    bar.close()
-    (tmp / "index.json").write_text(json.dumps({"format": CACHE_FORMAT, "examples": len(examples),
-                                                 "shards": shards}) + "\n")
-    assets.publish_dir(tmp, final)
-    return final
+    path = folder / shard_name(number)
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial))
+    partial.replace(path)
+    size = path.stat().st_size
+    _write_json(path.with_suffix(".json"), {"format": CAPTURE_FORMAT, "key": key, "examples": ids, "tokens": tokens,
+                                            "bytes": size})
+    return size
 
 
-def _write_shard(folder: Path, number: int, tensors: dict[str, torch.Tensor]) -> str:
-    name = f"shard-{number:05d}.safetensors"
-    save_file(tensors, str(folder / name))
-    return name
+def shard_finished(folder: Path, number: int, ids: list[int], key: str) -> bool:
+    """Whether shard ``number`` is complete for these example ids and settings; a torn one is removed.
 
-
-def load_hidden_cache(directory: str | os.PathLike) -> list[dict]:
-    """Examples ``{"hidden": (T, H) tensor, "labels": list[int], "input_ids": placeholder}`` in original order.
-
-    ``input_ids`` holds only the length (a range) so length-grouped samplers work unchanged.
+    Raises:
+        CaptureMismatch: its manifest names another settings key.
     """
-    directory = Path(directory)
-    index = json.loads((directory / "index.json").read_text())
+    path = folder / shard_name(number)
+    manifest = _read_json(path.with_suffix(".json"))
+    if manifest is not None and manifest.get("key") != key:
+        raise CaptureMismatch(f"{path.with_suffix('.json')} holds hidden states captured with settings key "
+                              f"{manifest.get('key')}, not {key} (another backbone, dtype, tokenizer or data): "
+                              f"use another data.cache_dir, or delete {folder}")
+    if manifest is not None and manifest.get("examples") == ids and path.is_file() \
+            and path.stat().st_size == manifest.get("bytes"):
+        return True
+    for torn in (path, path.with_suffix(".json"), path.with_name(path.name + ".partial")):
+        torn.unlink(missing_ok=True)
+    return False
+
+
+def write_index(folder: str | os.PathLike, examples: Sequence[dict], key: str, settings: dict,
+                shard_tokens: int = SHARD_TOKENS) -> dict:
+    """Check every shard of the plan is finished, then write ``index.json`` (call once, after every
+    process's ``capture_split``). Returns the index."""
+    folder = Path(folder)
+    plan = plan_shards([len(e["input_ids"]) for e in examples], shard_tokens)
+    missing = [s for s in range(len(plan)) if not shard_finished(folder, s, plan[s], key)]
+    if missing:
+        raise RuntimeError(f"{folder}: shards {missing[:5]} of {len(plan)} are not finished; run the capture again")
+    manifests = [_read_json((folder / shard_name(s)).with_suffix(".json")) for s in range(len(plan))]
+    tokens = sum(m["tokens"] for m in manifests)
+    index = {"format": CAPTURE_FORMAT, "key": key, "settings": settings, "examples": len(examples), "tokens": tokens,
+             "bytes": sum(m["bytes"] for m in manifests), "bytes_per_token": sum(m["bytes"] for m in manifests) / max(tokens, 1),
+             "shards": [{"file": shard_name(s), "examples": len(plan[s]), "tokens": m["tokens"], "bytes": m["bytes"]}
+                        for s, m in enumerate(manifests)]}
+    _write_json(folder / "index.json", index)
+    return index
+
+
+def read_index(folder: str | os.PathLike, key: str) -> dict | None:
+    """The split's index if the capture is complete and intact (``None`` otherwise: capture it again).
+
+    Raises:
+        CaptureMismatch: the index names another settings key.
+    """
+    folder = Path(folder)
+    index = _read_json(folder / "index.json")
+    if index is None:
+        return None
+    if index.get("key") != key:
+        raise CaptureMismatch(f"{folder / 'index.json'} holds hidden states captured with settings key "
+                              f"{index.get('key')}, not {key} (another backbone, dtype, tokenizer or data): "
+                              f"use another data.cache_dir, or delete {folder}")
+    for shard in index["shards"]:
+        path = folder / shard["file"]
+        if not path.is_file() or path.stat().st_size != shard["bytes"]:
+            (folder / "index.json").unlink(missing_ok=True)  # a torn shard: the capture redoes it
+            return None
+    return index
+
+
+def load_captured(folder: str | os.PathLike, key: str) -> list[dict]:
+    """Examples ``{"hidden": (shard path, tensor name), "labels": (T,) tensor, "input_ids": range(T)}`` in
+    the split's original order. Hidden states stay on disk until ``HiddenCollator`` reads a batch;
+    ``input_ids`` holds only the length so length-grouped samplers work unchanged.
+
+    Raises:
+        FileNotFoundError: the capture is missing, unfinished or has a torn shard (capture it again).
+        CaptureMismatch: it was captured with other settings.
+    """
+    folder = Path(folder)
+    index = read_index(folder, key)
+    if index is None:
+        raise FileNotFoundError(f"{folder}: no complete hidden-state capture; run scripts/capture.py (or train "
+                                "with data.cache_hidden_states=true) with the same settings")
     examples: list[dict | None] = [None] * index["examples"]
     for shard in index["shards"]:
-        tensors = load_file(str(directory / shard))
-        for key, tensor in tensors.items():
-            i, kind = key.split(".")
-            slot = examples[int(i)] or {}
-            slot[kind] = tensor
-            examples[int(i)] = slot
+        path = str(folder / shard["file"])
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                i, kind = name.split(".")
+                if kind == "labels":
+                    labels = f.get_tensor(name)
+                    examples[int(i)] = {"hidden": (path, f"{i}.hidden"), "labels": labels,
+                                        "input_ids": range(len(labels))}
     missing = [i for i, e in enumerate(examples) if e is None]
     if missing:
-        raise ValueError(f"hidden-state cache {directory} is incomplete (examples {missing[:5]} missing); delete it")
-    return [{"hidden": e["hidden"], "labels": e["labels"], "input_ids": range(len(e["labels"]))} for e in examples]
+        raise FileNotFoundError(f"{folder}: examples {missing[:5]} are in no shard; delete the folder and capture again")
+    return examples
 
 
 class HiddenCollator:
-    """Pads cached hidden states (zeros) and labels (``IGNORE_INDEX``) to the longest example in the batch."""
+    """Reads a batch's hidden states from their shards (memory-mapped) and pads them (zeros) and the labels
+    (``IGNORE_INDEX``) to the longest example."""
+
+    def __init__(self):
+        self._open: dict[str, object] = {}
+
+    def read(self, source: tuple[str, str] | torch.Tensor) -> torch.Tensor:
+        if isinstance(source, torch.Tensor):
+            return source
+        path, name = source
+        if path not in self._open:
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path].get_tensor(name)
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        states = [self.read(e["hidden"]) for e in examples]
         longest = max(len(e["labels"]) for e in examples)
-        hidden_size = examples[0]["hidden"].shape[-1]
-        hidden = torch.zeros(len(examples), longest, hidden_size, dtype=examples[0]["hidden"].dtype)
+        hidden = torch.zeros(len(examples), longest, states[0].shape[-1], dtype=states[0].dtype)
         labels = torch.full((len(examples), longest), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros(len(examples), longest, dtype=torch.long)
-        for row, e in enumerate(examples):
+        for row, (e, state) in enumerate(zip(examples, states)):
             n = len(e["labels"])
-            hidden[row, :n] = e["hidden"]
+            hidden[row, :n] = state
             labels[row, :n] = e["labels"]
             mask[row, :n] = 1
         return {"hidden": hidden, "labels": labels, "attention_mask": mask}
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: Path, value: dict) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=1) + "\n")
+    partial.replace(path)

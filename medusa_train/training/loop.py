@@ -4,20 +4,22 @@ A ``Run`` holds one training run's parts (config, accelerator, model, optimizer,
 position); ``start_run`` builds it and resumes from the latest checkpoint, ``train_loop`` steps it
 with the recipe's own ``micro_step`` and ``evaluate``, ``save_checkpoint`` writes where it is.
 
-The loss is computed head by head (``losses.py``), which calls backward several times per
-micro-batch; DDP's hooks expect one backward per forward, so the model is not wrapped: each rank
-reads its own shard of the batches, and ``optimizer_step`` averages the trainable gradients with
-one all-reduce before the step, which is what DDP computes.
+With several processes each rank reads its own shard of the batches, and the model goes through
+``accelerator.prepare`` (DDP) inside ``OneBackward``: the head-by-head loss calls backward several
+times per micro-batch, which DDP sees as one forward and one backward (``backward_step``); gradients
+are averaged at the last micro-batch of each optimizer step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch.utils.data import DataLoader
@@ -25,8 +27,11 @@ from torch.utils.data import DataLoader
 from medusa_train.config.train import TrainConfig, to_dict
 from medusa_train.training import checkpoint
 from medusa_train.training.losses import LossResult, head_weights, medusa_loss_backward
+from medusa_train.training.one_backward import OneBackward
 from medusa_train.training.setup import TrainData, say
 from medusa_train.training.targets import HeadTargets, inputs_and_targets
+
+R = TypeVar("R")
 
 
 class MetricsLog:
@@ -65,6 +70,7 @@ class Run:
     data: TrainData
     metrics: MetricsLog
     total_steps: int
+    wrapped: torch.nn.Module | None = None  #: the model as accelerate wrapped it (DDP), with several processes
     step: int = 0
     epoch: int = 0
     micro_in_epoch: int = 0
@@ -84,7 +90,7 @@ def start_run(cfg: TrainConfig, accelerator, model, data: TrainData, param_group
     warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * total)
     parameters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     run = Run(cfg, accelerator, model, parameters, optimizer, cosine_schedule(optimizer, warmup, total, o.min_lr_ratio),
-              data, metrics, total)
+              data, metrics, total, wrap(model, accelerator))
     resume = cfg.trainer.resume
     path = None if resume == "never" else (checkpoint.latest_checkpoint(run.output_dir) if resume == "auto"
                                            else Path(resume))
@@ -101,6 +107,18 @@ def start_run(cfg: TrainConfig, accelerator, model, data: TrainData, param_group
     return run
 
 
+def wrap(model, accelerator) -> torch.nn.Module | None:
+    """``OneBackward(model)`` through ``accelerator.prepare`` (DDP) when there are several processes."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.num_processes == 1:
+        return None
+    if accelerator.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by the training recipes yet: "
+                         "launch with data parallelism (accelerate launch --config_file configs/accelerate/ddp.yaml)")
+    return accelerator.prepare(OneBackward(model))
+
+
 def cosine_schedule(optimizer, warmup: int, total: int, min_ratio: float):
     def factor(step: int) -> float:
         if step < warmup:
@@ -112,6 +130,19 @@ def cosine_schedule(optimizer, warmup: int, total: int, min_ratio: float):
 
 
 # ------------------------------------------------------------------------------------ steps
+def backward_step(run: Run, step: Callable[[], R]) -> R:
+    """Run ``step()``, a micro-step that calls ``accelerator.backward`` one or more times; with several
+    processes as one forward and backward of the wrapped model (``OneBackward``), which averages the
+    gradients over processes at the last micro-batch of an optimizer step and keeps them local before."""
+    if run.wrapped is None:
+        return step()
+    last = (run.micro_in_epoch + 1) % run.cfg.optim.grad_accum_steps == 0
+    with contextlib.nullcontext() if last else run.accelerator.no_sync(run.wrapped):
+        surrogate, result = run.wrapped(step)
+        surrogate.backward()
+    return result
+
+
 def hidden_states(run: Run, batch: dict, grad: bool = False) -> torch.Tensor:
     """The backbone's final hidden states for ``batch`` (read from the batch when they were captured)."""
     if "hidden" in batch:
@@ -179,10 +210,14 @@ def train_loop(run: Run, micro_step: Callable[[dict, float], LossResult], evalua
             if on_step is not None:
                 on_step()
             run.step += 1
-            merged, window = merge(window), []
+            merged, stepped, window = merge(window), window, []
             bar.update(1)
             bar.set_postfix(loss=f"{merged['loss']:.3f}", head1_top1=f"{merged.get('head1/top1', 0):.3f}")
             if run.step % cfg.trainer.log_every == 0 or run.step == run.total_steps:
+                if acc.num_processes > 1:  # the step's figures over every process's micro-batches, not rank 0's
+                    from accelerate.utils import gather_object
+
+                    merged = merge(gather_object(stepped))
                 elapsed = time.perf_counter() - started
                 run.metrics.write({"step": run.step, "split": "train", "epoch": run.epoch,
                                    "lr": run.scheduler.get_last_lr()[0],
@@ -206,33 +241,13 @@ def train_loop(run: Run, micro_step: Callable[[dict, float], LossResult], evalua
 
 
 def optimizer_step(run: Run) -> None:
-    """Average gradients over processes, clip, step, schedule, zero."""
+    """Clip, step, schedule, zero (DDP averaged the gradients in the last micro-batch's backward)."""
     params = list(run.parameters.values())
-    average_gradients(params, run.accelerator)
     if run.cfg.optim.max_grad_norm:
         torch.nn.utils.clip_grad_norm_(params, run.cfg.optim.max_grad_norm)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-
-
-def average_gradients(params: list[torch.nn.Parameter], accelerator) -> None:
-    """Average gradients over processes (what DDP would do), with one flat all-reduce."""
-    if accelerator.num_processes == 1:
-        return
-    import torch.distributed as dist
-
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1).float() for p in params])
-    dist.all_reduce(flat)
-    flat /= accelerator.num_processes
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-        offset += n
 
 
 def merge(results: list[LossResult]) -> dict:

@@ -42,9 +42,12 @@ class Medusa1Recipe:
 
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
-        hidden = loop.hidden_states(self.run, batch)
-        result, _ = loop.heads_loss(self.run, hidden, batch["labels"], self.accelerator.backward, loss_scale)
-        return result
+
+        def step() -> LossResult:
+            hidden = loop.hidden_states(self.run, batch)
+            return loop.heads_loss(self.run, hidden, batch["labels"], self.accelerator.backward, loss_scale)[0]
+
+        return loop.backward_step(self.run, step)
 
     @torch.no_grad()
     def evaluate(self) -> dict:

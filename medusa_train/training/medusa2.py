@@ -147,11 +147,17 @@ class Medusa2Recipe:
     def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
         """Stage 1: the heads' loss on the frozen backbone. Joint: ``L_base + lambda * L_heads``, with one
         backward through the backbone for the base loss and every head."""
-        cfg, acc = self.cfg, self.accelerator
-        batch = {k: v.to(acc.device) for k, v in batch.items()}
+        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         if not self.joint:
-            return loop.heads_loss(self.run, loop.hidden_states(self.run, batch), batch["labels"], acc.backward,
-                                   loss_scale)[0]
+            return loop.backward_step(self.run, lambda: loop.heads_loss(
+                self.run, loop.hidden_states(self.run, batch), batch["labels"], self.accelerator.backward, loss_scale)[0])
+        result = loop.backward_step(self.run, lambda: self.joint_step(batch, loss_scale))
+        self.window.append(result)
+        return result
+
+    def joint_step(self, batch: dict, loss_scale: float) -> Medusa2LossResult:
+        """``L_base + lambda * L_heads`` of one micro-batch, forward and backward."""
+        cfg, acc = self.cfg, self.accelerator
         lam = self.head_weight()
         original = self.original_hidden_states(batch) if cfg.loss.base == "distill" else None
         self.model.train()  # LoRA dropout on
@@ -168,10 +174,8 @@ class Medusa2Recipe:
         if leaf.grad is not None:
             hidden.backward(leaf.grad)  # one backward through the backbone for the base loss and every head
         total = base_term(base, cfg.loss.base) + lam * float(heads.loss)
-        result = Medusa2LossResult(loss=torch.tensor(total), per_head=heads.per_head, heads_loss=float(heads.loss),
-                                   head_weight=lam, base=base)
-        self.window.append(result)
-        return result
+        return Medusa2LossResult(loss=torch.tensor(total), per_head=heads.per_head, heads_loss=float(heads.loss),
+                                 head_weight=lam, base=base)
 
     def note_step(self) -> None:
         """The last optimizer step's Medusa-2 figures, added to the next train record."""

@@ -40,14 +40,16 @@ def make_accelerator(cfg: TrainConfig):
 
 def load_backbone_for(cfg: TrainConfig, device: torch.device):
     """``(backbone, tokenizer)`` as ``cfg.model`` says, on ``device`` (a quantized one is placed at load time)."""
+    from medusa_train.backbone import assets
     from medusa_train.backbone.load import load_backbone
 
     m = cfg.model
+    placement = "auto" if m.device_map == "auto" else ({"": device} if m.quantization else None)
     backbone, tokenizer = load_backbone(
         m.name_or_path, dtype=m.dtype, quantization=m.quantization, trust_remote_code=m.trust_remote_code,
         attn_implementation=m.attn_implementation, bnb_compute_dtype=m.bnb_compute_dtype,
-        bnb_double_quant=m.bnb_double_quant, device_map={"": device} if m.quantization else None)
-    if not m.quantization:
+        bnb_double_quant=m.bnb_double_quant, device_map=placement, offload_folder=assets.cache_dir() / "offload")
+    if placement is None:
         backbone.to(device)
     return backbone, tokenizer
 
@@ -93,19 +95,29 @@ class TrainData:
     steps_per_epoch: int
 
 
-def build_data(cfg: TrainConfig, tokenizer, model, accelerator) -> TrainData:
-    """Tokenised, length-grouped data; with ``data.cache_hidden_states`` the frozen backbone's states instead."""
-    from medusa_train.data import LengthGroupedBatchSampler, MedusaCollator, build_datasets
+def load_examples(cfg: TrainConfig, tokenizer, accelerator) -> tuple[list[dict], list[dict]]:
+    """The tokenised train and held-out examples of ``data.source`` (the first process fills the data caches)."""
+    from medusa_train.data import build_datasets
 
     d = cfg.data
-    with accelerator.main_process_first():  # the first process fills the data caches; the others read them
+    with accelerator.main_process_first():
         train, evals, stats = build_datasets(tokenizer, d.source, d.max_length, d.max_samples, d.eval_size, d.seed)
     say(accelerator, f"data: {stats.summary()}")
     if not train:
         raise ValueError(f"data.source={d.source}: no usable training conversation ({stats.summary()})")
+    return train, evals
+
+
+def build_data(cfg: TrainConfig, tokenizer, model, accelerator) -> TrainData:
+    """Tokenised, length-grouped data; with ``data.cache_hidden_states`` the frozen backbone's states instead."""
+    from medusa_train.data import LengthGroupedBatchSampler, MedusaCollator
+
+    d = cfg.data
+    train, evals = load_examples(cfg, tokenizer, accelerator)
     collator = MedusaCollator(tokenizer.pad_token_id)
     if d.cache_hidden_states:
-        train, evals, collator = capture_hidden_states(cfg, tokenizer, model, accelerator, train, evals)
+        train, evals, collator = capture_hidden_states(
+            cfg, tokenizer, lambda ids, mask: model(ids, attention_mask=mask).hidden_states, accelerator, train, evals)
     train_sampler = LengthGroupedBatchSampler([len(e["input_ids"]) for e in train], d.batch_size, seed=d.seed,
                                               shuffle=True)
     eval_sampler = LengthGroupedBatchSampler([len(e["input_ids"]) for e in evals], d.eval_batch_size or d.batch_size,
@@ -122,25 +134,49 @@ def build_data(cfg: TrainConfig, tokenizer, model, accelerator) -> TrainData:
     return TrainData(train, evals, collator, train_sampler, eval_sampler, per_rank, steps)
 
 
-def capture_hidden_states(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict], evals: list[dict]):
-    """Run the frozen backbone once over both splits; later epochs (and runs) read the stored states."""
+def capture_settings(cfg: TrainConfig, tokenizer, n_train: int, n_eval: int) -> dict:
+    """Everything that changes the captured hidden states (the model section but its placement: quantization
+    and its settings change them as much as the weights do)."""
+    d, m = cfg.data, cfg.model
+    return {"model": m.name_or_path, "model_section": json.dumps({k: v for k, v in asdict(m).items() if k != "device_map"}, sort_keys=True), "source": d.source,
+            "max_samples": d.max_samples, "max_length": d.max_length, "eval_size": d.eval_size, "seed": d.seed,
+            "tokenizer": tokenizer.name_or_path, "n_train": n_train, "n_eval": n_eval}
+
+
+def capture_folders(cfg: TrainConfig, settings: dict) -> dict[str, tuple[Path, str]]:
+    """``{split: (folder, settings key)}`` of the captured hidden states for ``settings``."""
     from medusa_train.data import capture
 
-    d, m = cfg.data, cfg.model
-    # the whole model section: quantization and its settings change the states as much as the weights do
-    key = capture.cache_key(model=m.name_or_path, model_section=json.dumps(asdict(m), sort_keys=True),
-                            source=d.source, max_samples=d.max_samples, max_length=d.max_length,
-                            eval_size=d.eval_size, seed=d.seed, tokenizer=tokenizer.name_or_path,
-                            n_train=len(train), n_eval=len(evals))
-    root = Path(d.cache_dir) if d.cache_dir else capture.default_cache_root()
+    key = capture.cache_key(**settings)
+    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else capture.default_cache_root()
+    return {split: (root / f"{key}-{split}", key) for split in ("train", "eval")}
+
+
+def capture_hidden_states(cfg: TrainConfig, tokenizer, hidden_fn, accelerator, train: list[dict], evals: list[dict]):
+    """Capture the frozen backbone's states (``hidden_fn(input_ids, attention_mask) -> hidden``) of both splits,
+    each process its share of the shards (finished shards are kept), then read them lazily: later epochs
+    (and runs) never run the backbone. Returns ``(train, evals, collator)``."""
+    from accelerate.utils import broadcast_object_list
+
+    from medusa_train.data import capture
+
+    settings = capture_settings(cfg, tokenizer, len(train), len(evals))
     loaded = []
     for split, examples in (("train", train), ("eval", evals)):
-        folder = root / f"{key}-{split}"
-        with accelerator.main_process_first():
+        folder, key = capture_folders(cfg, settings)[split]
+        need = broadcast_object_list([capture.read_index(folder, key) is None])[0]  # every rank decides alike
+        if need:
+            with accelerator.autocast():
+                done = capture.capture_split(
+                    hidden_fn, examples, folder, key,
+                    cfg.data.batch_size * 2, accelerator.device, accelerator.process_index,
+                    accelerator.num_processes, cfg.data.shard_tokens, desc=f"capture {split}")
+            accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                with accelerator.autocast():
-                    capture.build_hidden_cache(model, examples, folder, d.batch_size * 2, accelerator.device,
-                                               desc=f"caching {split} hidden states")
-        loaded.append(capture.load_hidden_cache(folder))
-        say(accelerator, f"hidden states of {len(examples)} {split} examples cached in {folder}")
+                capture.write_index(folder, examples, key, {**settings, "split": split}, cfg.data.shard_tokens)
+            accelerator.wait_for_everyone()
+            say(accelerator, f"captured {split} hidden states: {done['shards']} shard(s) written, {done['kept']} kept "
+                             f"(process 0), in {folder}")
+        loaded.append(capture.load_captured(folder, key))
+        say(accelerator, f"hidden states of {len(examples)} {split} examples read from {folder}")
     return loaded[0], loaded[1], capture.HiddenCollator()

@@ -7,7 +7,14 @@ from helpers.training import compose_config, make_chat_jsonl, make_model_dir, re
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.cli.train import run
 from medusa_train.data import MedusaCollator, build_datasets
-from medusa_train.data.capture import HiddenCollator, build_hidden_cache, load_hidden_cache
+from medusa_train.data.capture import (
+    CaptureMismatch,
+    HiddenCollator,
+    capture_split,
+    load_captured,
+    read_index,
+    write_index,
+)
 from medusa_train.training.losses import medusa_loss_backward
 from medusa_train.training.targets import (
     text_targets,
@@ -28,19 +35,78 @@ def setup(tmp_path_factory):
     return root, model, tokenizer, train, model_dir, data
 
 
-def test_cached_states_are_the_backbones_own(setup):
+def hidden_fn(model):
+    return lambda ids, mask: model(ids, attention_mask=mask).hidden_states
+
+
+def capture_all(model, examples, folder, key="k1", shard_tokens=400, world=1):
+    """Every rank's share, one after the other (as ``world`` processes would write them), then the index."""
+    for rank in range(world):
+        capture_split(hidden_fn(model), examples, folder, key, batch_size=5, rank=rank, world=world,
+                      shard_tokens=shard_tokens)
+    write_index(folder, examples, key, {"test": True}, shard_tokens)
+    return folder
+
+
+def test_captured_states_are_the_backbones_own_and_read_lazily(setup):
     root, model, tokenizer, train, *_ = setup
-    folder = build_hidden_cache(model, train, root / "c1", batch_size=5)
-    cached = load_hidden_cache(folder)
+    folder = capture_all(model, train, root / "c1")
+    index = json.loads((folder / "index.json").read_text())
+    assert len(index["shards"]) > 2 and index["tokens"] == sum(len(e["input_ids"]) for e in train)
+    assert index["bytes_per_token"] == pytest.approx(model.config.hidden_size * 4 + 8, rel=0.05)  # float32 + label
+    cached = load_captured(folder, "k1")
     assert len(cached) == len(train)
+    collate = HiddenCollator()
     for example, entry in zip(train, cached):
         assert entry["labels"].tolist() == example["labels"]
         with torch.no_grad():
             alone = model(torch.tensor([example["input_ids"]])).hidden_states[0]
-        torch.testing.assert_close(entry["hidden"], alone, rtol=1e-5, atol=1e-5)
-    stamp = (folder / "index.json").stat().st_mtime_ns
-    assert build_hidden_cache(model, train, folder) == folder  # complete: reused, not rebuilt
-    assert (folder / "index.json").stat().st_mtime_ns == stamp
+        torch.testing.assert_close(collate([entry])["hidden"][0], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_each_process_writes_its_share_and_together_they_equal_one_process(setup):
+    root, model, tokenizer, train, *_ = setup
+    one, two = capture_all(model, train, root / "one"), capture_all(model, train, root / "two", world=2)
+    shards = sorted(p.name for p in one.glob("shard-*.safetensors"))
+    assert shards == sorted(p.name for p in two.glob("shard-*.safetensors"))
+    for name in shards:  # the plan does not depend on the number of processes: same bytes
+        assert (one / name).read_bytes() == (two / name).read_bytes()
+    part = root / "part"
+    capture_split(hidden_fn(model), train, part, "k1", batch_size=5, rank=1, world=2, shard_tokens=400)
+    assert sorted(p.name for p in part.glob("shard-*.safetensors")) == shards[1::2]
+    with pytest.raises(RuntimeError, match="not finished"):
+        write_index(part, train, "k1", {}, 400)
+
+
+def test_a_torn_shard_is_redone_and_finished_ones_are_kept(setup):
+    root, model, tokenizer, train, *_ = setup
+    folder = capture_all(model, train, root / "torn")
+    reference = {p.name: p.read_bytes() for p in folder.glob("shard-*.safetensors")}
+    stamps = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.safetensors")}
+    torn = folder / "shard-00001.safetensors"
+    torn.write_bytes(torn.read_bytes()[:1000])  # a kill mid-write of a copy, a full disk
+    (folder / "shard-00002.json").unlink()  # killed between the shard and its manifest
+    assert read_index(folder, "k1") is None  # the index no longer vouches for the folder
+    with pytest.raises(FileNotFoundError, match="no complete hidden-state capture"):
+        load_captured(folder, "k1")  # never read
+    done = capture_split(hidden_fn(model), train, folder, "k1", batch_size=5, shard_tokens=400)
+    assert done["shards"] == 2 and done["kept"] == len(reference) - 2
+    write_index(folder, train, "k1", {}, 400)
+    assert {p.name: p.read_bytes() for p in folder.glob("shard-*.safetensors")} == reference
+    for name, stamp in stamps.items():
+        if name not in ("shard-00001.safetensors", "shard-00002.safetensors"):
+            assert (folder / name).stat().st_mtime_ns == stamp
+    assert len(load_captured(folder, "k1")) == len(train)
+
+
+def test_states_captured_with_other_settings_are_refused_with_both_keys(setup):
+    root, model, tokenizer, train, *_ = setup
+    folder = capture_all(model, train, root / "keyed", key="aaaa")
+    with pytest.raises(CaptureMismatch, match="settings key aaaa, not bbbb"):
+        load_captured(folder, "bbbb")
+    (folder / "index.json").unlink()
+    with pytest.raises(CaptureMismatch, match="settings key aaaa, not bbbb"):
+        capture_split(hidden_fn(model), train, folder, "bbbb", shard_tokens=400)
 
 
 def _loss_and_grads(model, hidden, labels):
@@ -51,7 +117,7 @@ def _loss_and_grads(model, hidden, labels):
 
 def test_loss_and_gradients_equal_the_uncached_path(setup):
     root, model, tokenizer, train, *_ = setup
-    cached = load_hidden_cache(build_hidden_cache(model, train, root / "c2", batch_size=3))
+    cached = load_captured(capture_all(model, train, root / "c2"), "k1")
     picks = [0, 5, 9, 13]
     batch = MedusaCollator(tokenizer.pad_token_id)([train[i] for i in picks])
     with torch.no_grad():

@@ -1,0 +1,65 @@
+"""Two processes (gloo, through accelerate's DDP) train exactly what one process trains on the same global batch.
+
+One process with ``optim.grad_accum_steps=2`` sees micro-batches 0 and 1 in its first step; two processes
+with ``grad_accum_steps=1`` see micro-batch 0 on rank 0 and 1 on rank 1 (each rank reads every
+``world``-th batch of the same order), so the averaged gradients, the logged losses and the exported
+heads must agree to float rounding.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.training import make_chat_jsonl, make_model_dir, read_metrics, train_overrides
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+METRICS = ("loss", "head1/loss", "head2/loss", "head3/loss", "head1/top1", "head3/top5")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    return make_model_dir(root / "model"), make_chat_jsonl(root / "chat.jsonl", n=48)
+
+
+def launch(script: str, overrides: list[str], processes: int) -> subprocess.CompletedProcess:
+    cmd = ([ACCELERATE, "launch", "--cpu", "--num_processes", str(processes)] if processes > 1 else [sys.executable])
+    result = subprocess.run([*cmd, script, "+recipe=medusa1", "trainer=smoke", *overrides], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def assert_same_run(one: Path, two: Path) -> None:
+    a, b = read_metrics(one), read_metrics(two)
+    assert [(m["step"], m["split"]) for m in a] == [(m["step"], m["split"]) for m in b]
+    assert len([m for m in a if m["split"] == "train"]) == 8
+    for x, y in zip(a, b):
+        for name in METRICS:
+            assert y[name] == pytest.approx(x[name], rel=1e-5, abs=1e-6), (x["step"], x["split"], name)
+    heads_a, heads_b = load_file(one / "export/model.safetensors"), load_file(two / "export/model.safetensors")
+    assert heads_a.keys() == heads_b.keys()
+    for name in heads_a:
+        torch.testing.assert_close(heads_b[name], heads_a[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("captured", [True, False], ids=["captured", "online"])
+def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, captured):
+    model_dir, data = tiny
+    common = {"trainer.max_steps": 8, "trainer.eval_every": 4, "trainer.save_every": 4, "data.batch_size": 2,
+              "heads.prefix_attention": "true", "heads.next_token_input": "true", "heads.path_input": "true"}
+    if captured:
+        common.update({"data.cache_hidden_states": "true", "data.cache_dir": tmp_path / "states",
+                       "data.shard_tokens": 300})
+        out = launch("scripts/capture.py", train_overrides(model_dir, data, tmp_path / "capture", **common), 2)
+        assert "capture done" in out.stdout
+        assert len(list((tmp_path / "states").glob("*-train/shard-*.safetensors"))) > 4
+    launch("train.py", train_overrides(model_dir, data, tmp_path / "one", **common, **{"optim.grad_accum_steps": 2}), 1)
+    two = launch("train.py", train_overrides(model_dir, data, tmp_path / "two", **common), 2)
+    assert "heads identical on all 2 processes" in two.stdout
+    assert_same_run(tmp_path / "one", tmp_path / "two")
