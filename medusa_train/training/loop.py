@@ -100,6 +100,8 @@ def start_run(cfg: TrainConfig, accelerator, model, data: TrainData, param_group
         if accelerator.process_index < len(rng):
             checkpoint.set_rng_state(rng[accelerator.process_index])
         say(accelerator, f"resumed from {path} at step {run.step} (epoch {run.epoch}, batch {run.micro_in_epoch})")
+        if accelerator.num_processes > 1:
+            print(f"[medusa_train] rank {accelerator.process_index} resumed at step {run.step}", flush=True)
     n_train = sum(p.numel() for p in run.parameters.values())
     say(accelerator, f"{n_train / 1e6:.1f} M trainable parameters; {len(data.train)} train / {len(data.evals)} eval "
                      f"examples; {data.steps_per_epoch} steps per epoch; {total} steps in all; "

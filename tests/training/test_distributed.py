@@ -7,7 +7,9 @@ heads must agree to float rounding.
 """
 
 import os
+import re
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -63,3 +65,35 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, capt
     two = launch("train.py", train_overrides(model_dir, data, tmp_path / "two", **common), 2)
     assert "heads identical on all 2 processes" in two.stdout
     assert_same_run(tmp_path / "one", tmp_path / "two")
+
+
+def test_killing_one_rank_and_rerunning_resumes_every_rank_from_the_same_step(tiny, tmp_path):
+    import psutil
+
+    model_dir, data = tiny
+    common = {"trainer.max_steps": 40, "trainer.eval_every": 0, "trainer.save_every": 4, "data.batch_size": 2,
+              "trainer.log_every": 4}
+    cmd = [ACCELERATE, "launch", "--cpu", "--num_processes", "2", "train.py", "+recipe=medusa1", "trainer=smoke",
+           *train_overrides(model_dir, data, tmp_path / "killed", **common)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = tmp_path / "killed/checkpoints/step-0000004"
+    while not first.exists() and launcher.poll() is None:
+        time.sleep(0.01)
+    ranks = [c for c in psutil.Process(launcher.pid).children(recursive=True)
+             if "train.py" in " ".join(c.cmdline()) and c.environ().get("RANK") == "1"]
+    assert len(ranks) == 1, "rank 1 was not found running after the first checkpoint"
+    ranks[0].kill()
+    assert launcher.wait(timeout=300) != 0
+    saved = sorted(p.name for p in (tmp_path / "killed/checkpoints").iterdir() if p.name.startswith("step-"))
+    assert saved and saved[-1] != "step-0000040"  # killed before the end
+    resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    step = int(saved[-1].split("-")[1])
+    # (the two ranks' lines may interleave on the shared stdout)
+    assert sorted(re.findall(r"rank (\d) resumed at step (\d+)", resumed.stdout)) == [("0", str(step)), ("1", str(step))]
+    launch("train.py", train_overrides(model_dir, data, tmp_path / "whole", **common), 2)
+    heads_a = load_file(tmp_path / "whole/export/model.safetensors")
+    heads_b = load_file(tmp_path / "killed/export/model.safetensors")
+    for name in heads_a:
+        torch.testing.assert_close(heads_b[name], heads_a[name], rtol=1e-5, atol=1e-5)
