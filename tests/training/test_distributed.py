@@ -9,8 +9,8 @@ heads must agree to float rounding.
 import os
 import re
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
