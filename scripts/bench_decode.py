@@ -18,13 +18,17 @@ Options (``key=value``): model, dtype (bfloat16), device (cuda if available, els
 repeats (20), warmup (3), num_heads (4), sizes (``1,chain,16,32,64``), threads, accept_length, seed,
 reads (``plain``; ``next_token`` or ``path``: heads that read the next token or their tree path, whose
 candidates cost one head call per tree depth; ``prefix``: path heads reading through a prefix attention
-layer, which also runs over each step's accepted tokens), share_lm_head (false).
+layer, which also runs over each step's accepted tokens), share_lm_head (false), output (the JSON
+written, default ``outputs/bench/decode-<dtype>-<reads>.json``; a PNG plot of the curve goes beside it).
+
+``scripts/build_tree.py nodes=auto`` measures the same kind of curve for the fitted tree itself
+(``medusa_train/evaluation/cost.py``) and picks its size from it.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import json
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -34,10 +38,11 @@ from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.acceptance import greedy_accept
 from medusa_train.decoding.fit_tree import assumed_rank_accuracies, expected_accept_length
 from medusa_train.decoding.generate import candidate_tokens, compact_cache, verify_tree
+from medusa_train.evaluation.cost import median_times
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,
-                reads="plain", share_lm_head="false")
+                reads="plain", share_lm_head="false", output=None)
 
 
 def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]:
@@ -53,27 +58,6 @@ def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]
         else:
             trees.append((f"default[:{size}]", default.truncated(max_nodes=int(size))))
     return trees
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_times(steps, repeats: int, warmup: int, device: torch.device) -> list[float]:
-    """Median seconds of each step; the steps take turns in every round so load drift hits them alike."""
-    for fn in steps:
-        for _ in range(warmup):
-            fn()
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for fn, record in zip(steps, times):
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            record.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
 
 
 @torch.no_grad()
@@ -120,7 +104,7 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
         return step
 
     steps = [plain_step, plain_step_explicit_mask] + [verify_step(tree) for _, tree in trees]
-    seconds = _median_times(steps, repeats, warmup, device)
+    seconds = median_times(steps, repeats, warmup, device)
     return seconds[0], seconds[1], [(name, tree, s) for (name, tree), s in zip(trees, seconds[2:])]
 
 
@@ -158,12 +142,49 @@ def main(**overrides) -> int:
     print("| tree | nodes | verify step (ms) | relative cost (= break-even accept length) | accept length | "
           "expected speedup |")
     print("|---|---:|---:|---:|---:|---:|")
+    rows = []
     for name, tree, seconds in results:
         relative = seconds / plain
         accept = float(given) if given is not None else expected_accept_length(tree.choices, accuracies)
         print(f"| {name} | {tree.num_nodes} | {seconds * 1e3:.2f} | {relative:.2f} | {accept:.2f} | "
               f"{accept / relative:.2f}x |")
+        rows.append({"tree": name, "nodes": tree.num_nodes, "verify_ms": seconds * 1e3, "relative_cost": relative,
+                     "accept_length": accept, "expected_speedup": accept / relative})
+    output = Path(opts["output"] or f"outputs/bench/decode-{opts['dtype']}-{opts['reads']}.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in opts.items() if k != "output"} | {"device": str(device),
+                                                                  "threads": torch.get_num_threads()}
+    output.write_text(json.dumps({"settings": settings, "plain_ms": plain * 1e3,
+                                  "plain_explicit_mask_ms": plain_explicit * 1e3, "trees": rows}, indent=1) + "\n")
+    print(f"\nwrote {output}" + (f" and {plot(rows, plain, settings, output.with_suffix('.png'))}"
+                                 if _has_matplotlib() else " (pip install matplotlib for the plot)"))
     return 0
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def plot(rows: list[dict], plain: float, settings: dict, path: Path) -> Path:
+    """Verify-step cost in plain steps against tree size (the break-even accepted length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["nodes"] for r in rows], [r["relative_cost"] for r in rows], "o-")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("tree nodes (root included)")
+    ax.set_ylabel("verify step / plain step")
+    ax.set_title(f"{settings['dtype']} on {settings['device']}, {settings['threads']} threads: plain step "
+                 f"{plain * 1e3:.1f} ms", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from medusa_train.evaluation.calibrate import (
     training_prompts,
     write_tree,
 )
+from medusa_train.evaluation.cost import auto_sizes, choose_tree_size, measure_cost_curve
 from medusa_train.evaluation.evaluate import load_medusa
 
 
@@ -68,24 +69,62 @@ def run(cfg: BuildTreeConfig) -> dict:
     command = (f"python scripts/build_tree.py heads={cfg.heads} nodes={cfg.nodes} calibration={cfg.calibration} "
                f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "
                f"model.dtype={cfg.model.dtype}")
-    nodes = len(build_tree(accuracies, cfg.nodes)) + 1
+    target, extra = (choose_size(model, accuracies, cfg) if cfg.nodes == "auto" else (cfg.nodes, None))
+    nodes = len(build_tree(accuracies, target)) + 1
     comments = [command, f"use: python scripts/evaluate.py heads={cfg.heads} tree={output}",
                 f"{nodes} nodes (root + paths), most likely path first, fitted to rank accuracies measured on "
                 f"{len(sequences)} greedy continuations ({counts[0]} positions for head 1)."]
-    path, choices, expected = write_tree(output, accuracies, cfg.nodes, comments)
-    default = MedusaTree.from_name("default").truncated(max_nodes=cfg.nodes, max_depth=len(accuracies))
+    path, choices, expected = write_tree(output, accuracies, target, comments, extra)
+    default = MedusaTree.from_name("default").truncated(max_nodes=target, max_depth=len(accuracies))
     default_expected = expected_accept_length([c for c in default.choices if max(c) < cfg.top_k], accuracies)
     print("top-1 accuracy by head: " + ", ".join(f"{row[0]:.3f}" for row in accuracies))
     print(f"top-{cfg.top_k} accuracy by head: " + ", ".join(f"{sum(row):.3f}" for row in accuracies))
     print(f"tree: {path} ({len(choices) + 1} nodes)")
-    if len(choices) + 1 < cfg.nodes:
-        print(f"note: only {len(choices)} paths have a measured accuracy above 0 (asked for {cfg.nodes - 1}); "
+    if len(choices) + 1 < target:
+        print(f"note: only {len(choices)} paths have a measured accuracy above 0 (asked for {target - 1}); "
               "calibrate on more prompts for a bigger tree")
     print(f"the built-in default tree cut to {default.num_nodes} nodes, under these accuracies: "
           f"{default_expected:.2f} tokens per step")
+    if extra:
+        at64 = extra["sizes"].get("64")
+        print(f"chosen size: {extra['chosen_nodes']} nodes on {extra['device']}, {extra['dtype']}: expected speedup "
+              f"{extra['expected_speedup']:.2f}x over generate"
+              + (f" (the 64-node tree: {at64['expected_accept_length']:.2f} tokens per step)" if at64 else ""))
     print(f"expected accepted length: {expected:.2f}")
     return {"path": str(path), "choices": choices, "rank_accuracies": accuracies, "positions": counts,
-            "expected_accept_length": expected}
+            "expected_accept_length": expected, **({"auto": extra} if extra else {})}
+
+
+def choose_size(model, accuracies, cfg: BuildTreeConfig) -> tuple[int, dict]:
+    """``nodes=auto``: time the fitted tree's prefixes here and pick the size with the most expected tokens/s.
+
+    Returns the size and what the tree YAML records about the choice (device, dtype, cost curve, every
+    size's expected figures)."""
+    full = build_tree(accuracies, cfg.max_nodes)
+    sizes = auto_sizes(cfg.max_nodes, len(full) + 1)
+    trees = {n: MedusaTree(full[:n - 1]) for n in sizes}  # most likely first: every prefix is a tree
+    print(f"nodes=auto: timing a plain step, generate and a verify step at {len(sizes)} tree sizes "
+          f"({cfg.cost_context} cached tokens, {cfg.cost_repeats} rounds)", flush=True)
+    curve = measure_cost_curve(model, trees, cfg.cost_context, cfg.cost_repeats)
+    best, rows = choose_tree_size(curve, {n: expected_accept_length(full[:n - 1], accuracies) for n in sizes})
+    print(f"cost on {curve.device}, {curve.dtype}: plain step {curve.plain_ms:.1f} ms, generate "
+          f"{curve.generate_ms:.1f} ms per token")
+    print("| nodes | expected accepted length | verify step (ms) | relative cost | expected tokens/s | "
+          "expected speedup |\n|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r.nodes}{' *' if r.nodes == best else ''} | {r.expected_accept_length:.3f} | {r.verify_ms:.1f} | "
+              f"{r.relative_cost:.2f} | {r.expected_tokens_per_s:.1f} | {r.expected_speedup:.2f}x |")
+    chosen = next(r for r in rows if r.nodes == best)
+    extra = {"device": curve.device, "dtype": curve.dtype, "chosen_nodes": best,
+             "expected_speedup": round(chosen.expected_speedup, 4),
+             "expected_tokens_per_s": round(chosen.expected_tokens_per_s, 2),
+             "cost_curve": {"context": curve.context, "repeats": curve.repeats, "threads": curve.threads,
+                            "plain_ms": round(curve.plain_ms, 3), "generate_ms": round(curve.generate_ms, 3),
+                            "verify_ms": {int(n): round(ms, 3) for n, ms in curve.verify_ms.items()}},
+             "sizes": {str(r.nodes): {"expected_accept_length": round(r.expected_accept_length, 4),
+                                      "expected_tokens_per_s": round(r.expected_tokens_per_s, 2),
+                                      "expected_speedup": round(r.expected_speedup, 4)} for r in rows}}
+    return best, extra
 
 
 def main() -> None:

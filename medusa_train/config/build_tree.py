@@ -15,7 +15,12 @@ from medusa_train.config.evaluate import EvalModelConfig
 @dataclass
 class BuildTreeConfig:
     heads: str | None = None  #: folder of exported heads
-    nodes: int = 64  #: tree size, root included
+    #: tree size, root included; auto: the size (up to max_nodes) with the most expected tokens per second,
+    #: from a cost curve measured here, on this device and dtype (medusa_train/evaluation/cost.py)
+    nodes: int | str = 64
+    max_nodes: int = 128  #: with nodes=auto, the largest size considered
+    cost_context: int = 256  #: with nodes=auto, cached tokens at which steps are timed
+    cost_repeats: int = 10  #: with nodes=auto, timed rounds per size (the median counts)
     calibration: str = "packaged:sharegpt-v3"  #: packaged:sharegpt-v3 or a .jsonl of prompts (not MT-Bench)
     num_prompts: int = 16  #: calibration prompts (their first user turn)
     max_new_tokens: int = 96  #: greedy continuation length per prompt
@@ -34,7 +39,11 @@ def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
     p = Problems()
     if not c.heads:
         p.append("heads: required; pass heads=<folder of exported heads>")
-    p.need(c.nodes >= 1, "nodes", c.nodes, "must be >= 1 (the root)")
+    p.need(c.nodes == "auto" or (isinstance(c.nodes, int) and c.nodes >= 1), "nodes", c.nodes,
+           "must be >= 1 (the root) or auto")
+    p.need(c.max_nodes >= 1, "max_nodes", c.max_nodes, "must be >= 1")
+    p.need(c.cost_context >= 1, "cost_context", c.cost_context, "must be >= 1")
+    p.need(c.cost_repeats >= 1, "cost_repeats", c.cost_repeats, "must be >= 1")
     p.need(c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1")
     p.need(c.max_new_tokens >= 4, "max_new_tokens", c.max_new_tokens, "must be >= 4")
     p.need(c.max_prompt_tokens >= 1, "max_prompt_tokens", c.max_prompt_tokens, "must be >= 1")

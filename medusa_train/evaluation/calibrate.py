@@ -139,8 +139,9 @@ def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]]
 
 # ------------------------------------------------------------------------------------------- writing
 def tree_yaml(choices: Sequence[Sequence[int]], rank_accuracies: Sequence[Sequence[float]],
-              comments: Sequence[str] = ()) -> str:
-    """A tree YAML (``choices:``, ``expected_accept_length:``, ``rank_accuracies:``) opening with ``comments``."""
+              comments: Sequence[str] = (), extra: dict | None = None) -> str:
+    """A tree YAML (``choices:``, ``expected_accept_length:``, ``rank_accuracies:``, then ``extra``'s keys)
+    opening with ``comments``."""
     expected = expected_accept_length(choices, rank_accuracies)
     lines = [f"# {c}" for c in comments]
     rows = [", ".join(str(list(c)) for c in choices[i: i + 8])
@@ -149,11 +150,16 @@ def tree_yaml(choices: Sequence[Sequence[int]], rank_accuracies: Sequence[Sequen
     lines.append(f"expected_accept_length: {expected:.4f}  # 1 + sum of path chances, heads taken as independent")
     lines.append("rank_accuracies:  # [head][rank]: fraction of positions where the head's rank-i guess was right")
     lines += [f"  - [{', '.join(f'{a:.4f}' for a in row)}]" for row in rank_accuracies]
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if extra:
+        import yaml  # a hydra-core dependency
+
+        text += yaml.safe_dump(extra, sort_keys=False, width=120)
+    return text
 
 
 def write_tree(path: str | os.PathLike, rank_accuracies: Sequence[Sequence[float]], nodes: int,
-               comments: Sequence[str] = ()) -> tuple[Path, list[list[int]], float]:
+               comments: Sequence[str] = (), extra: dict | None = None) -> tuple[Path, list[list[int]], float]:
     """Build the ``nodes``-node tree for ``rank_accuracies`` and write it as YAML (temp file, then rename).
 
     Returns:
@@ -163,6 +169,6 @@ def write_tree(path: str | os.PathLike, rank_accuracies: Sequence[Sequence[float
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(tree_yaml(choices, rank_accuracies, comments))
+    tmp.write_text(tree_yaml(choices, rank_accuracies, comments, extra))
     os.replace(tmp, path)
     return path, choices, expected_accept_length(choices, rank_accuracies)

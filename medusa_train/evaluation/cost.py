@@ -1,0 +1,164 @@
+"""What a decode step costs on this device, in this dtype: a plain step, and a verify step per tree size.
+
+A verify step is everything Medusa decoding does per step: the heads' candidates (for heads that
+read their path, one head call per tree depth; for prefix attention, the layer's pass), one
+backbone pass over every tree node with the 4D tree mask, the LM head at every node, greedy
+acceptance and KV-cache compaction. A plain step is one token through the backbone, the LM head
+and argmax; ``generate_ms`` is what Hugging Face ``generate`` spends per greedy token, the users'
+baseline and the one the evaluation's speedup is measured against.
+
+``choose_tree_size`` turns a cost curve and the expected accepted length of each size into the size
+with the most expected tokens per second (expected accepted length / step cost: Sequoia's objective;
+the Medusa paper picked its 64-node tree on an A100 by such a sweep).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from medusa_train.decoding.acceptance import greedy_accept
+from medusa_train.decoding.generate import candidate_tokens, compact_cache, verify_tree
+from medusa_train.decoding.tree import MedusaTree
+
+AUTO_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
+
+
+@dataclass
+class CostCurve:
+    """Median milliseconds per step on one device and dtype at ``context`` cached tokens."""
+
+    device: str
+    dtype: str
+    threads: int
+    context: int
+    repeats: int
+    plain_ms: float  #: one token: backbone + LM head + argmax
+    generate_ms: float  #: Hugging Face ``generate``'s cost per greedy token after the first
+    verify_ms: dict[int, float] = field(default_factory=dict)  #: tree nodes (root included) -> verify step
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SizeChoice:
+    """One tree size's expected figures (``expected_speedup`` is over ``generate``, as the evaluation measures)."""
+
+    nodes: int
+    expected_accept_length: float
+    verify_ms: float
+    relative_cost: float  #: verify step / plain step: the accepted length at which Medusa breaks even
+    expected_tokens_per_s: float
+    expected_speedup: float
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_times(steps: Sequence[Callable[[], None]], repeats: int, warmup: int, device: torch.device) -> list[float]:
+    """Median seconds of each step; the steps take turns in every round, so load drift hits them alike."""
+    for fn in steps:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for fn, record in zip(steps, times):
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            record.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+@torch.no_grad()
+def measure_cost_curve(model, trees: dict[int, MedusaTree], context: int = 256, repeats: int = 10, warmup: int = 2,
+                       seed: int = 0, generate_tokens: int = 32) -> CostCurve:
+    """Time a plain step, ``generate``'s per-token cost and each tree's verify step at ``context`` tokens.
+
+    Args:
+        model: A ``MedusaModel`` on its device, in the dtype it will decode with (eval mode).
+        trees: ``{nodes: tree}`` to time (e.g. prefixes of the fitted tree).
+    """
+    from transformers import DynamicCache
+
+    from medusa_train.backbone.generation import plain_generate
+
+    device = model.lm_head.weight.device
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.lm_head.weight.shape[0], (1, context), generator=g).to(device)
+    cache = DynamicCache()
+    out = model(prompt, past_key_values=cache, use_cache=True)
+    dtype = out.hidden_states.dtype
+    root = int(model.base_logits(out.hidden_states[:, -1])[0].argmax())
+    heads_state = model.new_decode_state()
+    model.head_features(out.hidden_states[0, :-1], torch.tensor([[root]], device=device), heads_state)
+
+    def plain_step():
+        step = model(torch.tensor([[root]], device=device), past_key_values=cache, use_cache=True)
+        model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
+        cache.crop(-1)
+
+    def verify_step(tree: MedusaTree):
+        mask, offsets = tree.attention_mask(dtype).to(device), tree.position_offsets.to(device)
+
+        def step():
+            tokens = candidate_tokens(model, tree, out.hidden_states[0, -1:], root, heads_state)
+            _, logits = verify_tree(model, tokens, mask, offsets, cache, context)
+            result = greedy_accept(tree, tokens, logits)
+            compact_cache(cache, context, result.path)
+            cache.crop(-len(result.path))  # back to the same context for the next round
+            heads_state.rewind(context)
+
+        return step
+
+    sizes = sorted(trees)
+    seconds = median_times([plain_step] + [verify_step(trees[n]) for n in sizes], repeats, warmup, device)
+    per_token = []
+    pad = model.backbone.config.pad_token_id or 0
+    for _ in range(max(1, repeats // 4)):  # generate's own loop, no end-of-sequence: generate_tokens every time
+        _, timing = plain_generate(model.backbone, prompt, generate_tokens, [], pad)
+        per_token.append(timing["decode_s"] / (generate_tokens - 1))
+    return CostCurve(device=_device_name(device), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
+                     context=context, repeats=repeats, plain_ms=seconds[0] * 1e3,
+                     generate_ms=statistics.median(per_token) * 1e3,
+                     verify_ms={n: s * 1e3 for n, s in zip(sizes, seconds[1:])})
+
+
+def choose_tree_size(curve: CostCurve, expected: dict[int, float]) -> tuple[int, list[SizeChoice]]:
+    """The measured size with the most expected tokens per second, and every size's figures (by size)."""
+    rows = [SizeChoice(nodes=n, expected_accept_length=expected[n], verify_ms=curve.verify_ms[n],
+                       relative_cost=curve.verify_ms[n] / curve.plain_ms,
+                       expected_tokens_per_s=expected[n] / curve.verify_ms[n] * 1e3,
+                       expected_speedup=expected[n] * curve.generate_ms / curve.verify_ms[n])
+            for n in sorted(curve.verify_ms) if n in expected]
+    if not rows:
+        raise ValueError("no tree size has both a measured cost and an expected accepted length")
+    best = max(rows, key=lambda r: r.expected_tokens_per_s)
+    return best.nodes, rows
+
+
+def auto_sizes(max_nodes: int, available: int) -> list[int]:
+    """The sizes ``nodes=auto`` times: ``AUTO_SIZES`` up to ``max_nodes`` and the fitted tree's own size."""
+    top = min(max_nodes, available)
+    return sorted({n for n in AUTO_SIZES if n <= top} | {top})
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    import platform
+
+    name = platform.machine()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"cpu ({name}, {torch.get_num_threads()} threads)"

@@ -1,0 +1,70 @@
+"""nodes=auto: the tree size with the most expected tokens per second under a measured cost curve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from helpers.training import make_model_dir
+
+from medusa_train import MedusaModel, load_backbone
+from medusa_train.cli.build_tree import build_build_tree_config, run
+from medusa_train.decoding import MedusaTree
+from medusa_train.decoding.fit_tree import build_tree, expected_accept_length
+from medusa_train.evaluation.cost import CostCurve, auto_sizes, choose_tree_size
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+ACCURACIES = [[0.6, 0.1, 0.05], [0.4, 0.08, 0.04], [0.3, 0.05, 0.02], [0.2, 0.04, 0.01]]
+
+
+def curve(verify_ms: dict[int, float]) -> CostCurve:
+    return CostCurve(device="test", dtype="float32", threads=1, context=256, repeats=1, plain_ms=10.0,
+                     generate_ms=12.0, verify_ms=verify_ms)
+
+
+def test_a_flat_cost_curve_picks_a_bigger_tree_than_a_steep_one():
+    full = build_tree(ACCURACIES, 64)
+    sizes = auto_sizes(64, len(full) + 1)
+    expected = {n: expected_accept_length(full[:n - 1], ACCURACIES) for n in sizes}
+    gpu_like = curve({n: 10.5 + 0.01 * n for n in sizes})  # a wide device: 64 nodes cost about one token
+    cpu_like = curve({n: 10.0 + 2.0 * n for n in sizes})  # a narrow one: every node costs
+    big, rows = choose_tree_size(gpu_like, expected)
+    small, _ = choose_tree_size(cpu_like, expected)
+    assert big > small
+    for c in (gpu_like, cpu_like):
+        best, rows = choose_tree_size(c, expected)
+        assert best == max(sizes, key=lambda n: expected[n] / c.verify_ms[n])
+        for r in rows:  # the speedup is over generate's per-token cost, as the evaluation measures it
+            assert r.expected_speedup == pytest.approx(expected[r.nodes] * 12.0 / c.verify_ms[r.nodes])
+            assert r.relative_cost == pytest.approx(c.verify_ms[r.nodes] / 10.0)
+
+
+def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, capsys):
+    root = tmp_path
+    backbone, _ = load_backbone(str(make_model_dir(root / "model")), dtype="float32")
+    heads = MedusaModel.from_backbone(backbone, num_heads=3).save_pretrained(root / "heads")
+    source = root / "calib.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Hello there!", "def add(a, b):", "One two"]))
+    out = root / "tree.yaml"
+    result = run(build_build_tree_config({
+        "heads": str(heads), "nodes": "auto", "max_nodes": 16, "calibration": str(source), "num_prompts": 3,
+        "max_new_tokens": 12, "exclude": None, "output": str(out), "device": "cpu", "cost_context": 32,
+        "cost_repeats": 2}))
+    printed = capsys.readouterr().out
+    data = yaml.safe_load(out.read_text())
+    full = build_tree(result["rank_accuracies"], 16)
+    sizes = auto_sizes(16, len(full) + 1)
+    assert sorted(data["cost_curve"]["verify_ms"]) == sizes and data["dtype"] == "float32"
+    assert data["device"].startswith("cpu") and all(ms > 0 for ms in data["cost_curve"]["verify_ms"].values())
+    rate = {n: data["sizes"][str(n)]["expected_tokens_per_s"] for n in sizes}
+    assert data["chosen_nodes"] == max(sizes, key=lambda n: rate[n])
+    for n in sizes:
+        assert data["sizes"][str(n)]["expected_accept_length"] == pytest.approx(
+            expected_accept_length(full[:n - 1], result["rank_accuracies"]), abs=1e-4)
+    tree = MedusaTree.from_name(str(out), num_heads=3)
+    assert tree.num_nodes == data["chosen_nodes"]
+    assert sorted(tree.choices) == sorted(tuple(c) for c in full[:data["chosen_nodes"] - 1])
+    assert f"chosen size: {data['chosen_nodes']} nodes" in printed
+    assert "| nodes | expected accepted length |" in printed
