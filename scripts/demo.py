@@ -115,7 +115,7 @@ def run(cfg: DemoConfig) -> None:
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
         py, "scripts/build_tree.py", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
-        f"output={tree}"], done=newer(tree, export / "model.safetensors"))
+        f"model.dtype={e.dtype}", f"output={tree}"], done=newer(tree, export / "model.safetensors"))
 
     times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
         py, "scripts/evaluate.py", f"heads={export}", f"tree={tree}", f"bench.limit={e.limit}",
@@ -129,6 +129,12 @@ def run(cfg: DemoConfig) -> None:
           f"report           {report / 'report.md'}  (+ report.json, report.png)\n"
           f"metrics          {run_dir / 'metrics.jsonl'}")
     print(f"greedy mismatches vs plain decoding: {result['mismatches']}")
+    fitted = tree_facts(tree)
+    if "chosen_nodes" in fitted:
+        at64 = fitted.get("sizes", {}).get("64", {}).get("expected_accept_length")
+        print(f"tree: {fitted['chosen_nodes']} nodes, chosen for {fitted['device']} in {fitted['dtype']} "
+              f"(expected speedup {fitted['expected_speedup']:.2f}x)"
+              + (f"; a 64-node tree would accept {at64:.2f} tokens per step (expected)" if at64 else ""))
     print(f"mean accepted length: {result['mean_accepted_length']:.2f}")
     print(f"speedup: {result['speedup']:.2f}x")
 
@@ -158,6 +164,13 @@ def train_medusa2(cfg: DemoConfig, py: str, heads_flags: list[str], data: Path, 
     spent += stage("2/4 train LoRA and heads jointly (medusa2)", joint,
                    done=newer(run_dir / "export" / "training_config.json", *inputs))
     return spent
+
+
+def tree_facts(path: Path) -> dict:
+    """The tree YAML's keys (``chosen_nodes``, ``sizes``, ... when it was built with ``nodes=auto``)."""
+    import yaml
+
+    return yaml.safe_load(path.read_text()) or {}
 
 
 def record_times(run_dir: Path, times: dict[str, float]) -> None:

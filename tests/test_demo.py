@@ -111,6 +111,9 @@ def test_the_default_settings_keep_the_folders_of_finished_runs():
     """Folder keys of configs/commands/demo.yaml as they were computed before the demo's config was typed
     (from OmegaConf sections): a finished run must still be found, not started again."""
     names = {stage: path.name for stage, path in demo.stage_paths(demo_config()).items()}
+    # tree.nodes became auto (issue 21): the tree and the evaluation run afresh; data and heads are found
     assert names == {"data": "distill-400-be6e59f2.jsonl", "run": "train-a6bc37ee", "export": "export",
-                     "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-3c283f98.yaml", "report": "eval-40187ec9"}
+                     "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-dc25ce3f.yaml", "report": "eval-144bfe30"}
+    sixty_four = {stage: path.name for stage, path in demo.stage_paths(demo_config("tree.nodes=64")).items()}
+    assert (sixty_four["tree"], sixty_four["report"]) == ("tree-3c283f98.yaml", "eval-40187ec9")
     assert demo.stage_paths(demo_config("recipe=medusa2"))["run"].name == "medusa2-495b46b3"

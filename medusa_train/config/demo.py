@@ -54,7 +54,7 @@ class Medusa2Stage:
 
 @dataclass
 class TreeStage:
-    nodes: int = 64
+    nodes: int | str = "auto"  #: auto: the size with the most expected tokens/s on this machine (scripts/build_tree.py)
     num_prompts: int = 16
 
 
