@@ -31,6 +31,7 @@ from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
 from medusa_train.config.demo import DemoConfig, build_demo_config
+from medusa_train.evaluation.report import mismatch_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ)
@@ -128,7 +129,7 @@ def run(cfg: DemoConfig) -> None:
     print(f"distilled data   {data}\nheads (native)   {export}\ntree             {tree}\n"
           f"report           {report / 'report.md'}  (+ report.json, report.png)\n"
           f"metrics          {run_dir / 'metrics.jsonl'}")
-    print(f"greedy mismatches vs plain decoding: {result['mismatches']}")
+    print(f"greedy mismatches vs plain decoding: {mismatch_summary(result)}")
     fitted = tree_facts(tree)
     if "chosen_nodes" in fitted:
         at64 = fitted.get("sizes", {}).get("64", {}).get("expected_accept_length")

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from medusa_train import MedusaModel
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.generate import compact_cache, verify_tree
+from medusa_train.evaluation.evaluate import mismatch_detail
 
 ARCHS = ["llama", "qwen2", "gpt_neox"]
 ATTNS = ["sdpa", "eager"]
@@ -247,6 +248,10 @@ def test_bfloat16_greedy_equals_plain_bf16_greedy_up_to_near_ties(arch, heads):
         assert best - second <= tolerance, (i, at, best, second, tolerance)
         for token in (out.sequences[0, at].item(), ref[0, at].item()):
             assert best - logits[token].item() <= tolerance, (i, at, token)
+        # the evaluation's report files this difference as rounding, not as a bug
+        n = ids.shape[1]
+        detail = mismatch_detail(model, ids, ref[0, n:].tolist(), out.sequences[0, n:].tolist(), at - n)
+        assert detail["kind"] == "at_rounding" and detail["tolerance"] == pytest.approx(tolerance, rel=1e-6)
     print(f"bf16 {arch} {heads} heads: {identical} of 6 identical; parted (prompt, position, gap, tol): {parted}")
     assert identical >= 3, parted  # a near-tie is the exception, not the rule
     assert max(lengths) >= (3 if heads == "oracle" else 1)  # oracle heads: multi-token steps in bf16 too

@@ -27,6 +27,7 @@ from medusa_train.evaluation.evaluate import (
     mismatch_detail,
     plain_generate,
     resolve_tree,
+    rounding_tolerance,
 )
 
 REQUIRED_KEYS = {"mean_accepted_length", "speedup", "mismatches", "per_head_acceptance", "per_category",
@@ -77,6 +78,7 @@ def test_report_numbers_recompute_from_per_prompt(loaded):
     assert report["per_head_acceptance"] == sorted(report["per_head_acceptance"], reverse=True)
     # plain decoding is the reference: greedy Medusa reproduces it token for token
     assert report["mismatches"] == 0 and report["mismatch_details"] == []
+    assert report["mismatches_unexplained"] == 0 and report["mismatches_at_rounding"] == 0
     assert all(r["match"] and r["plain_new_tokens"] == r["new_tokens"] for r in rows)
     cats = report["per_category"]
     assert {c: v["count"] for c, v in cats.items()} == {"coding": 2, "writing": 3}
@@ -157,6 +159,15 @@ def test_mismatch_detail_describes_the_base_models_choice(loaded):
     detail = mismatch_detail(model, ids, plain, other, 3)
     assert detail["position"] == 3 and detail["plain_token"] == plain[3] and detail["medusa_token"] == other[3]
     assert detail["top2_gap"] >= 0 and detail["plain_minus_medusa_logit"] >= 0  # plain's token is the argmax
+    # float32: the tree pass must reproduce one-token decoding exactly, so no difference is rounding
+    assert detail["tolerance"] == 0.0 and detail["kind"] == "unexplained"
+
+
+def test_rounding_tolerance_is_two_spacings_of_the_dtype_at_the_largest_logit():
+    logits = torch.tensor([1.0, -10.0, 3.0])
+    assert rounding_tolerance(logits, torch.bfloat16) == 2 * 2**-7 * 10.0
+    assert rounding_tolerance(logits, torch.float16) == 2 * 2**-10 * 10.0
+    assert rounding_tolerance(logits, torch.float32) == 0.0
 
 
 def test_resolve_tree():
