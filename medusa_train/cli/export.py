@@ -33,6 +33,21 @@ def run(cfg: ExportConfig) -> None:
         print(err, file=sys.stderr)
         sys.exit(2)
     print(f"wrote {cfg.format} heads from {cfg.heads} to {path}")
+    if cfg.format == "vllm":
+        print("serve it with vLLM (K tokens proposed per step, at most the number of heads):\n"
+              + serve_command(path))
+
+
+def serve_command(path) -> str:
+    """The ``vllm serve`` line for a vllm export: its base model and ``--speculative-config`` JSON."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    heads = config.get("num_heads") or config.get("medusa_num_heads")
+    spec = {"method": "medusa", "model": str(Path(path).resolve()), "num_speculative_tokens": heads}
+    base = config.get("base_model_name_or_path") or "<base model>"
+    return f"vllm serve {base} --speculative-config '{json.dumps(spec)}'"
 
 
 def main() -> None:

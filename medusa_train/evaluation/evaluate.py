@@ -36,6 +36,7 @@ from medusa_train.config.paths import TREE_DIR
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.tree import tree_from_config
+from medusa_train.evaluation.engines import engine_rows
 from medusa_train.model.layouts import resolve_base_model
 
 WARMUP_TOKENS = 16
@@ -149,8 +150,8 @@ def rounding_tolerance(logits: torch.Tensor, dtype: torch.dtype) -> float:
 
 
 def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen: DecodeConfig, eos: list[int],
-                   pad: int) -> tuple[dict, list[int]]:
-    """Decode one turn with both methods; returns the per-prompt record and the plain answer's ids."""
+                   pad: int) -> tuple[dict, list[int], torch.Tensor]:
+    """Decode one turn with both methods; returns the per-prompt record, the plain answer's ids and the input."""
     device = model.lm_head.weight.device
     input_ids = encode_chat(tokenizer, messages).to(device)
     sampling = gen.temperature > 0
@@ -176,7 +177,7 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
         record["match"] = position is None
         if position is not None:
             record["mismatch"] = mismatch_detail(model, input_ids, plain, medusa, position)
-    return record, plain
+    return record, plain, input_ids
 
 
 # ------------------------------------------------------------------------------------------- evaluate
@@ -225,13 +226,15 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         _generate_turn(model, tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], tree, short, eos, pad)
 
     records: list[dict] = []
+    inputs: list[torch.Tensor] = []
     tokens = steps = 0
     bar = tqdm(prompts, desc="evaluate", unit="prompt", disable=not progress)
     for prompt in bar:
         messages: list[dict] = []
         for turn, text in enumerate(prompt.turns[:turns], start=1):
             messages.append({"role": "user", "content": text})
-            record, plain = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad)
+            record, plain, input_ids = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad)
+            inputs.append(input_ids)
             records.append({"id": prompt.id, "category": prompt.category, "turn": turn, **record})
             messages.append({"role": "assistant", "content": tokenizer.decode(plain, skip_special_tokens=True)})
             tokens, steps = tokens + record["new_tokens"], steps + record["steps"]
@@ -239,6 +242,8 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     bar.close()
 
     report = summarise(records, model.config.num_heads)
+    if gen.temperature == 0:  # what each serving engine would accept on the same prompts
+        report["engines"] = engine_rows(model, inputs, tree, report["mean_accepted_length"], gen.max_new_tokens, eos)
     report["settings"] = {
         **(settings or {}), "tree": tree_spec, "tree_nodes": tree.num_nodes, "tree_depth": tree.depth,
         "tree_choices": [list(c) for c in tree.listed_choices], "turns": turns, **asdict(gen),

@@ -72,6 +72,13 @@ def render_markdown(report: dict) -> str:
     for name, c in report["per_category"].items():
         lines.append(f"| {name} | {c['count']} | {c['accepted_length']:.2f} | {c['speedup']:.2f}x | "
                      f"{'n/a' if c['mismatches'] is None else c['mismatches']} |")
+    if report.get("engines"):
+        lines += ["", "## What your server will see", "",
+                  "| engine | verifies | mean accepted length |", "|---|---|---|"]
+        for name, row in report["engines"].items():
+            value = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] is not None \
+                else f"n/a: {row['reason']}"
+            lines.append(f"| {name} | {row['verifies']} | {value} |")
     if report.get("drift"):
         d = report["drift"]
         lines += ["", "## Backbone drift", "",

@@ -59,6 +59,13 @@ class MedusaConfig:
             return 0
         return k + 1 if self.path_input else 1
 
+    def native_only_features(self) -> dict[str, str]:
+        """``{config key: what the heads do}`` for each feature only medusa-train's own decoder (the native
+        layout) holds; empty for plain heads, which vLLM, TGI, TensorRT-LLM and the original Medusa load."""
+        features = {"next_token_input": "also read the next token's embedding",
+                    "prefix_attention": "read through a prefix attention layer"}
+        return {key: what for key, what in features.items() if getattr(self, key)}
+
     def to_dict(self) -> dict:
         return {"format": "medusa_train", **asdict(self)}
 

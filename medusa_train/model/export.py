@@ -77,13 +77,11 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
             layout other than native.
     """
     _check_options(format, lm_head_pt, max_paths, topk)
-    native_only = {"next_token_input": "also read the next token's embedding (next_token_input)",
-                   "prefix_attention": "read through a prefix attention layer (prefix_attention)"}
-    for key, what in native_only.items():
-        if getattr(config, key) and format != "native":
-            raise ValueError(f"format={format}: these heads {what}, which the {format} layout has no place for; "
-                             f"export format=native, or train with heads.{key}=false for heads the original Medusa, "
-                             "TensorRT-LLM or vLLM can load")
+    for key, what in config.native_only_features().items():
+        if format != "native":
+            raise ValueError(f"format={format}: these heads {what} ({key}), which the {format} layout has no "
+                             f"place for; export format=native, or train with heads.{key}=false for heads the "
+                             "original Medusa, TensorRT-LLM or vLLM can load")
     if config.share_lm_head and format != "native" and lm_head_weight is None:
         raise ValueError(f"format={format} stores the heads' shared LM head: pass lm_head_weight")
     check_tensors(tensors, native_shapes(config), "the heads to export")

@@ -19,7 +19,7 @@ from medusa_train.cli.evaluate import build_eval_config, run
 from medusa_train.config.evaluate import default_output_dir
 from medusa_train.config.train import ConfigError
 from medusa_train.data.benchmarks import BenchPrompt
-from medusa_train.decoding import MedusaTree
+from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.evaluation.evaluate import (
     encode_chat,
     evaluate,
@@ -29,6 +29,7 @@ from medusa_train.evaluation.evaluate import (
     resolve_tree,
     rounding_tolerance,
 )
+from medusa_train.evaluation.report import render_markdown
 
 REQUIRED_KEYS = {"mean_accepted_length", "speedup", "mismatches", "per_head_acceptance", "per_category",
                  "tokens_per_s", "settings", "per_prompt"}
@@ -246,3 +247,37 @@ def test_script_with_a_tree_file(heads_dir, tmp_path):
     assert result.stdout.strip().splitlines()[-1].startswith("speedup: ")
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["tree_nodes"] == 4 and report["settings"]["tree"] == str(tree)
+
+
+def test_the_vllm_row_is_decoding_with_a_rank0_chain_of_every_head(loaded, heads_dir):
+    """vLLM and TGI propose a top-1 chain of plain heads: their row must be our decoder's accepted length
+    with a ``num_heads``-long rank-0 chain on the very inputs the evaluation decoded."""
+    from medusa_train.backbone.generation import encode_chat, eos_token_ids
+
+    model, tokenizer = loaded
+    report = evaluate(model, tokenizer, PROMPTS, TREE, turns=1, max_new_tokens=12, progress=False)
+    engines = report["engines"]
+    assert list(engines) == ["vllm", "tgi", "trtllm", "native"]
+    tokens = steps = 0
+    for prompt in PROMPTS:  # first turns only: the inputs are the chat-encoded questions
+        ids = encode_chat(tokenizer, [{"role": "user", "content": prompt.turns[0]}])
+        out = medusa_generate(model, ids, MedusaTree.chain(3), max_new_tokens=12,
+                              eos_token_id=eos_token_ids(model.backbone))
+        tokens, steps = tokens + out.new_tokens, steps + out.steps
+    assert engines["vllm"]["mean_accepted_length"] == pytest.approx(tokens / steps)
+    assert engines["tgi"]["mean_accepted_length"] == engines["vllm"]["mean_accepted_length"]
+    assert engines["trtllm"]["mean_accepted_length"] == engines["native"]["mean_accepted_length"] \
+        == report["mean_accepted_length"]
+    assert "| vllm | top-1 chain" in render_markdown(report)
+
+
+def test_heads_only_our_decoder_loads_get_no_engine_figure_and_say_why(loaded):
+    from medusa_train.evaluation.engines import engine_rows
+
+    model, _ = loaded
+    reading = MedusaModel.from_backbone(model.backbone, num_heads=3, next_token_input=True)
+    rows = engine_rows(reading, [], MedusaTree.chain(3), 1.5, 8, [])
+    for name in ("vllm", "tgi", "trtllm"):
+        assert rows[name]["mean_accepted_length"] is None
+        assert "read the next token's embedding (heads.next_token_input)" in rows[name]["reason"]
+    assert rows["native"] == {"mean_accepted_length": 1.5, "verifies": rows["native"]["verifies"], "reason": None}

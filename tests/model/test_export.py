@@ -326,6 +326,9 @@ def test_script_converts_a_native_export_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "wrote vllm heads" in done.stdout
     assert json.loads((tmp_path / "vllm/config.json").read_text())["topk"] == 4
+    serve = next(line for line in done.stdout.splitlines() if line.startswith("vllm serve "))
+    spec = json.loads(serve.split("--speculative-config ", 1)[1].strip("'"))
+    assert spec == {"method": "medusa", "model": str((tmp_path / "vllm").resolve()), "num_speculative_tokens": 2}
     _assert_same_head_logits(shared, MedusaModel.from_pretrained(tmp_path / "vllm", backbone=backbone), 2)
 
     done = _run_script(f"heads={tmp_path / 'own'}", "format=medusa_v1", f"output={tmp_path / 'v1'}", "lm_head_pt=true")

@@ -1,0 +1,52 @@
+"""The accepted length each serving engine would get from these heads, on the evaluation's own prompts.
+
+Read from the engines' code (FACTS.md): vLLM's V1 engine proposes a top-1 chain of plain Medusa heads
+(``num_speculative_tokens`` <= heads, no tree); TGI speculates chains the same way; TensorRT-LLM
+verifies a static tree passed as ``medusa_choices`` (plain heads). Heads that read the next token,
+their path or through prefix attention load only in our own decoder (``native``).
+
+Greedy output is the backbone's whatever the tree, so an engine's accepted length is what our
+decoder accepts with that engine's tree: a K-long rank-0 chain for ``vllm`` and ``tgi``, the
+evaluated tree itself for ``trtllm`` and ``native``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from medusa_train.decoding import MedusaTree, medusa_generate
+
+ENGINES = {"vllm": "top-1 chain over the heads (vLLM's Medusa proposer, V1 engine)",
+           "tgi": "top-1 chain over the heads (TGI's Medusa speculation)",
+           "trtllm": "the evaluated tree as medusa_choices (TensorRT-LLM)",
+           "native": "the evaluated tree, every head feature (medusa-train's decoder)"}
+
+
+def native_only_reason(config) -> str | None:
+    """Why engines other than ours cannot load heads of ``config`` (``None`` if they can)."""
+    features = [f"{what} (heads.{key})" for key, what in config.native_only_features().items()]
+    return ("the heads " + " and ".join(features) + ": only the native layout holds that") if features else None
+
+
+@torch.no_grad()
+def chain_accepted_length(model, inputs: Sequence[torch.Tensor], max_new_tokens: int, eos: list[int]) -> float:
+    """Tokens per verify step of a ``num_heads``-long rank-0 chain over ``inputs`` (greedy)."""
+    chain = MedusaTree.chain(model.config.num_heads)
+    tokens = steps = 0
+    for input_ids in inputs:
+        out = medusa_generate(model, input_ids, chain, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        tokens, steps = tokens + out.new_tokens, steps + out.steps
+    return tokens / max(steps, 1)
+
+
+def engine_rows(model, inputs: Sequence[torch.Tensor], tree: MedusaTree, native_accepted_length: float,
+                max_new_tokens: int, eos: list[int]) -> dict[str, dict]:
+    """``{engine: {"mean_accepted_length": float | None, "verifies": ..., "reason": str | None}}``."""
+    reason = native_only_reason(model.config)
+    chain = None if reason else chain_accepted_length(model, inputs, max_new_tokens, eos)
+    values = {"vllm": chain, "tgi": chain, "trtllm": None if reason else native_accepted_length,
+              "native": native_accepted_length}
+    return {name: {"mean_accepted_length": values[name], "verifies": ENGINES[name],
+                   "reason": reason if values[name] is None else None} for name in ENGINES}
