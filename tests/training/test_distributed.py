@@ -29,25 +29,26 @@ def tiny(tmp_path_factory):
     return make_model_dir(root / "model"), make_chat_jsonl(root / "chat.jsonl", n=48)
 
 
-def launch(script: str, overrides: list[str], processes: int) -> subprocess.CompletedProcess:
+def launch(script: str, overrides: list[str], processes: int, recipe: str = "medusa1") -> subprocess.CompletedProcess:
     cmd = ([ACCELERATE, "launch", "--cpu", "--num_processes", str(processes)] if processes > 1 else [sys.executable])
-    result = subprocess.run([*cmd, script, "+recipe=medusa1", "trainer=smoke", *overrides], cwd=ROOT,
+    result = subprocess.run([*cmd, script, f"+recipe={recipe}", "trainer=smoke", *overrides], cwd=ROOT,
                             capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
 
 
-def assert_same_run(one: Path, two: Path) -> None:
+def assert_same_run(one: Path, two: Path, files: tuple[str, ...] = ("model.safetensors",)) -> None:
     a, b = read_metrics(one), read_metrics(two)
     assert [(m["step"], m["split"]) for m in a] == [(m["step"], m["split"]) for m in b]
     assert len([m for m in a if m["split"] == "train"]) == 8
     for x, y in zip(a, b):
         for name in METRICS:
             assert y[name] == pytest.approx(x[name], rel=1e-5, abs=1e-6), (x["step"], x["split"], name)
-    heads_a, heads_b = load_file(one / "export/model.safetensors"), load_file(two / "export/model.safetensors")
-    assert heads_a.keys() == heads_b.keys()
-    for name in heads_a:
-        torch.testing.assert_close(heads_b[name], heads_a[name], rtol=1e-5, atol=1e-5)
+    for file in files:
+        saved_a, saved_b = load_file(one / "export" / file), load_file(two / "export" / file)
+        assert saved_a.keys() == saved_b.keys() and saved_a
+        for name in saved_a:
+            torch.testing.assert_close(saved_b[name], saved_a[name], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("captured", [True, False], ids=["captured", "online"])
@@ -65,6 +66,20 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, capt
     two = launch("train.py", train_overrides(model_dir, data, tmp_path / "two", **common), 2)
     assert "heads identical on all 2 processes" in two.stdout
     assert_same_run(tmp_path / "one", tmp_path / "two")
+
+
+def test_medusa2_jointly_with_lora_on_two_processes_equals_one(tiny, tmp_path):
+    """The joint step (4-bit backbone + LoRA + heads, backbone loss and heads' loss, one backward into the
+    backbone) runs inside the DDP-wrapped module too: LoRA and heads come out as one process's."""
+    model_dir, data = tiny
+    common = {"trainer.max_steps": 8, "trainer.eval_every": 4, "trainer.save_every": 4, "data.batch_size": 2,
+              "peft.r": 4, "peft.alpha": 8, "peft.dropout": 0.0, "loss.head_warmup_steps": 0, "loss.base": "distill",
+              "trainer.merge_export": "false"}
+    launch("train.py", train_overrides(model_dir, data, tmp_path / "one", **common, **{"optim.grad_accum_steps": 2}),
+           1, "medusa2")
+    two = launch("train.py", train_overrides(model_dir, data, tmp_path / "two", **common), 2, "medusa2")
+    assert "heads identical on all 2 processes" in two.stdout
+    assert_same_run(tmp_path / "one", tmp_path / "two", ("model.safetensors", "adapter/adapter_model.safetensors"))
 
 
 def test_killing_one_rank_and_rerunning_resumes_every_rank_from_the_same_step(tiny, tmp_path):
