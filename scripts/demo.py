@@ -82,6 +82,8 @@ def run(cfg: DemoConfig) -> None:
         ENV["OMP_NUM_THREADS"] = str(cfg.threads)
     py = sys.executable
     d, t, tr, e = cfg.distill, cfg.train, cfg.tree, cfg.eval
+    print(f"dtypes: distill {d.dtype}, train {t.dtype}, evaluate {e.dtype} (distill.dtype/train.dtype=auto: "
+          "bfloat16 where it runs natively, float32 on CPUs without AVX512-BF16 or AMX)", flush=True)
     paths = stage_paths(cfg)
     data, run_dir, export, tree, report = (paths[k] for k in ("data", "run", "export", "tree", "report"))
     times = {}

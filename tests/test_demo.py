@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 
 from medusa_train.backbone.load import load_backbone
 from medusa_train.cli.entry import COMMANDS_DIR
-from medusa_train.config.check import ConfigError
+from medusa_train.config.check import ConfigError, parse_config
 from medusa_train.config.demo import DemoConfig, build_demo_config
 from medusa_train.data.distill import build_distill_config, distill
 
@@ -76,7 +76,7 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
 
 @pytest.mark.parametrize("overrides, named", [
     (["recipe=medusa3"], "recipe='medusa3': must be medusa1 or medusa2"),
-    (["train.dtype=float16"], "train.dtype='float16': must be bfloat16 or float32"),
+    (["train.dtype=float16"], "train.dtype='float16': must be auto, bfloat16 or float32"),
     (["recipe=medusa2", "medusa2.stage1_epochs=6"], "medusa2.stage1_epochs=6: must be in [0, train.epochs=6)"),
     (["recipe=medusa2", "medusa2.stage1_epochs=-1"], "medusa2.stage1_epochs=-1"),
     (["train.epochs=two"], "train.epochs='two': expected int"),
@@ -99,7 +99,7 @@ def test_the_command_line_reports_every_problem_and_runs_nothing(tmp_path):
 
 
 def test_medusa2_and_float32_runs_get_their_own_folders_and_a_default_run_keeps_its_old_one():
-    cfg = demo_config()
+    cfg = demo_config("train.dtype=bfloat16")
     demo_config("recipe=medusa2", "medusa2.stage1_epochs=0")  # valid: joint from the start
     before_dtype = {k: v for k, v in asdict(cfg.train).items() if k != "dtype"}
     assert demo._key(demo._train_key(cfg.train)) == demo._key(before_dtype)  # train.dtype=bfloat16: the old key
@@ -110,10 +110,28 @@ def test_medusa2_and_float32_runs_get_their_own_folders_and_a_default_run_keeps_
 def test_the_default_settings_keep_the_folders_of_finished_runs():
     """Folder keys of configs/commands/demo.yaml as they were computed before the demo's config was typed
     (from OmegaConf sections): a finished run must still be found, not started again."""
-    names = {stage: path.name for stage, path in demo.stage_paths(demo_config()).items()}
+    bf16 = ("distill.dtype=bfloat16", "train.dtype=bfloat16")  # what dtype=auto resolves to where bf16 is native
+    names = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16)).items()}
     # tree.nodes became auto (issue 21): the tree and the evaluation run afresh; data and heads are found
     assert names == {"data": "distill-400-be6e59f2.jsonl", "run": "train-a6bc37ee", "export": "export",
                      "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-dc25ce3f.yaml", "report": "eval-144bfe30"}
-    sixty_four = {stage: path.name for stage, path in demo.stage_paths(demo_config("tree.nodes=64")).items()}
+    sixty_four = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16, "tree.nodes=64")).items()}
     assert (sixty_four["tree"], sixty_four["report"]) == ("tree-3c283f98.yaml", "eval-40187ec9")
-    assert demo.stage_paths(demo_config("recipe=medusa2"))["run"].name == "medusa2-495b46b3"
+    assert demo.stage_paths(demo_config(*bf16, "recipe=medusa2"))["run"].name == "medusa2-495b46b3"
+
+
+def test_auto_dtype_is_bfloat16_only_where_it_runs_natively_and_keys_folders_as_the_dtype_it_becomes():
+    from medusa_train.backbone.load import native_bf16
+    from medusa_train.config.demo import resolve_dtypes
+
+    assert native_bf16("cpu", "flags : fpu avx2 avx512f avx512_bf16 amx_tile")
+    assert native_bf16("cpu", "flags : fpu sse avx2 amx_bf16")
+    assert not native_bf16("cpu", "flags : fpu sse sse2 avx avx2 fma")  # AVX2 only: bf16 is emulated
+    with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
+        raw = compose("demo", [])
+    for native, dtype in ((True, "bfloat16"), (False, "float32")):
+        cfg = resolve_dtypes(parse_config(DemoConfig, raw, lambda c: []), bf16=native)
+        assert (cfg.distill.dtype, cfg.train.dtype) == (dtype, dtype)
+        explicit = demo_config(f"distill.dtype={dtype}", f"train.dtype={dtype}")
+        assert demo.stage_paths(cfg) == demo.stage_paths(explicit)
+    assert demo_config("train.dtype=float32").train.dtype == "float32"  # an explicit dtype stays

@@ -21,7 +21,7 @@ class DistillStage:
     max_turns: int = 1
     max_new_tokens: int = 256
     batch_size: int = 16
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  #: auto: bfloat16 where it runs natively (GPU, AVX512-BF16/AMX CPU), else float32
 
 
 @dataclass
@@ -39,7 +39,7 @@ class TrainStage:
     head_decay: float = 0.8
     targets: str = "text"  #: text | greedy | teacher
     eval_size: int = 8  #: held-out conversations for the training-time eval
-    dtype: str = "bfloat16"  #: bfloat16 | float32 (backbone weights and autocast)
+    dtype: str = "auto"  #: auto | bfloat16 | float32 (backbone weights and autocast; auto as distill.dtype)
 
 
 @dataclass
@@ -83,7 +83,10 @@ def check_demo_config(c: DemoConfig) -> list[str]:
     """What the demo cannot run; every problem names its key."""
     p = Problems()
     p.need(c.recipe in ("medusa1", "medusa2"), "recipe", c.recipe, "must be medusa1 or medusa2")
-    p.need(c.train.dtype in ("bfloat16", "float32"), "train.dtype", c.train.dtype, "must be bfloat16 or float32")
+    p.need(c.train.dtype in ("bfloat16", "float32"), "train.dtype", c.train.dtype,
+           "must be auto, bfloat16 or float32")
+    p.need(c.distill.dtype in ("bfloat16", "float32"), "distill.dtype", c.distill.dtype,
+           "must be auto, bfloat16 or float32")
     p.need(c.train.epochs >= 1, "train.epochs", c.train.epochs, "must be >= 1")
     p.need(c.recipe != "medusa2" or 0 <= c.medusa2.stage1_epochs < c.train.epochs, "medusa2.stage1_epochs",
            c.medusa2.stage1_epochs, f"must be in [0, train.epochs={c.train.epochs}) so that at least one epoch "
@@ -98,4 +101,19 @@ def build_demo_config(raw) -> DemoConfig:
     Raises:
         ConfigError: listing each problem with the key to change.
     """
-    return parse_config(DemoConfig, raw, check_demo_config)
+    return parse_config(DemoConfig, raw, lambda c: check_demo_config(resolve_dtypes(c)))
+
+
+def resolve_dtypes(c: DemoConfig, bf16: bool | None = None) -> DemoConfig:
+    """Replace ``auto`` dtypes by what runs fast here (``bf16``: whether bfloat16 is native; read from the
+    machine when not given), in place, before folders are keyed: an auto run on a bf16 machine finds the
+    folders of a bfloat16 run."""
+    if "auto" in (c.distill.dtype, c.train.dtype):
+        if bf16 is None:
+            from medusa_train.backbone.load import native_bf16
+
+            bf16 = native_bf16()
+        fast = "bfloat16" if bf16 else "float32"
+        c.distill.dtype = fast if c.distill.dtype == "auto" else c.distill.dtype
+        c.train.dtype = fast if c.train.dtype == "auto" else c.train.dtype
+    return c
