@@ -111,11 +111,9 @@ def start_run(cfg: TrainConfig, accelerator, model, data: TrainData, param_group
 
 def wrap(model, accelerator) -> torch.nn.Module | None:
     """``OneBackward(model)`` through ``accelerator.prepare`` (DDP) when there are several processes."""
-    from accelerate.utils import DistributedType
-
     if accelerator.num_processes == 1:
         return None
-    if accelerator.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+    if not str(accelerator.distributed_type.value).startswith("MULTI_"):  # MULTI_GPU, _CPU, _XPU, ...: DDP
         raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by the training recipes yet: "
                          "launch with data parallelism (accelerate launch --config_file configs/accelerate/ddp.yaml)")
     return accelerator.prepare(OneBackward(model))

@@ -112,3 +112,16 @@ def test_killing_one_rank_and_rerunning_resumes_every_rank_from_the_same_step(ti
     heads_b = load_file(tmp_path / "killed/export/model.safetensors")
     for name in heads_a:
         torch.testing.assert_close(heads_b[name], heads_a[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
+def test_engines_the_recipes_do_not_support_yet_stop_with_what_to_launch_instead(engine):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from medusa_train.training.loop import wrap
+
+    accelerator = SimpleNamespace(num_processes=2, distributed_type=DistributedType[engine])
+    with pytest.raises(ValueError, match=f"{engine}.*not supported.*configs/accelerate/ddp.yaml"):
+        wrap(torch.nn.Linear(2, 2), accelerator)
