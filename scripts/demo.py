@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
-from medusa_train.config.demo import DemoConfig, build_demo_config
+from medusa_train.config.demo import DemoConfig, build_demo_config, resolve_dtypes
 from medusa_train.evaluation.report import mismatch_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +77,9 @@ def stage_paths(cfg: DemoConfig) -> dict[str, Path]:
 
 def run(cfg: DemoConfig) -> None:
     """Run every stage that is not done yet, then print where everything went and the headline numbers."""
+    from medusa_train.backbone.load import native_bf16
+
+    resolve_dtypes(cfg, native_bf16())  # before any folder is keyed
     out = Path(cfg.output_dir)
     if cfg.threads:
         ENV["OMP_NUM_THREADS"] = str(cfg.threads)

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def demo_config(*overrides: str) -> DemoConfig:
-    """configs/commands/demo.yaml with command-line overrides, read as scripts/demo.py reads it."""
+    """configs/commands/demo.yaml with command-line overrides, read as scripts/demo.py reads it (its run()
+    then turns dtype=auto into this machine's fast dtype)."""
     with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
         return build_demo_config(compose("demo", list(overrides)))
 

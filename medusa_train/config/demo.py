@@ -83,9 +83,9 @@ def check_demo_config(c: DemoConfig) -> list[str]:
     """What the demo cannot run; every problem names its key."""
     p = Problems()
     p.need(c.recipe in ("medusa1", "medusa2"), "recipe", c.recipe, "must be medusa1 or medusa2")
-    p.need(c.train.dtype in ("bfloat16", "float32"), "train.dtype", c.train.dtype,
+    p.need(c.train.dtype in ("auto", "bfloat16", "float32"), "train.dtype", c.train.dtype,
            "must be auto, bfloat16 or float32")
-    p.need(c.distill.dtype in ("bfloat16", "float32"), "distill.dtype", c.distill.dtype,
+    p.need(c.distill.dtype in ("auto", "bfloat16", "float32"), "distill.dtype", c.distill.dtype,
            "must be auto, bfloat16 or float32")
     p.need(c.train.epochs >= 1, "train.epochs", c.train.epochs, "must be >= 1")
     p.need(c.recipe != "medusa2" or 0 <= c.medusa2.stage1_epochs < c.train.epochs, "medusa2.stage1_epochs",
@@ -101,18 +101,14 @@ def build_demo_config(raw) -> DemoConfig:
     Raises:
         ConfigError: listing each problem with the key to change.
     """
-    return parse_config(DemoConfig, raw, lambda c: check_demo_config(resolve_dtypes(c)))
+    return parse_config(DemoConfig, raw, check_demo_config)
 
 
-def resolve_dtypes(c: DemoConfig, bf16: bool | None = None) -> DemoConfig:
-    """Replace ``auto`` dtypes by what runs fast here (``bf16``: whether bfloat16 is native; read from the
-    machine when not given), in place, before folders are keyed: an auto run on a bf16 machine finds the
-    folders of a bfloat16 run."""
+def resolve_dtypes(c: DemoConfig, bf16: bool) -> DemoConfig:
+    """Replace ``auto`` dtypes by what runs fast here (``bf16``: whether bfloat16 is native, e.g.
+    ``backbone.load.native_bf16()``), in place; the demo does it before folders are keyed, so an auto run
+    on a bf16 machine finds the folders of a bfloat16 run."""
     if "auto" in (c.distill.dtype, c.train.dtype):
-        if bf16 is None:
-            from medusa_train.backbone.load import native_bf16
-
-            bf16 = native_bf16()
         fast = "bfloat16" if bf16 else "float32"
         c.distill.dtype = fast if c.distill.dtype == "auto" else c.distill.dtype
         c.train.dtype = fast if c.train.dtype == "auto" else c.train.dtype
