@@ -211,9 +211,10 @@ def read_index(folder: str | os.PathLike, key: str) -> dict | None:
 
 
 def load_captured(folder: str | os.PathLike, key: str) -> list[dict]:
-    """Examples ``{"hidden": (shard path, tensor name), "labels": (T,) tensor, "input_ids": range(T)}`` in
-    the split's original order. Hidden states stay on disk until ``HiddenCollator`` reads a batch;
-    ``input_ids`` holds only the length so length-grouped samplers work unchanged.
+    """Examples ``{"hidden": (shard path, name), "labels": (shard path, name), "input_ids": range(T)}`` in
+    the split's original order. States and labels stay on disk until ``HiddenCollator`` reads a batch
+    (the lengths come from the shards' headers); ``input_ids`` holds only the length so length-grouped
+    samplers work unchanged.
 
     Raises:
         FileNotFoundError: the capture is missing, unfinished or has a torn shard (capture it again).
@@ -231,9 +232,9 @@ def load_captured(folder: str | os.PathLike, key: str) -> list[dict]:
             for name in f.keys():
                 i, kind = name.split(".")
                 if kind == "labels":
-                    labels = f.get_tensor(name)
-                    examples[int(i)] = {"hidden": (path, f"{i}.hidden"), "labels": labels,
-                                        "input_ids": range(len(labels))}
+                    length = f.get_slice(name).get_shape()[0]
+                    examples[int(i)] = {"hidden": (path, f"{i}.hidden"), "labels": (path, name),
+                                        "input_ids": range(length)}
     missing = [i for i, e in enumerate(examples) if e is None]
     if missing:
         raise FileNotFoundError(f"{folder}: examples {missing[:5]} are in no shard; delete the folder and capture again")
@@ -257,14 +258,15 @@ class HiddenCollator:
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
         states = [self.read(e["hidden"]) for e in examples]
-        longest = max(len(e["labels"]) for e in examples)
+        targets = [self.read(e["labels"]) for e in examples]
+        longest = max(len(t) for t in targets)
         hidden = torch.zeros(len(examples), longest, states[0].shape[-1], dtype=states[0].dtype)
         labels = torch.full((len(examples), longest), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros(len(examples), longest, dtype=torch.long)
-        for row, (e, state) in enumerate(zip(examples, states)):
-            n = len(e["labels"])
+        for row, (state, target) in enumerate(zip(states, targets)):
+            n = len(target)
             hidden[row, :n] = state
-            labels[row, :n] = e["labels"]
+            labels[row, :n] = target
             mask[row, :n] = 1
         return {"hidden": hidden, "labels": labels, "attention_mask": mask}
 

@@ -58,10 +58,11 @@ def test_captured_states_are_the_backbones_own_and_read_lazily(setup):
     assert len(cached) == len(train)
     collate = HiddenCollator()
     for example, entry in zip(train, cached):
-        assert entry["labels"].tolist() == example["labels"]
+        batch = collate([entry])
+        assert batch["labels"][0].tolist() == example["labels"] and len(entry["input_ids"]) == len(example["labels"])
         with torch.no_grad():
             alone = model(torch.tensor([example["input_ids"]])).hidden_states[0]
-        torch.testing.assert_close(collate([entry])["hidden"][0], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batch["hidden"][0], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_each_process_writes_its_share_and_together_they_equal_one_process(setup):
