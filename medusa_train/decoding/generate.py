@@ -186,10 +186,13 @@ def verify_tree(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: t
     Returns:
         Hidden states (num_nodes, hidden) and base logits (num_nodes, vocab) at every node.
     """
-    prefix = torch.zeros(tokens.shape[0], past_len, dtype=tree_mask.dtype, device=tree_mask.device)
-    mask = torch.cat([prefix, tree_mask], dim=1)[None, None]  # (batch, 1, query, past + query)
-    out = model(tokens[None], attention_mask=mask, position_ids=(past_len + offsets)[None],
-                past_key_values=cache, use_cache=True)
+    if tokens.shape[0] == 1:  # the root alone: a plain step, whose causal mask the model builds faster
+        out = model(tokens[None], position_ids=(past_len + offsets)[None], past_key_values=cache, use_cache=True)
+    else:
+        prefix = torch.zeros(tokens.shape[0], past_len, dtype=tree_mask.dtype, device=tree_mask.device)
+        mask = torch.cat([prefix, tree_mask], dim=1)[None, None]  # (batch, 1, query, past + query)
+        out = model(tokens[None], attention_mask=mask, position_ids=(past_len + offsets)[None],
+                    past_key_values=cache, use_cache=True)
     hidden = out.hidden_states[0]
     return hidden, model.base_logits(hidden)
 

@@ -111,6 +111,18 @@ def test_greedy_parity_random_heads(arch, attn, tree_name):
     assert 1 in lengths  # the heads really disagree with the base
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_root_only_tree_is_plain_greedy_decoding(arch):
+    """nodes=auto picks the root alone where no tree pays: one token per step, exactly plain greedy."""
+    backbone = make_tiny_backbone(arch, seed=2)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    perturb_heads(model, seed=3)
+    for ids in prompts(3, seed=7):
+        ref = hf_greedy(backbone, ids, 20, eos_token_id=[])
+        out = medusa_generate(model, ids, MedusaTree([]), max_new_tokens=20, eos_token_id=[])
+        assert out.sequences.tolist() == ref.tolist() and set(out.accept_lengths) == {1}
+
+
 @pytest.mark.parametrize("attn", ATTNS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_parity_oracle_heads_long_paths(arch, attn):
