@@ -31,14 +31,11 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.decoding import MedusaTree
-from medusa_train.decoding.acceptance import greedy_accept
 from medusa_train.decoding.fit_tree import assumed_rank_accuracies, expected_accept_length
-from medusa_train.decoding.generate import candidate_tokens, compact_cache, verify_tree
-from medusa_train.evaluation.cost import median_times
+from medusa_train.evaluation.cost import DecodeSteps, median_times
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,
@@ -60,51 +57,13 @@ def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]
     return trees
 
 
-@torch.no_grad()
 def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
             seed: int) -> tuple[float, float, list]:
     """Median seconds at ``context`` cached tokens: a plain step (the model's own mask path, as in
     ``generate``), the same step given an explicit 4D mask, and each tree's verify step."""
-    device = model.lm_head.weight.device
-    vocab = model.lm_head.weight.shape[0]
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
-    cache = DynamicCache()
-    out = model(prompt, past_key_values=cache, use_cache=True)
-    dtype = out.hidden_states.dtype
-    next_token = int(model.base_logits(out.hidden_states[:, -1])[0].argmax())  # the root: the backbone's own
-    heads_state = model.new_decode_state()  # what the heads keep between steps (e.g. their own cache)
-    model.head_features(out.hidden_states[0, :-1], torch.tensor([[next_token]], device=device), heads_state)
-
-    def plain_step():
-        step = model(torch.tensor([[next_token]], device=device), past_key_values=cache, use_cache=True)
-        model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
-        cache.crop(-1)
-
-    def plain_step_explicit_mask():  # the same step, given an explicit 4D mask as the tree pass is
-        mask = torch.zeros(1, 1, 1, context + 1, dtype=dtype, device=device)
-        step = model(torch.tensor([[next_token]], device=device), attention_mask=mask,
-                     position_ids=torch.tensor([[context]], device=device), past_key_values=cache, use_cache=True)
-        model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
-        cache.crop(-1)
-
-    def verify_step(tree: MedusaTree):
-        mask = tree.attention_mask(dtype).to(device)
-        offsets = tree.position_offsets.to(device)
-
-        def step():
-            # the heads read the last accepted position (their own pass, e.g. the prefix layer's) and guess
-            tokens = candidate_tokens(model, tree, out.hidden_states[0, -1:], next_token, heads_state)
-            hidden, logits = verify_tree(model, tokens, mask, offsets, cache, context)
-            result = greedy_accept(tree, tokens, logits)
-            compact_cache(cache, context, result.path)
-            cache.crop(-len(result.path))  # back to the same context for the next run
-            heads_state.rewind(context)
-
-        return step
-
-    steps = [plain_step, plain_step_explicit_mask] + [verify_step(tree) for _, tree in trees]
-    seconds = median_times(steps, repeats, warmup, device)
+    steps = DecodeSteps(model, context, seed)
+    timed = [steps.plain_step, lambda: steps.plain_step(explicit_mask=True)]
+    seconds = median_times(timed + [steps.verify_step(tree) for _, tree in trees], repeats, warmup, steps.device)
     return seconds[0], seconds[1], [(name, tree, s) for (name, tree), s in zip(trees, seconds[2:])]
 
 

@@ -78,7 +78,65 @@ def median_times(steps: Sequence[Callable[[], None]], repeats: int, warmup: int,
     return [statistics.median(t) for t in times]
 
 
-@torch.no_grad()
+class DecodeSteps:
+    """One decode state at ``context`` cached tokens (a random prompt) and the steps timed from it, each
+    leaving the cache (and the heads' state) as it found it, so they can be repeated in any order."""
+
+    @torch.no_grad()
+    def __init__(self, model, context: int = 256, seed: int = 0):
+        from transformers import DynamicCache
+
+        self.model, self.context = model, context
+        self.device = device = model.lm_head.weight.device
+        g = torch.Generator().manual_seed(seed)
+        self.prompt = torch.randint(0, model.lm_head.weight.shape[0], (1, context), generator=g).to(device)
+        self.cache = DynamicCache()
+        self.out = model(self.prompt, past_key_values=self.cache, use_cache=True)
+        self.dtype = self.out.hidden_states.dtype
+        self.root = int(model.base_logits(self.out.hidden_states[:, -1])[0].argmax())  # the backbone's own next token
+        self.heads_state = model.new_decode_state()  # what the heads keep between steps (e.g. their own cache)
+        model.head_features(self.out.hidden_states[0, :-1], torch.tensor([[self.root]], device=device),
+                            self.heads_state)
+
+    @torch.no_grad()
+    def plain_step(self, explicit_mask: bool = False) -> None:
+        """One token through the backbone, the LM head and argmax (``explicit_mask``: given a 4D mask, as
+        the tree pass is, instead of the model's own causal mask)."""
+        token = torch.tensor([[self.root]], device=self.device)
+        extra = {} if not explicit_mask else {
+            "attention_mask": torch.zeros(1, 1, 1, self.context + 1, dtype=self.dtype, device=self.device),
+            "position_ids": torch.tensor([[self.context]], device=self.device)}
+        step = self.model(token, past_key_values=self.cache, use_cache=True, **extra)
+        self.model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
+        self.cache.crop(-1)
+
+    def verify_step(self, tree: MedusaTree) -> Callable[[], None]:
+        """A full verify step over ``tree``: the heads' candidates (their own pass included), the tree pass,
+        the LM head at every node, greedy acceptance and cache compaction."""
+        mask, offsets = tree.attention_mask(self.dtype).to(self.device), tree.position_offsets.to(self.device)
+
+        @torch.no_grad()
+        def step():
+            model, context = self.model, self.context
+            tokens = candidate_tokens(model, tree, self.out.hidden_states[0, -1:], self.root, self.heads_state)
+            _, logits = verify_tree(model, tokens, mask, offsets, self.cache, context)
+            result = greedy_accept(tree, tokens, logits)
+            compact_cache(self.cache, context, result.path)
+            self.cache.crop(-len(result.path))  # back to the same context for the next round
+            self.heads_state.rewind(context)
+
+        return step
+
+    @torch.no_grad()
+    def generate_per_token(self, tokens: int = 32) -> float:
+        """Seconds Hugging Face ``generate`` spends per greedy token after the first (no end of sequence)."""
+        from medusa_train.backbone.generation import plain_generate
+
+        pad = self.model.backbone.config.pad_token_id or 0
+        _, timing = plain_generate(self.model.backbone, self.prompt, tokens, [], pad)
+        return timing["decode_s"] / (tokens - 1)
+
+
 def measure_cost_curve(model, trees: dict[int, MedusaTree], context: int = 256, repeats: int = 10, warmup: int = 2,
                        seed: int = 0, generate_tokens: int = 32) -> CostCurve:
     """Time a plain step, ``generate``'s per-token cost and each tree's verify step at ``context`` tokens.
@@ -87,47 +145,13 @@ def measure_cost_curve(model, trees: dict[int, MedusaTree], context: int = 256, 
         model: A ``MedusaModel`` on its device, in the dtype it will decode with (eval mode).
         trees: ``{nodes: tree}`` to time (e.g. prefixes of the fitted tree).
     """
-    from transformers import DynamicCache
-
-    from medusa_train.backbone.generation import plain_generate
-
-    device = model.lm_head.weight.device
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, model.lm_head.weight.shape[0], (1, context), generator=g).to(device)
-    cache = DynamicCache()
-    out = model(prompt, past_key_values=cache, use_cache=True)
-    dtype = out.hidden_states.dtype
-    root = int(model.base_logits(out.hidden_states[:, -1])[0].argmax())
-    heads_state = model.new_decode_state()
-    model.head_features(out.hidden_states[0, :-1], torch.tensor([[root]], device=device), heads_state)
-
-    def plain_step():
-        step = model(torch.tensor([[root]], device=device), past_key_values=cache, use_cache=True)
-        model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
-        cache.crop(-1)
-
-    def verify_step(tree: MedusaTree):
-        mask, offsets = tree.attention_mask(dtype).to(device), tree.position_offsets.to(device)
-
-        def step():
-            tokens = candidate_tokens(model, tree, out.hidden_states[0, -1:], root, heads_state)
-            _, logits = verify_tree(model, tokens, mask, offsets, cache, context)
-            result = greedy_accept(tree, tokens, logits)
-            compact_cache(cache, context, result.path)
-            cache.crop(-len(result.path))  # back to the same context for the next round
-            heads_state.rewind(context)
-
-        return step
-
+    steps = DecodeSteps(model, context, seed)
     sizes = sorted(trees)
-    seconds = median_times([plain_step] + [verify_step(trees[n]) for n in sizes], repeats, warmup, device)
-    per_token = []
-    pad = model.backbone.config.pad_token_id or 0
-    for _ in range(max(1, repeats // 4)):  # generate's own loop, no end-of-sequence: generate_tokens every time
-        _, timing = plain_generate(model.backbone, prompt, generate_tokens, [], pad)
-        per_token.append(timing["decode_s"] / (generate_tokens - 1))
-    return CostCurve(device=_device_name(device), dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(),
-                     context=context, repeats=repeats, plain_ms=seconds[0] * 1e3,
+    seconds = median_times([steps.plain_step] + [steps.verify_step(trees[n]) for n in sizes], repeats, warmup,
+                           steps.device)
+    per_token = [steps.generate_per_token(generate_tokens) for _ in range(max(1, repeats // 4))]
+    return CostCurve(device=_device_name(steps.device), dtype=str(steps.dtype).removeprefix("torch."),
+                     threads=torch.get_num_threads(), context=context, repeats=repeats, plain_ms=seconds[0] * 1e3,
                      generate_ms=statistics.median(per_token) * 1e3,
                      verify_ms={n: s * 1e3 for n, s in zip(sizes, seconds[1:])})
 
