@@ -67,12 +67,14 @@ def stage_paths(cfg: DemoConfig) -> dict[str, Path]:
     """Where each stage of ``cfg`` writes. Folders are keyed by their settings (and those of the stages
     before them): changing one starts that stage afresh, keeping the old results."""
     out, t_key = Path(cfg.output_dir), _train_key(cfg.train)
+    # an auto-sized tree is timed in the evaluation's dtype: another dtype sizes it afresh
+    tree_key = _key(cfg.tree, cfg.eval.dtype) if cfg.tree.nodes == "auto" else _key(cfg.tree)
     # a medusa1 folder's key is what it was before medusa2 could be asked for, so finished runs are still found
     run_dir = out / (f"train-{_key(cfg.model, cfg.distill, t_key)}" if cfg.recipe == "medusa1"
                      else f"medusa2-{_key(cfg.model, cfg.distill, t_key, cfg.medusa2)}")
     return {"data": distill_path(out, cfg, cfg.distill.num_prompts), "run": run_dir, "export": run_dir / "export",
             "stage1": out / f"medusa2-stage1-{_key(cfg.model, cfg.distill, t_key, cfg.medusa2.stage1_epochs)}",
-            "tree": run_dir / f"tree-{_key(cfg.tree)}.yaml", "report": run_dir / f"eval-{_key(cfg.tree, cfg.eval)}"}
+            "tree": run_dir / f"tree-{tree_key}.yaml", "report": run_dir / f"eval-{_key(cfg.tree, cfg.eval)}"}
 
 
 def run(cfg: DemoConfig) -> None:

@@ -115,9 +115,11 @@ def test_the_default_settings_keep_the_folders_of_finished_runs():
     names = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16)).items()}
     # tree.nodes became auto (issue 21): the tree and the evaluation run afresh; data and heads are found
     assert names == {"data": "distill-400-be6e59f2.jsonl", "run": "train-a6bc37ee", "export": "export",
-                     "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-dc25ce3f.yaml", "report": "eval-144bfe30"}
+                     "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-4b0f202a.yaml", "report": "eval-144bfe30"}
     sixty_four = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16, "tree.nodes=64")).items()}
     assert (sixty_four["tree"], sixty_four["report"]) == ("tree-3c283f98.yaml", "eval-40187ec9")
+    bf16_timed = demo.stage_paths(demo_config(*bf16, "eval.dtype=bfloat16"))["tree"].name
+    assert bf16_timed != names["tree"]  # an auto tree is sized in the evaluation's dtype: another one, another tree
     assert demo.stage_paths(demo_config(*bf16, "recipe=medusa2"))["run"].name == "medusa2-495b46b3"
 
 

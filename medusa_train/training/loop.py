@@ -17,7 +17,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -96,6 +96,11 @@ def start_run(cfg: TrainConfig, accelerator, model, data: TrainData, param_group
                                            else Path(resume))
     if path is not None:
         state, rng = checkpoint.load_checkpoint(path, run.parameters, optimizer, run.scheduler)
+        saved_by = state.get("num_processes", accelerator.num_processes)
+        if saved_by != accelerator.num_processes:  # its data position counts batches per process
+            raise ValueError(f"{path} was written by {saved_by} process(es), this run has "
+                             f"{accelerator.num_processes}: resume with --num_processes {saved_by}, or start afresh "
+                             "with trainer.resume=never (or another trainer.output_dir)")
         run.step, run.epoch, run.micro_in_epoch = state["step"], state["epoch"], state["micro_in_epoch"]
         if accelerator.process_index < len(rng):
             checkpoint.set_rng_state(rng[accelerator.process_index])
@@ -217,7 +222,7 @@ def train_loop(run: Run, micro_step: Callable[[dict, float], LossResult], evalua
                 if acc.num_processes > 1:  # the step's figures over every process's micro-batches, not rank 0's
                     from accelerate.utils import gather_object
 
-                    merged = merge(gather_object(stepped))
+                    merged = merge(gather_object([replace(r, loss=r.loss.detach().cpu()) for r in stepped]))
                 elapsed = time.perf_counter() - started
                 run.metrics.write({"step": run.step, "split": "train", "epoch": run.epoch,
                                    "lr": run.scheduler.get_last_lr()[0],
@@ -333,7 +338,8 @@ def save_checkpoint(run: Run) -> None:
         rng = gather_object(rng)
     if acc.is_main_process:
         path = checkpoint.save_checkpoint(run.output_dir, run.step, dict(run.parameters), run.optimizer, run.scheduler,
-                                          {"epoch": run.epoch, "micro_in_epoch": run.micro_in_epoch}, rng,
+                                          {"epoch": run.epoch, "micro_in_epoch": run.micro_in_epoch,
+                                           "num_processes": acc.num_processes}, rng,
                                           run.cfg.trainer.keep_last)
         say(acc, f"checkpoint: {path}")
     acc.wait_for_everyone()

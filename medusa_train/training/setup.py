@@ -30,6 +30,10 @@ def make_accelerator(cfg: TrainConfig):
     use_wandb = cfg.logger is not None
     accelerator = Accelerator(mixed_precision=mixed, log_with="wandb" if use_wandb else None,
                               project_dir=str(output_dir))
+    if cfg.model.device_map == "auto" and accelerator.num_processes > 1:
+        raise ValueError("model.device_map=auto spreads one backbone over every device, which data parallelism "
+                         "cannot wrap: drop it for training (each process then holds the backbone), or capture "
+                         "with one process (python scripts/capture.py ... model.device_map=auto)")
     output_dir.mkdir(parents=True, exist_ok=True)
     set_seed(cfg.trainer.seed)
     if use_wandb:

@@ -51,8 +51,11 @@ def assert_same_run(one: Path, two: Path, files: tuple[str, ...] = ("model.safet
             torch.testing.assert_close(saved_b[name], saved_a[name], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("captured", [True, False], ids=["captured", "online"])
-def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, captured):
+@pytest.mark.parametrize("captured, accumulate", [(True, 1), (False, 1), (False, 2)],
+                         ids=["captured", "online", "online-accumulating"])
+def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, captured, accumulate):
+    """``accumulate`` micro-batches per process and step (no_sync before the last) against one process
+    with twice as many."""
     model_dir, data = tiny
     common = {"trainer.max_steps": 8, "trainer.eval_every": 4, "trainer.save_every": 4, "data.batch_size": 2,
               "heads.prefix_attention": "true", "heads.next_token_input": "true", "heads.path_input": "true"}
@@ -62,10 +65,25 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, capt
         out = launch("scripts/capture.py", train_overrides(model_dir, data, tmp_path / "capture", **common), 2)
         assert "capture done" in out.stdout
         assert len(list((tmp_path / "states").glob("*-train/shard-*.safetensors"))) > 4
-    launch("train.py", train_overrides(model_dir, data, tmp_path / "one", **common, **{"optim.grad_accum_steps": 2}), 1)
-    two = launch("train.py", train_overrides(model_dir, data, tmp_path / "two", **common), 2)
+    launch("train.py", train_overrides(model_dir, data, tmp_path / "one", **common,
+                                       **{"optim.grad_accum_steps": 2 * accumulate}), 1)
+    two = launch("train.py", train_overrides(model_dir, data, tmp_path / "two", **common,
+                                             **{"optim.grad_accum_steps": accumulate}), 2)
     assert "heads identical on all 2 processes" in two.stdout
     assert_same_run(tmp_path / "one", tmp_path / "two")
+
+
+def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(tiny, tmp_path):
+    model_dir, data = tiny
+    overrides = train_overrides(model_dir, data, tmp_path / "run", **{"trainer.max_steps": 4, "trainer.save_every": 2,
+                                                                      "trainer.eval_every": 0})
+    launch("train.py", [*overrides, "trainer.max_steps=2"], 1)  # leaves checkpoints/step-0000002
+    cmd = [ACCELERATE, "launch", "--cpu", "--num_processes", "2", "train.py", "+recipe=medusa1", "trainer=smoke",
+           *overrides]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode != 0
+    assert "was written by 1 process(es), this run has 2: resume with --num_processes 1" in result.stderr
 
 
 def test_medusa2_jointly_with_lora_on_two_processes_equals_one(tiny, tmp_path):
