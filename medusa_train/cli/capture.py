@@ -12,14 +12,12 @@ from medusa_train.config.train import TrainConfig, build_config
 
 def run(cfg: TrainConfig) -> dict:
     """Capture both splits (each process its share of the shards; finished ones kept); returns the train index."""
-    import torch
     from accelerate import Accelerator
 
     from medusa_train.data import capture
     from medusa_train.training import setup
 
-    mixed = cfg.trainer.mixed_precision if cfg.trainer.mixed_precision != "fp16" or torch.cuda.is_available() else "bf16"
-    accelerator = Accelerator(mixed_precision=mixed)
+    accelerator = Accelerator(mixed_precision=setup.mixed_precision(cfg))
     if cfg.model.device_map == "auto" and accelerator.num_processes > 1:
         raise ValueError("model.device_map=auto spreads one backbone over every device: capture with one process "
                          "(python scripts/capture.py ...), or drop model.device_map to give each process a copy")

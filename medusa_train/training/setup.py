@@ -18,15 +18,19 @@ def say(accelerator, message: str) -> None:
         print(f"[medusa_train] {message}", flush=True)
 
 
+def mixed_precision(cfg: TrainConfig) -> str:
+    """``trainer.mixed_precision``, with fp16 read as bf16 without a GPU (fp16 autocast needs one)."""
+    mixed = cfg.trainer.mixed_precision
+    return "bf16" if mixed == "fp16" and not torch.cuda.is_available() else mixed
+
+
 def make_accelerator(cfg: TrainConfig):
     """An ``Accelerator`` for ``cfg`` (mixed precision, W&B when ``logger`` is set), seeded, its output folder made."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     output_dir = Path(cfg.trainer.output_dir)
-    mixed = cfg.trainer.mixed_precision
-    if mixed == "fp16" and not torch.cuda.is_available():
-        mixed = "bf16"  # fp16 autocast needs a GPU; bf16 is the CPU equivalent
+    mixed = mixed_precision(cfg)
     use_wandb = cfg.logger is not None
     accelerator = Accelerator(mixed_precision=mixed, log_with="wandb" if use_wandb else None,
                               project_dir=str(output_dir))
