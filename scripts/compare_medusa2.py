@@ -7,9 +7,9 @@
 Each row is ``scripts/demo.py`` with the shared settings below plus the row's own overrides, so
 every row trains on the same distilled file (distilled once, by the first row), fits its tree the
 same way and is evaluated on the same 24 MT-Bench prompts. The demo skips finished stages and
-training resumes from its last checkpoint, so re-running this command after a kill (or in a later
-session) picks up where it stopped. After each row, ``docs/results/medusa2.json`` is rewritten with
-every finished row: a partial table is still a true one.
+training resumes from its last checkpoint, so re-running this command after a kill picks up where it stopped. After each row, ``docs/results/medusa2.json`` is rewritten
+with every finished row, those recorded by earlier sessions included (commit it: outputs/ does not
+outlive a session's machine); a partial table is still a true one.
 
 The shared settings run the backbone in float32: on CPUs without native bf16 (AVX2 only, as here;
 ``lscpu | grep avx512_bf16`` prints nothing) bf16 matmuls are ~5x slower than float32.
@@ -75,6 +75,22 @@ def row_result(name: str, overrides: list[str]) -> dict | None:
     }
 
 
+def finished_rows(shared: list[str]) -> list[dict]:
+    """Every row with a report here, and the rows recorded earlier whose outputs this machine lacks.
+
+    A session's outputs/ does not outlive it (a fresh machine starts from the repository), so a row
+    measured in an earlier session is kept from ``docs/results/medusa2.json`` unless it was re-run
+    here, in which case the new figures replace it.
+    """
+    recorded = {r["name"]: r for r in json.loads(RESULTS.read_text())["rows"]} if RESULTS.exists() else {}
+    rows = []
+    for name in ROWS:
+        row = row_result(name, shared + ROWS[name]) or recorded.get(name)
+        if row:
+            rows.append(row)
+    return rows
+
+
 def write_results(rows: list[dict]) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     partial = RESULTS.with_suffix(".json.partial")
@@ -96,7 +112,7 @@ def main() -> None:
         result = subprocess.run([sys.executable, "scripts/demo.py", *overrides], cwd=ROOT)
         if result.returncode != 0:
             sys.exit(f"row {name} failed (exit {result.returncode}); re-run the same command to resume it")
-        rows = [r for n in ROWS if (r := row_result(n, shared + ROWS[n]))]
+        rows = finished_rows(shared)
         write_results(rows)
         print(f"##### {name} done; {len(rows)} row(s) in {RESULTS.relative_to(ROOT)}", flush=True)
 
