@@ -51,6 +51,9 @@ class HeadsConfig:
     next_token_input: bool = False  #: heads also read the base model's next token (native export only)
     path_input: bool = False  #: with next_token_input: head k reads the k+1 tokens of its tree path (Hydra-style)
     prefix_attention: bool = False  #: heads read through one causal attention layer over the prefix (native export only)
+    #: heads score only the K most frequent training targets (a draft vocabulary, token_map); null: every token.
+    #: The verify pass keeps the whole vocabulary, so greedy output is unchanged. Native and vllm export only.
+    vocab_size: int | None = None
 
 
 @dataclass
@@ -151,6 +154,8 @@ def check(c: TrainConfig) -> list[str]:
     p += check_model(c.model)
     p.need(c.heads.num_heads >= 1, "heads.num_heads", c.heads.num_heads, "must be >= 1")
     p.need(c.heads.num_layers >= 0, "heads.num_layers", c.heads.num_layers, "must be >= 0")
+    p.need(c.heads.vocab_size is None or c.heads.vocab_size >= 1, "heads.vocab_size", c.heads.vocab_size,
+           "must be >= 1 (the draft vocabulary's size), or null for the whole vocabulary")
     p.need(not c.heads.next_token_input or c.heads.num_layers >= 1, "heads.next_token_input", True,
            "the next token enters the first ResBlock: needs heads.num_layers >= 1")
     p.need(not c.heads.path_input or c.heads.next_token_input, "heads.path_input", True,

@@ -199,7 +199,8 @@ def verify_tree(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: t
 
 def candidate_tokens(model, tree: MedusaTree, accepted_hidden: torch.Tensor, root_token: int,
                      heads_state) -> torch.Tensor:
-    """(num_nodes,) tokens: the root, then, depth by depth, each node's head's top-k guess at its rank.
+    """(num_nodes,) tokens: the root, then, depth by depth, each node's head's top-k guess at its rank
+    (a token of the heads' draft vocabulary when they have one).
 
     Head d reads the path to each depth-d node that has children (root first) and its top-k fill
     those children. The model decides what the heads read (``MedusaModel.head_features``); when no
@@ -221,13 +222,13 @@ def candidate_tokens(model, tree: MedusaTree, accepted_hidden: torch.Tensor, roo
         features = model.head_features(accepted_hidden, tokens[:1, None], heads_state)
         logits = model.all_head_logits(features, len(levels))  # (depth, 1, vocab)
         for d, (_, children, _, ranks) in enumerate(levels):
-            tokens[children] = logits[d, 0].topk(tree.head_top_k[d]).indices[ranks]
+            tokens[children] = model.guessed_tokens(logits[d, 0].topk(tree.head_top_k[d]).indices[ranks])
         return tokens
     for d, (parents, children, rows, ranks) in enumerate(levels):
         paths = tokens[ancestors[parents, : d + 1]]  # (parents, d + 1): root, then the guesses on the way
         features = model.head_features(accepted_hidden if d == 0 else None, paths, heads_state)
         top = model.head_logits(features, d).topk(tree.head_top_k[d], dim=-1).indices
-        tokens[children] = top[rows, ranks]
+        tokens[children] = model.guessed_tokens(top[rows, ranks])
     return tokens
 
 
@@ -248,9 +249,9 @@ def _check_arguments(model, input_ids, tree, max_new_tokens, temperature, accept
         problems.append(f"acceptance={acceptance!r}: must be one of {list(ACCEPTANCE_METHODS)}")
     if not 0 < top_p <= 1:
         problems.append(f"top_p={top_p}: must be in (0, 1]")
-    vocab = model.lm_head.weight.shape[0]
+    vocab = model.config.head_vocab_size
     if tree.head_top_k and max(tree.head_top_k) > vocab:
-        problems.append(f"the tree reads top-{max(tree.head_top_k)} guesses but the vocabulary has {vocab} tokens")
+        problems.append(f"the tree reads top-{max(tree.head_top_k)} guesses but the heads score {vocab} tokens")
     if problems:
         raise ValueError("; ".join(problems))
     tree.check_num_heads(model.config.num_heads)

@@ -127,9 +127,9 @@ def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]]
             if stop <= start:
                 continue
             logits = model.head_logits(inputs[start:stop], k).float()
-            targets = ids[0, start + k + 2: stop + k + 2].to(logits.device)
-            target_logits = logits.gather(-1, targets[:, None])
-            ranks = (logits > target_logits).sum(-1)
+            targets = model.head_indices(ids[0, start + k + 2: stop + k + 2].to(logits.device))
+            target_logits = logits.gather(-1, targets.clamp(min=0)[:, None])
+            ranks = (logits > target_logits).sum(-1).masked_fill_(targets < 0, top_k)  # outside a draft vocabulary: never guessed
             hits[k] += torch.bincount(ranks[ranks < top_k].cpu(), minlength=top_k)[:top_k]
             counts[k] += stop - start
     accuracies = [[hits[k, i].item() / counts[k] if counts[k] else 0.0 for i in range(top_k)]

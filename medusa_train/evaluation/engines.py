@@ -3,7 +3,8 @@
 Read from the engines' code (FACTS.md): vLLM's V1 engine proposes a top-1 chain of plain Medusa heads
 (``num_speculative_tokens`` <= heads, no tree); TGI speculates chains the same way; TensorRT-LLM
 verifies a static tree passed as ``medusa_choices`` (plain heads). Heads that read the next token,
-their path or through prefix attention load only in our own decoder (``native``).
+their path or through prefix attention load only in our own decoder (``native``); heads with a draft
+vocabulary (``token_map``) load in vLLM and ours, not in the original Medusa layout TGI and TensorRT-LLM read.
 
 Greedy output is the backbone's whatever the tree, so an engine's accepted length is what our
 decoder accepts with that engine's tree: a K-long rank-0 chain for ``vllm`` and ``tgi``, the
@@ -44,9 +45,12 @@ def chain_accepted_length(model, inputs: Sequence[torch.Tensor], max_new_tokens:
 def engine_rows(model, inputs: Sequence[torch.Tensor], tree: MedusaTree, native_accepted_length: float,
                 max_new_tokens: int, eos: list[int]) -> dict[str, dict]:
     """``{engine: {"mean_accepted_length": float | None, "verifies": ..., "reason": str | None}}``."""
-    reason = native_only_reason(model.config)
-    chain = None if reason else chain_accepted_length(model, inputs, max_new_tokens, eos)
-    values = {"vllm": chain, "tgi": chain, "trtllm": None if reason else native_accepted_length,
-              "native": native_accepted_length}
-    return {name: {"mean_accepted_length": values[name], "verifies": ENGINES[name],
-                   "reason": reason if values[name] is None else None} for name in ENGINES}
+    native_only = native_only_reason(model.config)
+    no_token_map = model.config.token_map_problem()  # TGI and TensorRT-LLM read the original Medusa layout
+    reasons = {"vllm": native_only, "tgi": native_only or (no_token_map and f"the heads {no_token_map}"),
+               "native": None}
+    reasons["trtllm"] = reasons["tgi"]
+    chain = None if native_only else chain_accepted_length(model, inputs, max_new_tokens, eos)
+    values = {"vllm": chain, "tgi": chain, "trtllm": native_accepted_length, "native": native_accepted_length}
+    return {name: {"mean_accepted_length": None if reasons[name] else values[name], "verifies": ENGINES[name],
+                   "reason": reasons[name]} for name in ENGINES}

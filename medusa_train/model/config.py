@@ -29,6 +29,11 @@ class MedusaConfig:
         prefix_attention: The heads read the output of one causal self-attention layer over the
             prefix's hidden states (``prefix_attention.py``), of ``prefix_attention_heads``
             attention heads and an MLP ``prefix_intermediate_size`` wide. Native layout only.
+        draft_vocab_size: When set (K), the heads score only K tokens, the K most frequent targets of
+            their training data, listed in the ``token_map`` tensor stored with them: head output i is
+            token ``token_map[i]`` (vLLM's ``truncated_vocab_size`` + ``token_map``). The verify pass
+            keeps the whole vocabulary, so greedy output is unchanged; a token outside the K is never
+            guessed. ``None``: the whole vocabulary.
         base_model_name_or_path: The backbone these heads were trained on.
         dtype: Dtype the head weights were saved in.
         format_version: Version of this layout.
@@ -44,6 +49,7 @@ class MedusaConfig:
     prefix_attention: bool = False
     prefix_attention_heads: int = 0
     prefix_intermediate_size: int = 0
+    draft_vocab_size: int | None = None
     base_model_name_or_path: str | None = None
     dtype: str = "float32"
     format_version: int = FORMAT_VERSION
@@ -52,6 +58,14 @@ class MedusaConfig:
         if self.path_input and not self.next_token_input:
             raise ValueError("path_input=true needs next_token_input=true: the path starts with the next token "
                              "(set heads.next_token_input=true)")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size < self.vocab_size:
+            raise ValueError(f"heads.vocab_size={self.draft_vocab_size}: a draft vocabulary must be between 1 and "
+                             f"the backbone's {self.vocab_size - 1} tokens (null: the whole vocabulary)")
+
+    @property
+    def head_vocab_size(self) -> int:
+        """How many tokens each head scores: the draft vocabulary's size, or the backbone's vocabulary."""
+        return self.draft_vocab_size or self.vocab_size
 
     def token_inputs(self, k: int) -> int:
         """How many token embeddings head ``k`` reads: 0, 1 (the next token) or k + 1 (its path)."""
@@ -65,6 +79,14 @@ class MedusaConfig:
         features = {"next_token_input": "also read the next token's embedding",
                     "prefix_attention": "read through a prefix attention layer"}
         return {key: what for key, what in features.items() if getattr(self, key)}
+
+    def token_map_problem(self) -> str | None:
+        """Why layouts without a ``token_map`` (medusa_v1: the original Medusa, TensorRT-LLM, TGI) cannot hold
+        these heads (they score a draft vocabulary), or ``None`` when they can."""
+        if self.draft_vocab_size:
+            return (f"score a draft vocabulary of {self.draft_vocab_size} tokens through a token_map "
+                    "(heads.vocab_size), which only the native and vllm layouts hold")
+        return None
 
     def to_dict(self) -> dict:
         return {"format": "medusa_train", **asdict(self)}

@@ -23,6 +23,7 @@ from medusa_train.model.layouts import (
     MEDUSA_V1_PT_NAME,
     MEDUSA_V1_WEIGHTS_NAME,
     SHARED_LM_HEAD_KEY,
+    TOKEN_MAP_KEY,
     VLLM_WEIGHTS_NAME,
     WEIGHTS_NAME,
     MedusaConfig,
@@ -66,15 +67,16 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
         directory: Target folder; replaced whole if it exists.
         format: ``native``, ``medusa_v1`` or ``vllm``.
         lm_head_weight: The backbone's LM head, required when ``config.share_lm_head`` and
-            ``format`` is not native: ``medusa_v1`` gets a copy per head, ``vllm`` one copy.
+            ``format`` is not native: ``medusa_v1`` gets a copy per head, ``vllm`` one copy (of the
+            draft vocabulary's rows, when the heads have one).
         lm_head_pt: See ``export_heads``.
         max_paths: See ``export_heads``.
         topk: See ``export_heads``.
 
     Raises:
         ValueError: an unknown format or bad option, tensors that do not match ``config``, a
-            shared LM head that is missing, or ``next_token_input`` / ``prefix_attention`` heads for a
-            layout other than native.
+            shared LM head that is missing, ``next_token_input`` / ``prefix_attention`` heads for a
+            layout other than native, or a draft vocabulary for ``medusa_v1``.
     """
     _check_options(format, lm_head_pt, max_paths, topk)
     for key, what in config.native_only_features().items():
@@ -82,6 +84,9 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
             raise ValueError(f"format={format}: these heads {what} ({key}), which the {format} layout has no "
                              f"place for; export format=native, or train with heads.{key}=false for heads the "
                              "original Medusa, TensorRT-LLM or vLLM can load")
+    if format == "medusa_v1" and config.token_map_problem():
+        raise ValueError(f"format=medusa_v1: these heads {config.token_map_problem()}; export format=vllm or "
+                         "native, or train with heads.vocab_size=null for heads TensorRT-LLM and TGI can load")
     if config.share_lm_head and format != "native" and lm_head_weight is None:
         raise ValueError(f"format={format} stores the heads' shared LM head: pass lm_head_weight")
     check_tensors(tensors, native_shapes(config), "the heads to export")
@@ -90,6 +95,8 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
     dtype = _dtype_of(tensors, config)
     if lm_head_weight is not None:
         lm_head_weight = lm_head_weight.detach().cpu().to(dtype)
+        if config.draft_vocab_size and lm_head_weight.shape[0] == config.vocab_size:
+            lm_head_weight = lm_head_weight[tensors[TOKEN_MAP_KEY]]
     if format == "native":
         files = {WEIGHTS_NAME: tensors}
         meta = {**config.to_dict(), "dtype": str(dtype).removeprefix("torch.")}
@@ -120,7 +127,8 @@ def _check_options(format: str, lm_head_pt: bool, max_paths: int, topk: int) -> 
 
 
 def _dtype_of(tensors: dict[str, torch.Tensor], config: MedusaConfig) -> torch.dtype:
-    return next(iter(tensors.values())).dtype if tensors else getattr(torch, config.dtype)
+    floats = [t for t in tensors.values() if t.is_floating_point()]  # not the token_map's int64
+    return floats[0].dtype if floats else getattr(torch, config.dtype)
 
 
 def _medusa_v1(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None, lm_head_pt: bool):
@@ -139,14 +147,14 @@ def _medusa_v1(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None
 
 def _vllm(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None, max_paths: int, topk: int,
           dtype: torch.dtype):
-    names = layout_names(config.num_heads, config.num_layers, "vllm")
+    names = {**layout_names(config.num_heads, config.num_layers, "vllm"), TOKEN_MAP_KEY: TOKEN_MAP_KEY}
     state = {names[k]: t for k, t in tensors.items()}
     if config.share_lm_head:
         state[SHARED_LM_HEAD_KEY] = lm_head
     meta = {"model_type": "medusa", "architectures": ["MedusaModel"],
             "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
             "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
-            "max_paths": max_paths, "topk": topk, "truncated_vocab_size": config.vocab_size,
+            "max_paths": max_paths, "topk": topk, "truncated_vocab_size": config.head_vocab_size,
             "medusa_fc_bias": True, "original_lm_head": config.share_lm_head,
             "base_model_name_or_path": config.base_model_name_or_path,
             "torch_dtype": str(dtype).removeprefix("torch.")}

@@ -9,7 +9,8 @@ guessed from a model name:
     ``heads.{h}.lm_head.weight`` (absent when the heads share the backbone's LM head); heads
     with ``next_token_input`` also have ``heads.{h}.blocks.0.token.weight`` (native only), of
     shape (hidden, hidden), or (hidden, (h + 1) * hidden) with ``path_input``. Heads with
-    ``prefix_attention`` also have the layer they read through, ``prefix.*`` (native only).
+    ``prefix_attention`` also have the layer they read through, ``prefix.*`` (native only). Heads
+    with a draft vocabulary of K tokens have ``token_map`` (K,) int64 and output layers of K rows.
 ``medusa_v1``
     The original Medusa (FasterDecoding) / TensorRT-LLM layout: ``config.json`` with
     ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``; tensors
@@ -21,7 +22,9 @@ guessed from a model name:
     ``num_hidden_layers`` (ResBlocks per head), ``hidden_size``, ``vocab_size``, …; tensors
     ``blocks.{h}.layers.{l}.weight|bias`` and ``lm_heads.{h}.weight`` in ``model.safetensors``,
     or one ``lm_head.weight`` for every head when ``original_lm_head`` is true. ResBlocks
-    without bias (``medusa_fc_bias`` false, vLLM's default) read as a zero bias.
+    without bias (``medusa_fc_bias`` false, vLLM's default) read as a zero bias. A draft
+    vocabulary is ``truncated_vocab_size`` (K) < ``vocab_size`` with a ``token_map`` (K,) tensor;
+    the output layers then have K rows (vLLM also slices full-size ones; this reader wants K).
 
 Every reader is strict: a missing tensor, an unexpected one or a wrong shape is an error that
 names the tensor in the layout's own key scheme. Writers live in ``export.py``.
@@ -47,6 +50,9 @@ VLLM_WEIGHTS_NAME = "model.safetensors"
 # vLLM heads saved with ``original_lm_head`` carry one copy of the shared LM head; ``read_heads``
 # returns it under this key so the loader can check it against the backbone's own.
 SHARED_LM_HEAD_KEY = "lm_head.weight"
+# Heads with a draft vocabulary (``MedusaConfig.draft_vocab_size``) store its token ids under this key, in
+# the native layout and in vLLM's (which reads it with ``truncated_vocab_size``).
+TOKEN_MAP_KEY = "token_map"
 # Native name prefixes of what medusa-train adds to a backbone (every other parameter is the backbone's).
 MEDUSA_PARAMETERS = ("heads.", "prefix.")
 
@@ -67,7 +73,7 @@ def detect_format(config: dict) -> str:
 # ---------------------------------------------------------------------------------- key schemes
 def native_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
     """Every native tensor name of ``config``'s heads and its shape."""
-    hidden, vocab = config.hidden_size, config.vocab_size
+    hidden, vocab = config.hidden_size, config.head_vocab_size
     shapes: dict[str, tuple[int, ...]] = {}
     for h in range(config.num_heads):
         for layer in range(config.num_layers):
@@ -82,6 +88,8 @@ def native_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({"prefix.attn_norm.weight": (hidden,), "prefix.qkv.weight": (3 * hidden, hidden),
                        "prefix.out.weight": (hidden, hidden), "prefix.mlp_norm.weight": (hidden,),
                        "prefix.gate_up.weight": (2 * width, hidden), "prefix.down.weight": (hidden, width)})
+    if config.draft_vocab_size:
+        shapes[TOKEN_MAP_KEY] = (config.draft_vocab_size,)
     return shapes
 
 
@@ -220,10 +228,8 @@ def _read_vllm(directory: Path, raw: dict) -> tuple[MedusaConfig, dict[str, torc
     for key in ("num_heads", "num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in raw:
             raise ValueError(f"{directory}/{CONFIG_NAME}: vLLM Medusa config lacks {key!r}")
-    truncated = raw.get("truncated_vocab_size") or raw["vocab_size"]
-    if truncated != raw["vocab_size"]:
-        raise ValueError(f"{directory}/{CONFIG_NAME}: truncated_vocab_size={truncated} < vocab_size="
-                         f"{raw['vocab_size']} (a token_map draft vocabulary) is not supported")
+    truncated = int(raw.get("truncated_vocab_size") or raw["vocab_size"])
+    draft = truncated if truncated < int(raw["vocab_size"]) else None
     path = _require_file(directory / VLLM_WEIGHTS_NAME)
     tensors = load_file(str(path))
     shared = bool(raw.get("original_lm_head", False))
@@ -231,12 +237,12 @@ def _read_vllm(directory: Path, raw: dict) -> tuple[MedusaConfig, dict[str, torc
     config = MedusaConfig(num_heads=int(raw["num_heads"]), num_layers=int(raw["num_hidden_layers"]),
                           hidden_size=int(raw["hidden_size"]), vocab_size=int(raw["vocab_size"]),
                           share_lm_head=shared, base_model_name_or_path=raw.get("base_model_name_or_path"),
-                          dtype=_dtype_name(tensors))
-    names = layout_names(config.num_heads, config.num_layers, "vllm")
+                          dtype=_dtype_name(tensors), draft_vocab_size=draft)
+    names = {**layout_names(config.num_heads, config.num_layers, "vllm"), TOKEN_MAP_KEY: TOKEN_MAP_KEY}
     shapes = native_shapes(config)
     expected = {names[k]: shape for k, shape in shapes.items() if bias or not k.endswith(".bias")}
     if shared:
-        expected[SHARED_LM_HEAD_KEY] = (config.vocab_size, config.hidden_size)
+        expected[SHARED_LM_HEAD_KEY] = (config.head_vocab_size, config.hidden_size)
     check_tensors(tensors, expected, str(path))
     native = {}
     for key, shape in shapes.items():

@@ -14,10 +14,12 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from medusa_train.backbone import assets
+from medusa_train.model.draft_vocab import DraftVocab
 from medusa_train.model.heads import MedusaHead
 from medusa_train.model.layouts import (
     CONFIG_NAME,
     SHARED_LM_HEAD_KEY,
+    TOKEN_MAP_KEY,
     WEIGHTS_NAME,
     MedusaConfig,
     check_shared_lm_head,
@@ -73,17 +75,24 @@ class MedusaModel(nn.Module):
     hidden states of ``backbone.get_decoder()``.
     """
 
-    def __init__(self, backbone: PreTrainedModel, config: MedusaConfig):
+    def __init__(self, backbone: PreTrainedModel, config: MedusaConfig, token_map: torch.Tensor | None = None):
+        """Heads for ``config`` on ``backbone``; with a draft vocabulary, ``token_map`` lists its tokens (left
+        out: a placeholder that loading the heads' tensors overwrites)."""
         super().__init__()
         _check_compatible(backbone, config)
         self.backbone = backbone
         self.config = config
-        init_weight = None if config.share_lm_head else self.lm_head.weight.detach()
         dtype = getattr(torch, config.dtype)
         device = self.lm_head.weight.device
+        self.draft: DraftVocab | None = DraftVocab.for_config(config, token_map, device)
+        init_weight = None
+        if not config.share_lm_head:
+            init_weight = self.lm_head.weight.detach()
+            if self.draft is not None:
+                init_weight = init_weight[self.draft.token_map]
         self.heads = nn.ModuleList(
-            MedusaHead(config.hidden_size, config.vocab_size, config.num_layers, init_weight, config.share_lm_head,
-                       config.token_inputs(k))
+            MedusaHead(config.hidden_size, config.head_vocab_size, config.num_layers, init_weight,
+                       config.share_lm_head, config.token_inputs(k))
             for k in range(config.num_heads)
         ).to(device=device, dtype=dtype)
         self.prefix: PrefixAttention | None = None
@@ -96,7 +105,7 @@ class MedusaModel(nn.Module):
     def from_backbone(cls, backbone: PreTrainedModel, num_heads: int, num_layers: int = 1,
                       share_lm_head: bool = False, dtype: str | torch.dtype | None = None,
                       next_token_input: bool = False, path_input: bool = False,
-                      prefix_attention: bool = False) -> MedusaModel:
+                      prefix_attention: bool = False, token_map: torch.Tensor | None = None) -> MedusaModel:
         """Attach fresh heads to ``backbone``; each starts out reproducing the LM head exactly.
 
         Args:
@@ -111,6 +120,8 @@ class MedusaModel(nn.Module):
             prefix_attention: The heads read through one causal self-attention layer over the
                 prefix's hidden states (``prefix_attention.py``), as many attention heads and as wide
                 an MLP as the backbone's own layers.
+            token_map: The heads' draft vocabulary (``draft_vocab.most_frequent_tokens``): head output i is token
+                ``token_map[i]``; ``None``: the whole vocabulary.
         """
         if num_heads < 1:
             raise ValueError(f"heads.num_heads={num_heads}: must be >= 1")
@@ -131,8 +142,9 @@ class MedusaModel(nn.Module):
             vocab_size=lm_head.weight.shape[0], share_lm_head=share_lm_head, next_token_input=next_token_input,
             path_input=path_input, prefix_attention=prefix_attention, prefix_attention_heads=attention_heads,
             prefix_intermediate_size=intermediate_size, base_model_name_or_path=_base_reference(backbone), dtype=dtype,
+            draft_vocab_size=None if token_map is None else len(token_map),
         )
-        return cls(backbone, config)
+        return cls(backbone, config, token_map)
 
     @property
     def lm_head(self) -> nn.Module:
@@ -238,13 +250,16 @@ class MedusaModel(nn.Module):
         return torch.cat([hidden, embedding.to(device=hidden.device, dtype=hidden.dtype)], dim=-1)
 
     def head_logits(self, inputs: torch.Tensor, k: int) -> torch.Tensor:
-        """Logits of head ``k`` (0-based; predicts the token k+2 positions after the inputs' position).
+        """Logits of head ``k`` (0-based; predicts the token k+2 positions after the inputs' position) over
+        the heads' vocabulary: the backbone's, or the draft vocabulary (``guessed_tokens`` maps an index
+        back to its token).
 
         ``inputs`` is what ``head_features`` returns."""
         head = self.heads[k]
         inputs = inputs.to(next(head.parameters(), self.lm_head.weight).dtype)
-        shared = self.lm_head if self.config.share_lm_head else None
-        return head(inputs, shared)
+        if not self.config.share_lm_head:
+            return head(inputs)
+        return self._shared_projection(head.features(inputs))
 
     def all_head_logits(self, inputs: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """Logits of the first ``num_heads`` heads stacked: (num_heads, *inputs.shape[:-1], vocab).
@@ -257,8 +272,33 @@ class MedusaModel(nn.Module):
         if not self.config.share_lm_head:
             return torch.stack([self.head_logits(inputs, k) for k in range(n)])
         dtype = next(self.heads[0].parameters(), self.lm_head.weight).dtype
-        features = torch.stack([self.heads[k].features(inputs.to(dtype)) for k in range(n)])
-        return self.lm_head(features.to(self.lm_head.weight.dtype))
+        return self._shared_projection(torch.stack([self.heads[k].features(inputs.to(dtype)) for k in range(n)]))
+
+    def _shared_projection(self, features: torch.Tensor) -> torch.Tensor:
+        """The backbone's LM head over ``features``, restricted to the draft vocabulary's rows if any."""
+        if self.draft is None:
+            return self.lm_head(features.to(self.lm_head.weight.dtype))
+        return self.draft.project(features, self.lm_head)
+
+    # ----------------------------------------------------------------------------- draft vocabulary
+    @property
+    def token_map(self) -> torch.Tensor | None:
+        """The draft vocabulary's token ids (head output i is token ``token_map[i]``), or ``None``."""
+        return getattr(self.draft, "token_map", None)
+
+    def guessed_tokens(self, indices: torch.Tensor) -> torch.Tensor:
+        """Token ids of head outputs ``indices`` (e.g. a top-k's): themselves, or ``token_map[indices]``."""
+        return indices if self.draft is None else self.draft.tokens(indices)
+
+    def head_indices(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Each token's index among the heads' outputs, -1 for a token they never guess (outside the
+        draft vocabulary, or negative such as an ignore index)."""
+        return tokens.clamp(min=-1) if self.draft is None else self.draft.indices(tokens)
+
+    def draft_base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The backbone's next-token logits for ``hidden`` over the heads' vocabulary (its softmax is the
+        backbone's distribution given that the token is one the heads can guess)."""
+        return self.base_logits(hidden) if self.draft is None else self.draft.project(hidden, self.lm_head)
 
     # ----------------------------------------------------------------------------- persistence
     def heads_state_dict(self) -> dict[str, torch.Tensor]:
@@ -271,8 +311,9 @@ class MedusaModel(nn.Module):
         tmp = assets.atomic_dir(final)
         tensors = self.heads_state_dict()
         config = self.config.to_dict()
-        if tensors:
-            config["dtype"] = _dtype_name(next(iter(tensors.values())).dtype)
+        floats = [t for t in tensors.values() if t.is_floating_point()]
+        if floats:
+            config["dtype"] = _dtype_name(floats[0].dtype)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         assets.replace_dir(tmp, final)
@@ -302,9 +343,10 @@ class MedusaModel(nn.Module):
 
             backbone, _ = load_backbone(resolve_base_model(directory, config.base_model_name_or_path),
                                         **backbone_kwargs)
-        model = cls(backbone, config)
+        model = cls(backbone, config, tensors.get(TOKEN_MAP_KEY))  # checks the map before anything is copied
         if stored_lm_head is not None:
-            check_shared_lm_head(stored_lm_head, model.lm_head.weight, source=str(directory))
+            check_shared_lm_head(stored_lm_head, model.lm_head.weight if model.draft is None
+                                 else model.draft.rows(model.lm_head)[0], source=str(directory))
         load_heads_strict(model, tensors, source=str(directory))
         return model
 
@@ -313,12 +355,14 @@ def _medusa_state_dict(model: MedusaModel) -> dict[str, torch.Tensor]:
     state = {f"heads.{k}": v for k, v in model.heads.state_dict().items()}
     if model.prefix is not None:
         state.update({f"prefix.{k}": v for k, v in model.prefix.state_dict().items()})
+    if model.token_map is not None:
+        state[TOKEN_MAP_KEY] = model.token_map
     return state
 
 
 def load_heads_strict(model: MedusaModel, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``heads.*`` (and ``prefix.*``) tensors into ``model``; any missing/extra key or wrong shape
-    is an error."""
+    """Copy ``heads.*`` (``prefix.*``, ``token_map``) tensors into ``model``; any missing/extra key or wrong
+    shape is an error."""
     expected = _medusa_state_dict(model)
     check_tensors(tensors, {k: tuple(v.shape) for k, v in expected.items()}, source)
     with torch.no_grad():

@@ -30,8 +30,9 @@ class Medusa1Recipe:
         cfg = self.cfg
         self.accelerator = acc = setup.make_accelerator(cfg)
         backbone, self.tokenizer = setup.load_backbone_for(cfg, acc.device)
-        self.model = setup.build_heads(cfg, backbone, acc.device)
-        data = setup.build_data(cfg, self.tokenizer, self.model, acc)
+        train, evals = setup.load_examples(cfg, self.tokenizer, acc)
+        self.model = setup.build_heads(cfg, backbone, acc.device, train)
+        data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.run = loop.start_run(cfg, acc, self.model, data, [{"params": trainable, "lr": cfg.optim.lr}],
                                   loop.MetricsLog(Path(cfg.trainer.output_dir), acc))

@@ -115,8 +115,9 @@ class Medusa2Recipe:
             n_lora = sum(t.numel() for t in backbone.parameters() if t.requires_grad)
             loop.say(acc, f"LoRA r={p.r} alpha={p.alpha} on {p.target_modules}: {n_lora / 1e6:.2f} M parameters "
                           f"on a {m.quantization or m.dtype} backbone")
-        self.model = setup.build_heads(cfg, backbone, acc.device)
-        data = setup.build_data(cfg, self.tokenizer, self.model, acc)
+        train, evals = setup.load_examples(cfg, self.tokenizer, acc)
+        self.model = setup.build_heads(cfg, backbone, acc.device, train)
+        data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         lora = [p for n, p in named if not n.startswith(MEDUSA_PARAMETERS)]
         heads = [p for n, p in named if n.startswith(MEDUSA_PARAMETERS)]

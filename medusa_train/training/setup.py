@@ -62,32 +62,47 @@ def load_backbone_for(cfg: TrainConfig, device: torch.device):
     return backbone, tokenizer
 
 
-def build_heads(cfg: TrainConfig, backbone, device: torch.device):
-    """Float32 trainable heads (and prefix layer) on ``backbone``: fresh, or from ``heads.init_from``."""
+def build_heads(cfg: TrainConfig, backbone, device: torch.device, train: list[dict]):
+    """Float32 trainable heads (and prefix layer) on ``backbone``: fresh, or from ``heads.init_from``.
+
+    With ``heads.vocab_size=K`` fresh heads score the K tokens most often trained on in ``train`` (the
+    tokenised training examples), a map every process computes alike from the same data.
+    """
+    from medusa_train.model.draft_vocab import most_frequent_tokens
     from medusa_train.model.medusa import MedusaModel
 
     h = cfg.heads
-    wanted = {k: v for k, v in asdict(h).items() if k != "init_from"}
+    wanted = {k: v for k, v in asdict(h).items() if k not in ("init_from", "vocab_size")}
+    wanted["draft_vocab_size"] = h.vocab_size
     if h.init_from:
         model = MedusaModel.from_pretrained(h.init_from, backbone=backbone)
         stored = {k: getattr(model.config, k) for k in wanted}
         if stored != wanted:
-            differ = ", ".join(f"heads.{k}={_yaml(stored[k])}" for k in wanted if stored[k] != wanted[k])
+            differ = ", ".join(f"heads.{_key(k)}={_yaml(stored[k])}" for k in wanted if stored[k] != wanted[k])
             raise ValueError(f"heads.init_from={h.init_from} holds heads with {differ}: set these to match")
         for part in model.medusa_modules():
             part.float()
         model.config.dtype = "float32"
         model.config.base_model_name_or_path = str(cfg.model.name_or_path)
     else:
-        model = MedusaModel.from_backbone(backbone, dtype="float32", **wanted)
+        vocab = backbone.get_output_embeddings().weight.shape[0]
+        token_map = None if h.vocab_size is None else most_frequent_tokens(
+            (e["labels"] for e in train), h.vocab_size, vocab)
+        wanted.pop("draft_vocab_size")
+        model = MedusaModel.from_backbone(backbone, dtype="float32", token_map=token_map, **wanted)
     for part in model.medusa_modules():
         part.requires_grad_(True)
         part.to(device)
     return model
 
 
+def _key(config_field: str) -> str:
+    """The ``heads.*`` key of a ``MedusaConfig`` field."""
+    return "vocab_size" if config_field == "draft_vocab_size" else config_field
+
+
 def _yaml(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass
@@ -116,12 +131,12 @@ def load_examples(cfg: TrainConfig, tokenizer, accelerator) -> tuple[list[dict],
     return train, evals
 
 
-def build_data(cfg: TrainConfig, tokenizer, model, accelerator) -> TrainData:
-    """Tokenised, length-grouped data; with ``data.cache_hidden_states`` the frozen backbone's states instead."""
+def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict], evals: list[dict]) -> TrainData:
+    """Length-grouped batches of the tokenised examples (``load_examples``); with ``data.cache_hidden_states``
+    of the frozen backbone's states instead."""
     from medusa_train.data import LengthGroupedBatchSampler, MedusaCollator
 
     d = cfg.data
-    train, evals = load_examples(cfg, tokenizer, accelerator)
     collator = MedusaCollator(tokenizer.pad_token_id)
     if d.cache_hidden_states:
         train, evals, collator = capture_hidden_states(

@@ -9,6 +9,9 @@ and a ``HeadTargets``, the one type the loss takes:
   (``greedy_tokens``); ``HeadTargets.text_counts()`` says how many targets the text offered;
 - ``teacher``: the backbone's whole next-token distribution at ``t + k + 1`` (soft labels, ``Teacher``),
   at the text's trained positions.
+
+Heads with a draft vocabulary (``heads.vocab_size``) learn the same targets among its tokens
+(``in_draft_vocabulary``).
 """
 
 from __future__ import annotations
@@ -184,7 +187,19 @@ def inputs_and_targets(kind: str, model, hidden: torch.Tensor, labels: torch.Ten
         targets = text_targets(labels, n)
     greedy = (lambda mask: predictions[mask]) if predictions is not None else \
         (lambda mask: model.next_tokens(hidden[mask]))
+    if model.token_map is not None:
+        targets = in_draft_vocabulary(targets, model)
     return model.head_features(hidden, lambda: following_tokens(labels, n, greedy)), targets
+
+
+def in_draft_vocabulary(targets: HeadTargets, model) -> HeadTargets:
+    """``targets`` for heads that score a draft vocabulary: token targets become indices among its tokens
+    (a target outside it is dropped: the heads cannot guess it, the verify pass still emits it), and a
+    teacher's distribution is the backbone's over those tokens, renormalised (``draft_base_logits``)."""
+    tokens = model.head_indices(targets.tokens)
+    tokens = tokens.masked_fill_(tokens < 0, IGNORE_INDEX)
+    teacher = None if targets.teacher is None else Teacher(model.draft_base_logits, targets.teacher.hidden)
+    return HeadTargets(tokens, teacher, targets.text_labels)
 
 
 def _shift_left(x: torch.Tensor, by: int) -> torch.Tensor:

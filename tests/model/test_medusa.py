@@ -41,6 +41,7 @@ def test_saved_files_hold_heads_only_and_describe_them(tmp_path, tiny_llama):
     assert config | {} == {"format": "medusa_train", "num_heads": 2, "num_layers": 1, "hidden_size": 64,
                            "vocab_size": 256, "share_lm_head": False, "next_token_input": False, "path_input": False,
                            "prefix_attention": False, "prefix_attention_heads": 0, "prefix_intermediate_size": 0,
+                           "draft_vocab_size": None,
                            "base_model_name_or_path": "tiny-llama",
                            "dtype": "float32", "format_version": 1}
 

@@ -1,0 +1,112 @@
+"""A draft vocabulary: heads that score only the K tokens most often trained on (``heads.vocab_size=K``).
+
+Each head's output layer then has K rows instead of the whole vocabulary's (a shared LM head is read
+through the K rows of the backbone's), so guessing costs K / vocab of the full projection. Head output
+``i`` is token ``token_map[i]``; a token outside the K is never guessed, and the verify pass keeps
+the whole vocabulary, so greedy output is the backbone's either way. vLLM's Medusa loader reads the
+same thing (``truncated_vocab_size`` + a ``token_map`` tensor); EAGLE-3 calls it a draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def most_frequent_tokens(labels: Iterable, size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` tokens most often trained on, as a sorted (size,) long tensor.
+
+    Args:
+        labels: Label rows (token ids; negatives such as the ignore index are not counted).
+        size: K, the draft vocabulary's size.
+        vocab_size: The backbone's vocabulary.
+
+    Ties go to the lower id, so the same data always gives the same map; tokens never seen fill it
+    up when the data has fewer than ``size`` distinct ones.
+    """
+    if not 0 < size < vocab_size:
+        raise ValueError(f"heads.vocab_size={size}: a draft vocabulary must be between 1 and the backbone's "
+                         f"{vocab_size - 1} tokens")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in labels:
+        row = torch.as_tensor(row, dtype=torch.long).flatten()
+        row = row[row >= 0]
+        if len(row) and int(row.max()) >= vocab_size:
+            raise ValueError(f"a label {int(row.max())} lies outside the backbone's {vocab_size}-token vocabulary")
+        counts += torch.bincount(row, minlength=vocab_size)
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[:size].sort().values
+
+
+class DraftVocab(nn.Module):
+    """The draft vocabulary's ``token_map`` (a buffer) and the lookups the heads' users need.
+
+    What is derived from the map (the inverse index, the LM head's rows) is kept between calls while
+    the map and the LM head are unchanged, so a decode step gathers nothing anew.
+    """
+
+    def __init__(self, token_map: torch.Tensor, vocab_size: int):
+        super().__init__()
+        token_map = torch.as_tensor(token_map, dtype=torch.long)
+        if token_map.dim() != 1 or not len(token_map):
+            raise ValueError(f"token_map has shape {tuple(token_map.shape)}: it must list K >= 1 token ids")
+        if int(token_map.min()) < 0 or int(token_map.max()) >= vocab_size or len(token_map.unique()) != len(token_map):
+            raise ValueError(f"token_map must list distinct token ids below {vocab_size}")
+        self.vocab_size = vocab_size
+        self.token_map: torch.Tensor
+        self.register_buffer("token_map", token_map)
+        self._index: tuple[tuple, torch.Tensor] | None = None
+        self._rows: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+
+    @classmethod
+    def for_config(cls, config, token_map: torch.Tensor | None, device) -> DraftVocab | None:
+        """The draft vocabulary of heads described by ``config`` (a ``MedusaConfig``), on ``device``; without
+        ``token_map`` a placeholder that loading the heads overwrites; ``None`` when they have none."""
+        if not config.draft_vocab_size:
+            if token_map is not None:
+                raise ValueError("a token_map was given for heads without a draft vocabulary (draft_vocab_size)")
+            return None
+        if token_map is None:
+            token_map = torch.arange(config.draft_vocab_size)
+        if len(token_map) != config.draft_vocab_size:
+            raise ValueError(f"token_map lists {len(token_map)} tokens, the draft vocabulary {config.draft_vocab_size}")
+        return cls(token_map, config.vocab_size).to(device)
+
+    def __len__(self) -> int:
+        return len(self.token_map)
+
+    def _map_key(self) -> tuple:
+        return self.token_map.data_ptr(), self.token_map._version, self.token_map.device
+
+    def tokens(self, indices: torch.Tensor) -> torch.Tensor:
+        """Token ids of head outputs ``indices``."""
+        return self.token_map[indices]
+
+    def indices(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Each token's head output index, -1 outside the map (negative tokens included)."""
+        if self._index is None or self._index[0] != self._map_key():
+            index = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.token_map.device)
+            index[self.token_map] = torch.arange(len(self.token_map), device=self.token_map.device)
+            self._index = (self._map_key(), index)
+        index = self._index[1]
+        found = index[tokens.clamp(min=0).to(index.device)].to(tokens.device)
+        return torch.where(tokens >= 0, found, -1)
+
+    def rows(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head's weight rows (and bias) of the map's tokens; a trainable LM head's are gathered
+        through autograd each call, a frozen one's (every recipe's) once."""
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        if weight.requires_grad:
+            return weight[self.token_map], None if bias is None else bias[self.token_map]
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, self._map_key())
+        if self._rows is None or self._rows[0] != key:
+            self._rows = (key, weight.detach()[self.token_map],
+                          None if bias is None else bias.detach()[self.token_map])
+        return self._rows[1], self._rows[2]
+
+    def project(self, features: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """``lm_head`` over ``features``, restricted to the map's tokens: (..., K) logits."""
+        weight, bias = self.rows(lm_head)
+        return nn.functional.linear(features.to(weight.dtype), weight, bias)
