@@ -18,7 +18,9 @@ Options (``key=value``): model, dtype (bfloat16), device (cuda if available, els
 repeats (20), warmup (3), num_heads (4), sizes (``1,chain,16,32,64``), threads, accept_length, seed,
 reads (``plain``; ``next_token`` or ``path``: heads that read the next token or their tree path, whose
 candidates cost one head call per tree depth; ``prefix``: path heads reading through a prefix attention
-layer, which also runs over each step's accepted tokens), share_lm_head (false), output (the JSON
+layer, which also runs over each step's accepted tokens), share_lm_head (false), draft_vocab (K: heads
+scoring a K-token draft vocabulary, ``heads.vocab_size=K``; the first K token ids stand in for the
+data's most frequent ones, which costs the same), output (the JSON
 written, default ``outputs/bench/decode-<dtype>-<reads>.json``; a PNG plot of the curve goes beside it).
 
 ``scripts/build_tree.py nodes=auto`` measures the same kind of curve for the fitted tree itself
@@ -39,7 +41,7 @@ from medusa_train.evaluation.cost import DecodeSteps, median_times
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,
-                reads="plain", share_lm_head="false", output=None)
+                reads="plain", share_lm_head="false", draft_vocab=None, output=None)
 
 
 def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]:
@@ -60,11 +62,15 @@ def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]
 def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
             seed: int) -> tuple[float, float, list]:
     """Median seconds at ``context`` cached tokens: a plain step (the model's own mask path, as in
-    ``generate``), the same step given an explicit 4D mask, and each tree's verify step."""
+    ``generate``), the same step given an explicit 4D mask, and each tree's verify step and the heads'
+    candidates alone within it: ``(plain, plain_explicit, [(name, tree, verify, candidates)])``."""
     steps = DecodeSteps(model, context, seed)
     timed = [steps.plain_step, lambda: steps.plain_step(explicit_mask=True)]
-    seconds = median_times(timed + [steps.verify_step(tree) for _, tree in trees], repeats, warmup, steps.device)
-    return seconds[0], seconds[1], [(name, tree, s) for (name, tree), s in zip(trees, seconds[2:])]
+    for _, tree in trees:
+        timed += [steps.verify_step(tree), steps.candidates_step(tree)]
+    seconds = median_times(timed, repeats, warmup, steps.device)
+    return seconds[0], seconds[1], [(name, tree, seconds[2 + 2 * i], seconds[3 + 2 * i])
+                                    for i, (name, tree) in enumerate(trees)]
 
 
 def main(**overrides) -> int:
@@ -86,7 +92,8 @@ def main(**overrides) -> int:
     model = MedusaModel.from_backbone(backbone, num_heads=num_heads, share_lm_head=opts["share_lm_head"] == "true",
                                       next_token_input=opts["reads"] != "plain",
                                       path_input=opts["reads"] in ("path", "prefix"),
-                                      prefix_attention=opts["reads"] == "prefix")
+                                      prefix_attention=opts["reads"] == "prefix",
+                                      token_map=torch.arange(int(opts["draft_vocab"])) if opts["draft_vocab"] else None)
     model.eval()
     trees = trees_to_measure(opts["sizes"], num_heads)
     plain, plain_explicit, results = measure(model, trees, context, int(opts["repeats"]), int(opts["warmup"]), int(opts["seed"]))
@@ -95,21 +102,25 @@ def main(**overrides) -> int:
     given = opts["accept_length"]
     source = f"given ({given})" if given is not None else "expected under the assumed head accuracies"
     print(f"\nDecode cost: {opts['model']}, {opts['dtype']}, {device}, threads={torch.get_num_threads()}, "
-          f"context={context}, {num_heads} heads reading {opts['reads']}, median of {opts['repeats']}. "
+          f"context={context}, {num_heads} heads reading {opts['reads']}"
+          f"{', shared LM head' if opts['share_lm_head'] == 'true' else ''}, scoring "
+          f"{model.config.head_vocab_size} tokens, median of {opts['repeats']}. "
           f"Plain step: {plain * 1e3:.2f} ms ({plain_explicit * 1e3:.2f} ms when given an explicit 4D mask). "
           f"Accept length: {source}.\n")
-    print("| tree | nodes | verify step (ms) | relative cost (= break-even accept length) | accept length | "
-          "expected speedup |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| tree | nodes | verify step (ms) | of which heads' candidates (ms) | relative cost (= break-even accept "
+          "length) | accept length | expected speedup |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     rows = []
-    for name, tree, seconds in results:
+    for name, tree, seconds, candidates in results:
         relative = seconds / plain
         accept = float(given) if given is not None else expected_accept_length(tree.choices, accuracies)
-        print(f"| {name} | {tree.num_nodes} | {seconds * 1e3:.2f} | {relative:.2f} | {accept:.2f} | "
-              f"{accept / relative:.2f}x |")
-        rows.append({"tree": name, "nodes": tree.num_nodes, "verify_ms": seconds * 1e3, "relative_cost": relative,
+        print(f"| {name} | {tree.num_nodes} | {seconds * 1e3:.2f} | {candidates * 1e3:.2f} | {relative:.2f} | "
+              f"{accept:.2f} | {accept / relative:.2f}x |")
+        rows.append({"tree": name, "nodes": tree.num_nodes, "verify_ms": seconds * 1e3,
+                     "candidates_ms": candidates * 1e3, "relative_cost": relative,
                      "accept_length": accept, "expected_speedup": accept / relative})
-    output = Path(opts["output"] or f"outputs/bench/decode-{opts['dtype']}-{opts['reads']}.json")
+    draft = f"-vocab{opts['draft_vocab']}" if opts["draft_vocab"] else ""
+    output = Path(opts["output"] or f"outputs/bench/decode-{opts['dtype']}-{opts['reads']}{draft}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in opts.items() if k != "output"} | {"device": str(device),
                                                                   "threads": torch.get_num_threads()}

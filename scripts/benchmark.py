@@ -3,6 +3,7 @@
     python scripts/benchmark.py loss     # peak memory + time: naive vs head-by-head vs chunked loss
     python scripts/benchmark.py decode   # verify-step cost vs plain decoding for several tree sizes
     python scripts/benchmark.py train    # tokens/s per epoch, cached vs uncached hidden states
+    python scripts/benchmark.py vocab data=...  # what a draft vocabulary (heads.vocab_size) costs the heads
 
 Extra ``key=value`` arguments are passed to the chosen benchmark.
 """
@@ -13,7 +14,7 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train"}
+BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab"}
 
 
 def main(argv: list[str]) -> int:

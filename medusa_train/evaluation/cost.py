@@ -127,6 +127,17 @@ class DecodeSteps:
 
         return step
 
+    def candidates_step(self, tree: MedusaTree) -> Callable[[], None]:
+        """Only the heads' part of a verify step over ``tree``: their candidates (a step's breakdown)."""
+
+        @torch.no_grad()
+        def step():
+            tokens = candidate_tokens(self.model, tree, self.out.hidden_states[0, -1:], self.root, self.heads_state)
+            tokens[-1].item()  # wait for the result, as the tree pass would
+            self.heads_state.rewind(self.context)
+
+        return step
+
     @torch.no_grad()
     def generate_per_token(self, tokens: int = 32) -> float:
         """Seconds Hugging Face ``generate`` spends per greedy token after the first (no end of sequence)."""
