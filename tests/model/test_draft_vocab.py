@@ -233,7 +233,7 @@ def test_training_with_heads_vocab_size_exports_the_data_s_most_frequent_tokens(
 
 @pytest.mark.parametrize("share_lm_head", [False, True])
 def test_restricted_trained_heads_score_their_own_logits_at_the_maps_tokens(tiny_llama, share_lm_head):
-    from medusa_train.model.draft_vocab import restrict_heads
+    from medusa_train.model.restrict import restrict_heads
 
     full = MedusaModel.from_backbone(tiny_llama, 2, share_lm_head=share_lm_head)
     with torch.no_grad():
