@@ -47,9 +47,8 @@ def engine_rows(model, inputs: Sequence[torch.Tensor], tree: MedusaTree, native_
     """``{engine: {"mean_accepted_length": float | None, "verifies": ..., "reason": str | None}}``."""
     native_only = native_only_reason(model.config)
     no_token_map = model.config.token_map_problem()  # TGI and TensorRT-LLM read the original Medusa layout
-    reasons = {"vllm": native_only, "tgi": native_only or (no_token_map and f"the heads {no_token_map}"),
-               "native": None}
-    reasons["trtllm"] = reasons["tgi"]
+    medusa_v1 = native_only or (f"the heads {no_token_map}" if no_token_map else None)
+    reasons = {"vllm": native_only, "tgi": medusa_v1, "trtllm": medusa_v1, "native": None}
     chain = None if native_only else chain_accepted_length(model, inputs, max_new_tokens, eos)
     values = {"vllm": chain, "tgi": chain, "trtllm": native_accepted_length, "native": native_accepted_length}
     return {name: {"mean_accepted_length": None if reasons[name] else values[name], "verifies": ENGINES[name],

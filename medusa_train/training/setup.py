@@ -72,13 +72,13 @@ def build_heads(cfg: TrainConfig, backbone, device: torch.device, train: list[di
     from medusa_train.model.medusa import MedusaModel
 
     h = cfg.heads
-    wanted = {k: v for k, v in asdict(h).items() if k not in ("init_from", "vocab_size")}
-    wanted["draft_vocab_size"] = h.vocab_size
+    features = {k: v for k, v in asdict(h).items() if k not in ("init_from", "vocab_size")}  # MedusaConfig's names
     if h.init_from:
         model = MedusaModel.from_pretrained(h.init_from, backbone=backbone)
-        stored = {k: getattr(model.config, k) for k in wanted}
+        stored = {k: getattr(model.config, k) for k in features} | {"vocab_size": model.config.draft_vocab_size}
+        wanted = features | {"vocab_size": h.vocab_size}
         if stored != wanted:
-            differ = ", ".join(f"heads.{_key(k)}={_yaml(stored[k])}" for k in wanted if stored[k] != wanted[k])
+            differ = ", ".join(f"heads.{k}={_yaml(stored[k])}" for k in wanted if stored[k] != wanted[k])
             raise ValueError(f"heads.init_from={h.init_from} holds heads with {differ}: set these to match")
         for part in model.medusa_modules():
             part.float()
@@ -88,17 +88,11 @@ def build_heads(cfg: TrainConfig, backbone, device: torch.device, train: list[di
         vocab = backbone.get_output_embeddings().weight.shape[0]
         token_map = None if h.vocab_size is None else most_frequent_tokens(
             (e["labels"] for e in train), h.vocab_size, vocab)
-        wanted.pop("draft_vocab_size")
-        model = MedusaModel.from_backbone(backbone, dtype="float32", token_map=token_map, **wanted)
+        model = MedusaModel.from_backbone(backbone, dtype="float32", token_map=token_map, **features)
     for part in model.medusa_modules():
         part.requires_grad_(True)
         part.to(device)
     return model
-
-
-def _key(config_field: str) -> str:
-    """The ``heads.*`` key of a ``MedusaConfig`` field."""
-    return "vocab_size" if config_field == "draft_vocab_size" else config_field
 
 
 def _yaml(value) -> str:

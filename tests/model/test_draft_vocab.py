@@ -247,3 +247,19 @@ def test_restricted_trained_heads_score_their_own_logits_at_the_maps_tokens(tiny
                                    rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="already score a draft vocabulary"):
         restrict_heads(restricted, TOKEN_MAP)
+
+
+def test_init_from_heads_of_another_vocabulary_size_is_refused_naming_the_key(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from medusa_train.training.setup import build_heads
+
+    model_dir, data = make_model_dir(tmp_path / "model"), make_chat_jsonl(tmp_path / "chat.jsonl")
+    backbone = AutoModelForCausalLM.from_pretrained(model_dir)
+    MedusaModel.from_backbone(backbone, 3, share_lm_head=True).save_pretrained(tmp_path / "heads")
+    overrides = {"heads.init_from": tmp_path / "heads", "heads.share_lm_head": True}
+    cfg = compose_config(train_overrides(model_dir, data, tmp_path / "run", **overrides, **{"heads.vocab_size": 24}))
+    with pytest.raises(ValueError, match=r"holds heads with heads.vocab_size=null: set these to match"):
+        build_heads(cfg, backbone, torch.device("cpu"), [])
+    same = compose_config(train_overrides(model_dir, data, tmp_path / "run", **overrides))
+    assert build_heads(same, backbone, torch.device("cpu"), []).token_map is None
