@@ -8,6 +8,7 @@ heads must agree to float rounding.
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -31,10 +32,19 @@ def tiny(tmp_path_factory):
 
 def launch(script: str, overrides: list[str], processes: int, recipe: str = "medusa1") -> subprocess.CompletedProcess:
     cmd = ([ACCELERATE, "launch", "--cpu", "--num_processes", str(processes)] if processes > 1 else [sys.executable])
-    result = subprocess.run([*cmd, script, f"+recipe={recipe}", "trainer=smoke", *overrides], cwd=ROOT,
-                            capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result
+    # A session of its own: if the run hangs, the launcher and every worker are stopped together (a timeout of
+    # subprocess.run kills only the launcher, leaving ranks that hold the CPU for the rest of the suite).
+    process = subprocess.Popen([*cmd, script, f"+recipe={recipe}", "trainer=smoke", *overrides], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        stdout, stderr = process.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{script} with {processes} process(es) did not finish in 900 s:\n{stdout[-2000:]}{stderr[-3000:]}")
+    assert process.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def assert_same_run(one: Path, two: Path, files: tuple[str, ...] = ("model.safetensors",)) -> None:
