@@ -9,7 +9,7 @@ from accelerate.utils import DistributedType
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 
 
-@pytest.mark.parametrize("name, kind", [("ddp", DistributedType.MULTI_GPU)])
+@pytest.mark.parametrize("name, kind", [("ddp", DistributedType.MULTI_GPU), ("fsdp", DistributedType.FSDP)])
 def test_accelerate_config_files_load_as_the_engine_they_name(name, kind):
     config = load_config_from_file(str(CONFIGS / f"{name}.yaml"))
     assert config.distributed_type == kind

@@ -18,6 +18,11 @@ def run(cfg: TrainConfig) -> dict:
     from medusa_train.training import setup
 
     accelerator = Accelerator(mixed_precision=setup.mixed_precision(cfg))
+    setup.check_processes(accelerator)
+    if cfg.model.fsdp or setup.under_fsdp(accelerator):
+        raise ValueError("capture does not shard the backbone (model.fsdp, accelerate's FSDP): capture a backbone "
+                         "larger than one device with one process and model.device_map=auto, or launch with "
+                         "configs/accelerate/ddp.yaml (each process a whole backbone)")
     if cfg.model.device_map == "auto" and accelerator.num_processes > 1:
         raise ValueError("model.device_map=auto spreads one backbone over every device: capture with one process "
                          "(python scripts/capture.py ...), or drop model.device_map to give each process a copy")

@@ -26,6 +26,9 @@ class ModelConfig:
     #: null (one device per process) | auto (accelerate's big-model placement over every GPU, then CPU and
     #: disk: for a backbone larger than one device, in scripts/capture.py with one process)
     device_map: str | None = None
+    #: medusa1 with several processes: shard the frozen backbone's decoder layers over them (FSDP2), each process
+    #: holding 1/N of them; the heads stay whole on every process. Implied by accelerate's FSDP (configs/accelerate/fsdp.yaml)
+    fsdp: bool = False
 
 
 @dataclass
@@ -143,6 +146,24 @@ def check_model(m: ModelConfig) -> list[str]:
     return [f"model.{key}={value!r}: {rule}" for ok, key, value, rule in rules if not ok]
 
 
+def fsdp_problems(c: TrainConfig, fsdp: bool | None = None) -> list[str]:
+    """What ``model.fsdp`` (or accelerate's FSDP, ``fsdp=True``) cannot run with, each naming the key to change."""
+    if not (c.model.fsdp if fsdp is None else fsdp):
+        return []
+    name = "model.fsdp=true" if fsdp is None else "accelerate's FSDP"
+    rules = [(c.method == "medusa1", f"+recipe={c.method}", "Medusa-2 under FSDP (FSDP-QLoRA) is not supported yet: "
+              "launch it with data parallelism (configs/accelerate/ddp.yaml)"),
+             (c.model.quantization is None, f"model.quantization={c.model.quantization}",
+              "a quantized backbone is not sharded: drop model.quantization"),
+             (c.model.device_map is None, f"model.device_map={c.model.device_map}",
+              "FSDP places the layers itself: drop model.device_map"),
+             (not c.data.cache_hidden_states, "data.cache_hidden_states=true",
+              "training on captured states never runs the backbone, so there is nothing to shard: capture a "
+              "backbone larger than one device with one process and model.device_map=auto (scripts/capture.py), "
+              "then train without FSDP")]
+    return [f"{name} with {key}: {why}" for ok, key, why in rules if not ok]
+
+
 def check(c: TrainConfig) -> list[str]:
     """Range and consistency checks; returns every problem found."""
     p = Problems()
@@ -170,6 +191,7 @@ def check(c: TrainConfig) -> list[str]:
     p.need(not (c.data.cache_hidden_states and c.method == "medusa2" and c.stage != 1), "data.cache_hidden_states",
            True, "needs a frozen backbone: use it with +recipe=medusa1 (or medusa2 stage=1)")
     p.need(c.model.device_map in (None, "auto"), "model.device_map", c.model.device_map, "must be null or auto")
+    p += fsdp_problems(c)
     p.need(c.data.shard_tokens >= 1, "data.shard_tokens", c.data.shard_tokens, "must be >= 1")
     p.need(0.0 < c.loss.head_decay <= 1.0, "loss.head_decay", c.loss.head_decay, "must be in (0, 1]")
     p.need(c.loss.chunk_size is None or c.loss.chunk_size >= 1, "loss.chunk_size", c.loss.chunk_size,

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from medusa_train.config.train import TrainConfig, to_dict
+from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.training import checkpoint
 from medusa_train.training.losses import LossResult, head_weights, medusa_loss_backward
 from medusa_train.training.one_backward import OneBackward
@@ -71,6 +72,7 @@ class Run:
     metrics: MetricsLog
     total_steps: int
     wrapped: torch.nn.Module | None = None  #: the model as accelerate wrapped it (DDP), with several processes
+    sharded: bool = False  #: the backbone's layers are sharded over the processes (FSDP2, ``shard.py``)
     step: int = 0
     epoch: int = 0
     micro_in_epoch: int = 0
@@ -81,16 +83,17 @@ class Run:
 
 
 def start_run(cfg: TrainConfig, accelerator, model, data: TrainData, param_groups: list[dict],
-              metrics: MetricsLog) -> Run:
+              metrics: MetricsLog, sharded: bool = False) -> Run:
     """AdamW over ``param_groups``, a warm-up + cosine schedule, and the run resumed from its latest
-    checkpoint (``trainer.resume``)."""
+    checkpoint (``trainer.resume``); ``sharded``: the backbone's layers are sharded over the processes
+    (``shard.py``), so every process must run as many backbone forwards."""
     o = cfg.optim
     optimizer = torch.optim.AdamW(param_groups, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     total = cfg.trainer.max_steps or cfg.trainer.epochs * data.steps_per_epoch
     warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * total)
     parameters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     run = Run(cfg, accelerator, model, parameters, optimizer, cosine_schedule(optimizer, warmup, total, o.min_lr_ratio),
-              data, metrics, total, wrap(model, accelerator))
+              data, metrics, total, wrap(model, accelerator, sharded), sharded=sharded)
     resume = cfg.trainer.resume
     path = None if resume == "never" else (checkpoint.latest_checkpoint(run.output_dir) if resume == "auto"
                                            else Path(resume))
@@ -114,13 +117,19 @@ def start_run(cfg: TrainConfig, accelerator, model, data: TrainData, param_group
     return run
 
 
-def wrap(model, accelerator) -> torch.nn.Module | None:
-    """``OneBackward(model)`` through ``accelerator.prepare`` (DDP) when there are several processes."""
+def wrap(model, accelerator, sharded: bool = False) -> torch.nn.Module | None:
+    """``OneBackward(model)`` through ``accelerator.prepare`` (DDP) when there are several processes; with a
+    sharded backbone in a DDP of its own (the heads stay replicated)."""
     if accelerator.num_processes == 1:
         return None
+    if sharded:  # under accelerate's FSDP, prepare would shard the heads too; the sharded layers are DTensors DDP ignores
+        cuda = accelerator.device.type == "cuda"
+        return torch.nn.parallel.DistributedDataParallel(OneBackward(model),
+                                                         device_ids=[accelerator.device.index] if cuda else None)
     if not str(accelerator.distributed_type.value).startswith("MULTI_"):  # MULTI_GPU, _CPU, _XPU, ...: DDP
         raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by the training recipes yet: "
-                         "launch with data parallelism (accelerate launch --config_file configs/accelerate/ddp.yaml)")
+                         "launch with data parallelism (accelerate launch --config_file configs/accelerate/ddp.yaml), "
+                         "and for Medusa-1 shard the backbone with configs/accelerate/fsdp.yaml")
     return accelerator.prepare(OneBackward(model))
 
 
@@ -142,7 +151,7 @@ def backward_step(run: Run, step: Callable[[], R]) -> R:
     if run.wrapped is None:
         return step()
     last = (run.micro_in_epoch + 1) % run.cfg.optim.grad_accum_steps == 0
-    with contextlib.nullcontext() if last else run.accelerator.no_sync(run.wrapped):
+    with contextlib.nullcontext() if last else run.wrapped.no_sync():  # DDP's own (accelerate's expects FSDP's under FSDP)
         surrogate, result = run.wrapped(step)
         surrogate.backward()
     return result
@@ -304,11 +313,17 @@ class HeadEvalSums:
 
 
 def eval_batches(run: Run):
-    """This rank's held-out batches, on the device."""
+    """This rank's held-out batches, on the device. With a sharded backbone every rank runs as many: a rank
+    with fewer repeats a batch with every label ignored (it adds nothing to the sums)."""
     acc = run.accelerator
-    batches = list(run.data.eval_sampler)[acc.process_index::acc.num_processes]
-    for batch in DataLoader(run.data.evals, batch_sampler=batches, collate_fn=run.data.collator):
-        yield {k: v.to(acc.device) for k, v in batch.items()}
+    every = list(run.data.eval_sampler)
+    batches = every[acc.process_index::acc.num_processes]
+    padding = -(-len(every) // acc.num_processes) - len(batches) if run.sharded else 0
+    loader = DataLoader(run.data.evals, batch_sampler=batches + every[:1] * padding, collate_fn=run.data.collator)
+    for i, batch in enumerate(loader):
+        ignored = i >= len(batches)
+        yield {k: (torch.full_like(v, IGNORE_INDEX) if ignored and k == "labels" else v).to(acc.device)
+               for k, v in batch.items()}
 
 
 def top1_summary(record: dict, num_heads: int) -> str:

@@ -18,6 +18,7 @@ import torch
 from medusa_train.config.train import TrainConfig
 from medusa_train.training import loop, setup
 from medusa_train.training.losses import LossResult
+from medusa_train.training.shard import shard_backbone
 
 
 class Medusa1Recipe:
@@ -29,13 +30,16 @@ class Medusa1Recipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.accelerator = acc = setup.make_accelerator(cfg)
-        backbone, self.tokenizer = setup.load_backbone_for(cfg, acc.device)
+        sharded = setup.shards_backbone(cfg, acc)  # then loaded whole into CPU memory, its layers sharded onto the device
+        backbone, self.tokenizer = setup.load_backbone_for(cfg, torch.device("cpu") if sharded else acc.device)
         train, evals = setup.load_examples(cfg, self.tokenizer, acc)
         self.model = setup.build_heads(cfg, backbone, acc.device, train)
+        if sharded:
+            loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes).summary(acc.num_processes))
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.run = loop.start_run(cfg, acc, self.model, data, [{"params": trainable, "lr": cfg.optim.lr}],
-                                  loop.MetricsLog(Path(cfg.trainer.output_dir), acc))
+                                  loop.MetricsLog(Path(cfg.trainer.output_dir), acc), sharded)
 
     def train(self) -> dict:
         """Train to the configured steps; returns the last eval record."""

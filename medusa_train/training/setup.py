@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from medusa_train.config.train import TrainConfig, to_dict
+from medusa_train.config.train import TrainConfig, fsdp_problems, to_dict
 
 
 def say(accelerator, message: str) -> None:
@@ -34,16 +35,38 @@ def make_accelerator(cfg: TrainConfig):
     use_wandb = cfg.logger is not None
     accelerator = Accelerator(mixed_precision=mixed, log_with="wandb" if use_wandb else None,
                               project_dir=str(output_dir))
+    check_processes(accelerator)
     if cfg.model.device_map == "auto" and accelerator.num_processes > 1:
         raise ValueError("model.device_map=auto spreads one backbone over every device, which data parallelism "
                          "cannot wrap: drop it for training (each process then holds the backbone), or capture "
                          "with one process (python scripts/capture.py ... model.device_map=auto)")
+    if under_fsdp(accelerator) and (problems := fsdp_problems(cfg, fsdp=True)):
+        raise ValueError("\n".join(problems))
     output_dir.mkdir(parents=True, exist_ok=True)
     set_seed(cfg.trainer.seed)
     if use_wandb:
         accelerator.init_trackers(cfg.logger.project, config=to_dict(cfg), init_kwargs={"wandb": {
             "dir": str(output_dir), "name": cfg.logger.name, "entity": cfg.logger.entity, "tags": cfg.logger.tags}})
     return accelerator
+
+
+def check_processes(accelerator) -> None:
+    """Several launched processes must be one run: accelerate's FSDP without a GPU starts each on its own."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes == 1:
+        raise ValueError(f"{launched} processes were launched but accelerate made each a run of its own "
+                         f"({accelerator.distributed_type.value}): its FSDP runs only on GPUs. Without one, launch "
+                         "with --cpu (configs/accelerate/ddp.yaml) and model.fsdp=true to shard the backbone")
+
+
+def under_fsdp(accelerator) -> bool:
+    return accelerator.distributed_type.value == "FSDP"
+
+
+def shards_backbone(cfg: TrainConfig, accelerator) -> bool:
+    """Whether the frozen backbone's layers are sharded over the processes (``shard.py``): ``model.fsdp=true``
+    or a launch under accelerate's FSDP, with more than one process."""
+    return (cfg.model.fsdp or under_fsdp(accelerator)) and accelerator.num_processes > 1
 
 
 def load_backbone_for(cfg: TrainConfig, device: torch.device):
@@ -155,7 +178,7 @@ def capture_settings(cfg: TrainConfig, tokenizer, n_train: int, n_eval: int) -> 
     """Everything that changes the captured hidden states (the model section but its placement: quantization
     and its settings change them as much as the weights do)."""
     d, m = cfg.data, cfg.model
-    return {"model": m.name_or_path, "model_section": json.dumps({k: v for k, v in asdict(m).items() if k != "device_map"}, sort_keys=True), "source": d.source,
+    return {"model": m.name_or_path, "model_section": json.dumps({k: v for k, v in asdict(m).items() if k not in ("device_map", "fsdp")}, sort_keys=True), "source": d.source,
             "max_samples": d.max_samples, "max_length": d.max_length, "eval_size": d.eval_size, "seed": d.seed,
             "tokenizer": tokenizer.name_or_path, "n_train": n_train, "n_eval": n_eval}
 

@@ -61,14 +61,17 @@ def assert_same_run(one: Path, two: Path, files: tuple[str, ...] = ("model.safet
             torch.testing.assert_close(saved_b[name], saved_a[name], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("captured, accumulate", [(True, 1), (False, 1), (False, 2)],
-                         ids=["captured", "online", "online-accumulating"])
-def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, captured, accumulate):
+@pytest.mark.parametrize("captured, accumulate, sharded", [(True, 1, False), (False, 1, False), (False, 2, False),
+                                                            (False, 2, True)],
+                         ids=["captured", "online", "online-accumulating", "online-sharded-backbone"])
+def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, captured, accumulate, sharded):
     """``accumulate`` micro-batches per process and step (no_sync before the last) against one process
-    with twice as many."""
+    with twice as many; ``sharded``: the two processes hold half of each backbone layer (model.fsdp)."""
     model_dir, data = tiny
     common = {"trainer.max_steps": 8, "trainer.eval_every": 4, "trainer.save_every": 4, "data.batch_size": 2,
               "heads.prefix_attention": "true", "heads.next_token_input": "true", "heads.path_input": "true"}
+    if sharded:  # 3 held-out batches: rank 1 must run a padding forward, or the layers' all-gathers never meet
+        common["data.eval_size"] = 6
     if captured:
         common.update({"data.cache_hidden_states": "true", "data.cache_dir": tmp_path / "states",
                        "data.shard_tokens": 300})
@@ -78,8 +81,14 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, capt
     launch("train.py", train_overrides(model_dir, data, tmp_path / "one", **common,
                                        **{"optim.grad_accum_steps": 2 * accumulate}), 1)
     two = launch("train.py", train_overrides(model_dir, data, tmp_path / "two", **common,
-                                             **{"optim.grad_accum_steps": accumulate}), 2)
+                                             **{"optim.grad_accum_steps": accumulate, "model.fsdp": str(sharded).lower()}), 2)
     assert "heads identical on all 2 processes" in two.stdout
+    if sharded:
+        held = re.search(r"(\d+) \S+ layers, ([\d,]+) of its ([\d,]+) parameters held by each", two.stdout)
+        assert held, two.stdout[-2000:]
+        layers = sum(p.numel() for n, p in load_file(model_dir / "model.safetensors").items() if ".layers." in n)
+        whole, mine = int(held[3].replace(",", "")), int(held[2].replace(",", ""))
+        assert whole - mine == layers // 2  # each process holds half of every layer, the rest whole
     assert_same_run(tmp_path / "one", tmp_path / "two")
 
 
@@ -147,7 +156,7 @@ def test_killing_one_rank_and_rerunning_resumes_every_rank_from_the_same_step(ti
         torch.testing.assert_close(heads_b[name], heads_a[name], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
+@pytest.mark.parametrize("engine", ["DEEPSPEED", "FSDP"])  # FSDP: an unsharded model (Medusa-2) under it
 def test_engines_the_recipes_do_not_support_yet_stop_with_what_to_launch_instead(engine):
     from types import SimpleNamespace
 
@@ -158,3 +167,31 @@ def test_engines_the_recipes_do_not_support_yet_stop_with_what_to_launch_instead
     accelerator = SimpleNamespace(num_processes=2, distributed_type=DistributedType[engine])
     with pytest.raises(ValueError, match=f"{engine}.*not supported.*configs/accelerate/ddp.yaml"):
         wrap(torch.nn.Linear(2, 2), accelerator)
+
+
+def test_a_sharded_backbone_is_refused_where_it_cannot_run_naming_the_key():
+    from helpers.training import compose_config
+
+    from medusa_train.config.train import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        compose_config(["model.fsdp=true", "data.cache_hidden_states=true", "model.quantization=nf4"])
+    assert [p.split(":")[0] for p in err.value.problems] == ["model.fsdp=true with model.quantization=nf4",
+                                                             "model.fsdp=true with data.cache_hidden_states=true"]
+    with pytest.raises(ConfigError, match=r"model.fsdp=true with \+recipe=medusa2: .*FSDP-QLoRA.*ddp.yaml"):
+        compose_config(["model.fsdp=true"], recipe="medusa2")
+
+
+def test_accelerates_fsdp_without_a_gpu_is_refused_instead_of_running_each_process_alone(tiny, tmp_path):
+    """accelerate turns an FSDP config into independent single-process runs on CPU (measured: distributed_type NO
+    in both), which would write the same output folder twice over."""
+    model_dir, data = tiny
+    config = tmp_path / "fsdp.yaml"
+    config.write_text((ROOT / "configs/accelerate/fsdp.yaml").read_text().replace("use_cpu: false", "use_cpu: true"))
+    result = subprocess.run([ACCELERATE, "launch", "--config_file", str(config), "--num_processes", "2", "train.py",
+                             "+recipe=medusa1", "trainer=smoke", *train_overrides(model_dir, data, tmp_path / "run")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode != 0
+    assert "2 processes were launched but accelerate made each a run of its own" in result.stderr
+    assert "model.fsdp=true" in result.stderr and not (tmp_path / "run/metrics.jsonl").exists()

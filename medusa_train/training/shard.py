@@ -1,0 +1,68 @@
+"""The frozen backbone's decoder layers sharded over the processes (FSDP2), the heads replicated.
+
+Medusa-1's backbone never trains: every process runs its forward, none needs its gradients. With each
+decoder layer under ``torch.distributed.fsdp.fully_shard`` a process keeps 1/N of the layer's weights
+and gathers the whole layer only while it runs (it is freed again after its forward), so a backbone
+about N times larger than one device trains heads online. The embeddings, final norm and LM head
+stay whole on every process: the heads read the LM head and the embeddings outside the backbone's
+forward (a shared LM head, the next token's embedding), where a sharded weight would not be gathered.
+
+The heads are small and replicated; their gradients are averaged by DDP as without sharding
+(``OneBackward``). Why not ``accelerator.prepare`` under accelerate's FSDP: it shards the whole module
+it is given, heads included, and it runs FSDP only on GPUs (``--cpu`` with an FSDP config starts
+independent processes), so nothing on CPU could check it. ``fully_shard`` is the engine that
+accelerate's FSDP2 itself calls, and it runs on gloo as on NCCL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sharded:
+    """What ``shard_backbone`` did: layers sharded, the backbone's parameters in all and held here."""
+
+    layers: int
+    layer_class: str
+    parameters: int
+    held: int
+
+    def summary(self, world: int) -> str:
+        return (f"backbone sharded over {world} processes (FSDP2): {self.layers} {self.layer_class} layers, "
+                f"{self.held:,} of its {self.parameters:,} parameters held by each process "
+                "(embeddings, norm and LM head whole)")
+
+
+def decoder_layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of the classes the backbone names as never split across devices (its decoder layers)."""
+    names = set(getattr(backbone, "_no_split_modules", None) or [])
+    layers = [m for m in backbone.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(backbone).__name__} names no decoder layer class (_no_split_modules), so model.fsdp "
+                         "cannot tell what to shard: drop model.fsdp (each process then holds the whole backbone)")
+    return layers
+
+
+def shard_backbone(backbone: torch.nn.Module, device: torch.device, world: int) -> Sharded:
+    """Shard ``backbone``'s decoder layers over the ``world`` processes of the default process group, onto
+    ``device``; the rest of it moves there whole. Every process must then run the same backbone forwards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    layers = decoder_layers(backbone)
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in layers:  # each gathers on its own forward and frees the gathered weights after it
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    for module in backbone.modules():  # the rest, whole (tied weights stay tied: the same Parameter object)
+        for param in module.parameters(recurse=False):
+            if not isinstance(param, DTensor):
+                param.data = param.data.to(device)
+        for name, buffer in module.named_buffers(recurse=False):
+            if not isinstance(buffer, DTensor):
+                module._buffers[name] = buffer.to(device)
+    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in backbone.parameters())
+    return Sharded(len(layers), type(layers[0]).__name__, sum(p.numel() for p in backbone.parameters()), held)
