@@ -54,6 +54,7 @@ def shard_backbone(backbone: torch.nn.Module, device: torch.device, world: int) 
     from torch.distributed.tensor import DTensor
 
     layers = decoder_layers(backbone)
+    layer_class = type(layers[0]).__name__  # (fully_shard renames the class: FSDP<name>)
     mesh = init_device_mesh(device.type, (world,))
     for layer in layers:  # each gathers on its own forward and frees the gathered weights after it
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
@@ -65,4 +66,4 @@ def shard_backbone(backbone: torch.nn.Module, device: torch.device, world: int) 
             if not isinstance(buffer, DTensor):
                 module._buffers[name] = buffer.to(device)
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in backbone.parameters())
-    return Sharded(len(layers), type(layers[0]).__name__, sum(p.numel() for p in backbone.parameters()), held)
+    return Sharded(len(layers), layer_class, sum(p.numel() for p in backbone.parameters()), held)
