@@ -130,7 +130,8 @@ def wrap(model, accelerator, sharded: bool = False) -> torch.nn.Module | None:
         raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by the training recipes yet: "
                          "launch with data parallelism (accelerate launch --config_file configs/accelerate/ddp.yaml), "
                          "and for Medusa-1 shard the backbone with configs/accelerate/fsdp.yaml")
-    return accelerator.prepare(OneBackward(model))
+    # placed already (and a backbone loaded without its layers keeps them on the meta device, which .to() refuses)
+    return accelerator.prepare_model(OneBackward(model), device_placement=False)
 
 
 def cosine_schedule(optimizer, warmup: int, total: int, min_ratio: float):

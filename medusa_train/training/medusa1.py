@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from medusa_train.backbone import load_tokenizer
 from medusa_train.config.train import TrainConfig
 from medusa_train.training import loop, setup
 from medusa_train.training.losses import LossResult
@@ -31,8 +32,13 @@ class Medusa1Recipe:
         cfg = self.cfg
         self.accelerator = acc = setup.make_accelerator(cfg)
         sharded = setup.shards_backbone(cfg, acc)  # then loaded whole into CPU memory, its layers sharded onto the device
-        backbone, self.tokenizer = setup.load_backbone_for(cfg, torch.device("cpu") if sharded else acc.device)
+        self.tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
         train, evals = setup.load_examples(cfg, self.tokenizer, acc)
+        backbone = None
+        if cfg.data.cache_hidden_states and setup.captured_already(cfg, self.tokenizer, acc, train, evals):
+            backbone = setup.load_without_layers_for(cfg, acc)
+        if backbone is None:
+            backbone, _ = setup.load_backbone_for(cfg, torch.device("cpu") if sharded else acc.device)
         self.model = setup.build_heads(cfg, backbone, acc.device, train)
         if sharded:
             loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes).summary(acc.num_processes))

@@ -85,6 +85,33 @@ def load_backbone_for(cfg: TrainConfig, device: torch.device):
     return backbone, tokenizer
 
 
+def captured_already(cfg: TrainConfig, tokenizer, accelerator, train: list[dict], evals: list[dict]) -> bool:
+    """Whether both splits' hidden states are captured for these settings (training then never runs the backbone)."""
+    from accelerate.utils import broadcast_object_list
+
+    from medusa_train.data import capture
+
+    folders = capture_folders(cfg, capture_settings(cfg, tokenizer, len(train), len(evals)))
+    return broadcast_object_list([all(capture.read_index(f, key) is not None for f, key in folders.values())])[0]
+
+
+def load_without_layers_for(cfg: TrainConfig, accelerator):
+    """The backbone without its decoder layers on the device (what the heads read), or ``None`` when its
+    checkpoint does not name its tensors as the model does (then load it whole)."""
+    from medusa_train.backbone.without_layers import load_without_layers
+
+    m = cfg.model
+    backbone = load_without_layers(m.name_or_path, m.dtype, accelerator.device, m.trust_remote_code)
+    if backbone is None:
+        say(accelerator, f"model.name_or_path={m.name_or_path}: its checkpoint does not name the tensors outside its "
+                         "layers as the model does; loading it whole")
+    else:
+        held = sum(p.numel() for p in backbone.parameters() if not p.is_meta)
+        say(accelerator, f"hidden states already captured: backbone loaded without its decoder layers ({held:,} of "
+                         f"{sum(p.numel() for p in backbone.parameters()):,} parameters: embeddings, norm, LM head)")
+    return backbone
+
+
 def build_heads(cfg: TrainConfig, backbone, device: torch.device, train: list[dict]):
     """Float32 trainable heads (and prefix layer) on ``backbone``: fresh, or from ``heads.init_from``.
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa_train.backbone.without_layers import decoder_layers
+
 
 @dataclass
 class Sharded:
@@ -36,16 +38,6 @@ class Sharded:
                 "(embeddings, norm and LM head whole)")
 
 
-def decoder_layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules of the classes the backbone names as never split across devices (its decoder layers)."""
-    names = set(getattr(backbone, "_no_split_modules", None) or [])
-    layers = [m for m in backbone.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"{type(backbone).__name__} names no decoder layer class (_no_split_modules), so model.fsdp "
-                         "cannot tell what to shard: drop model.fsdp (each process then holds the whole backbone)")
-    return layers
-
-
 def shard_backbone(backbone: torch.nn.Module, device: torch.device, world: int) -> Sharded:
     """Shard ``backbone``'s decoder layers over the ``world`` processes of the default process group, onto
     ``device``; the rest of it moves there whole. Every process must then run the same backbone forwards."""
@@ -54,6 +46,9 @@ def shard_backbone(backbone: torch.nn.Module, device: torch.device, world: int) 
     from torch.distributed.tensor import DTensor
 
     layers = decoder_layers(backbone)
+    if not layers:
+        raise ValueError(f"{type(backbone).__name__} names no decoder layer class (_no_split_modules), so model.fsdp "
+                         "cannot tell what to shard: drop model.fsdp (each process then holds the whole backbone)")
     layer_class = type(layers[0]).__name__  # (fully_shard renames the class: FSDP<name>)
     mesh = init_device_mesh(device.type, (world,))
     for layer in layers:  # each gathers on its own forward and frees the gathered weights after it

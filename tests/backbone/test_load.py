@@ -87,3 +87,38 @@ def test_concurrent_first_conversions_do_not_corrupt_the_cache(tmp_path, package
     reference, _ = packaged_backbone
     for (name, a), (_, b) in zip(converted.state_dict().items(), reference.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("arch, tie, shards", [("llama", False, "1"), ("llama", True, "8KB"), ("qwen2", False, "8KB")],
+                         ids=["llama", "llama-tied-sharded-index", "qwen2-sharded-index"])
+def test_a_backbone_without_layers_holds_exactly_what_lies_outside_them(tmp_path, arch, tie, shards):
+    """What the heads read (embeddings, final norm, LM head) equals a whole load; the layers take no memory."""
+    from transformers import AutoModelForCausalLM
+
+    from medusa_train.backbone.without_layers import decoder_layers, load_without_layers
+
+    make_tiny_backbone(arch, tie=tie).save_pretrained(tmp_path, max_shard_size="8KB" if shards == "8KB" else "1GB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (shards == "8KB")
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    part = load_without_layers(tmp_path, "float32")
+    layers = decoder_layers(part)
+    assert len(layers) == 2 and all(p.is_meta for layer in layers for p in layer.parameters())
+    assert not any(p.requires_grad for p in part.parameters())
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    outside = [(n, p) for n, p in part.named_parameters(remove_duplicate=False) if id(p) not in inside]
+    assert {n for n, _ in outside} >= {"lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"}
+    for name, param in outside:
+        assert torch.equal(param, whole.get_parameter(name)), name
+    assert (part.get_output_embeddings().weight is part.get_input_embeddings().weight) == tie
+
+
+def test_a_checkpoint_naming_its_tensors_otherwise_is_loaded_whole_instead(tmp_path):
+    """transformers renames GPT-NeoX's ``embed_out`` to ``lm_head`` at load time: not guessed, refused (None)."""
+    from safetensors import safe_open
+
+    from medusa_train.backbone.without_layers import load_without_layers
+
+    make_tiny_backbone("gpt_neox").save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert "embed_out.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    assert load_without_layers(tmp_path, "float32") is None

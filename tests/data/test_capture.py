@@ -177,3 +177,24 @@ def test_training_from_the_cache_matches_training_without_it(setup, tmp_path, ta
     if reads == "prefix":  # so was the prefix attention layer (its output projections start at zero)
         assert exported.prefix.out.weight.abs().sum() > 0 and exported.prefix.down.weight.abs().sum() > 0
     assert json.loads(next((tmp_path / "hidden").glob("*-train/index.json")).read_text())["examples"] > 0
+
+
+def test_a_second_run_on_captured_states_loads_the_backbone_without_its_layers_and_trains_the_same(setup, tmp_path,
+                                                                                                    capsys):
+    """The first run captures with the whole backbone; the second finds the capture, reads only what the heads
+    use (embeddings for the path, LM head for the teacher) and must train the same heads, exactly."""
+    from safetensors.torch import load_file
+
+    _, _, _, _, model_dir, data = setup
+    common = {"trainer.max_steps": 6, "trainer.eval_every": 3, "loss.targets": "teacher",
+              "heads.next_token_input": "true", "heads.path_input": "true",
+              "data.cache_hidden_states": "true", "data.cache_dir": tmp_path / "hidden"}
+    run(compose_config(train_overrides(model_dir, data, tmp_path / "first", **common)))
+    assert "without its decoder layers" not in capsys.readouterr().out
+    run(compose_config(train_overrides(model_dir, data, tmp_path / "second", **common)))
+    assert "hidden states already captured: backbone loaded without its decoder layers" in capsys.readouterr().out
+    first, second = read_metrics(tmp_path / "first"), read_metrics(tmp_path / "second")
+    assert [{k: v for k, v in m.items() if k not in ("seconds", "tokens_per_s", "elapsed")} for m in first] == \
+        [{k: v for k, v in m.items() if k not in ("seconds", "tokens_per_s", "elapsed")} for m in second]
+    a, b = load_file(tmp_path / "first/export/model.safetensors"), load_file(tmp_path / "second/export/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -1,0 +1,94 @@
+"""A backbone without its decoder layers: only what the heads read outside its forward.
+
+Training on captured hidden states never runs the backbone, yet the heads read its embeddings (the
+next token's) and LM head (shared, or to start their own output layers from). Loading just those, a
+70B backbone costs each process 2 x 1 GB instead of 140 GB. The model is built on the meta device
+(no memory) from its config and only the tensors outside the decoder layers are read from its
+safetensors (for a hub id, only the shard files that hold them are downloaded); the layers stay
+on the meta device, so running the backbone fails loudly instead of computing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+
+def decoder_layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of the classes the backbone names as never split across devices (its decoder layers)."""
+    names = set(getattr(backbone, "_no_split_modules", None) or [])
+    return [m for m in backbone.modules() if type(m).__name__ in names]
+
+
+def load_without_layers(name_or_path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16",
+                        device: torch.device | str = "cpu", trust_remote_code: bool = False) -> PreTrainedModel | None:
+    """The backbone with its embeddings, final norm and LM head on ``device`` and its decoder layers on the meta
+    device; ``None`` when the checkpoint's tensor names do not match the model's (load it whole instead)."""
+    from safetensors import safe_open
+
+    from medusa_train.backbone.load import resolve_dtype, resolve_model_path
+
+    path, _ = resolve_model_path(name_or_path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    torch_dtype = resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    layers = decoder_layers(model)
+    if not layers:
+        return None
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    wanted = [(name, p) for name, p in model.named_parameters(remove_duplicate=False) if id(p) not in inside]
+    files = _files_holding(path, [name for name, _ in wanted])
+    if files is None:
+        return None
+    loaded: dict[int, torch.nn.Parameter] = {}  # tied weights: one tensor, several names
+    for name, param in wanted:
+        if id(param) not in loaded:
+            if name not in files:
+                continue
+            with safe_open(files[name], "pt", device="cpu") as f:
+                tensor = f.get_tensor(name)
+            loaded[id(param)] = torch.nn.Parameter(tensor.to(device=device, dtype=torch_dtype), requires_grad=False)
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = loaded[id(param)]
+    if any(p.is_meta for _, p in wanted if id(p) not in loaded):
+        return None  # a tensor outside the layers the checkpoint does not name as the model does
+    model.eval().requires_grad_(False)  # frozen, the layers on the meta device too
+    model.name_or_path = str(name_or_path)
+    return model
+
+
+def _files_holding(path: str, names: list[str]) -> dict[str, str] | None:
+    """``{tensor name: local safetensors file}`` for ``names`` (only those files fetched from the hub)."""
+    folder = Path(path)
+    index_name, single = "model.safetensors.index.json", "model.safetensors"
+
+    def local(file: str) -> str | None:
+        if folder.is_dir():
+            return str(folder / file) if (folder / file).is_file() else None
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        try:
+            return hf_hub_download(path, file)
+        except EntryNotFoundError:
+            return None
+
+    index = local(index_name)
+    if index is not None:
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+        needed = {weight_map[n] for n in names if n in weight_map}
+        paths = {file: local(file) for file in needed}
+        return {n: paths[weight_map[n]] for n in names if n in weight_map}
+    whole = local(single)
+    if whole is None:
+        return None
+    from safetensors import safe_open
+
+    with safe_open(whole, "pt", device="cpu") as f:
+        stored = set(f.keys())
+    return {n: whole for n in names if n in stored}
