@@ -46,15 +46,16 @@ def load_without_layers(name_or_path: str | os.PathLike, dtype: str | torch.dtyp
     if files is None:
         return None
     loaded: dict[int, torch.nn.Parameter] = {}  # tied weights: one tensor, several names
+    for file in set(files.values()):  # each file opened once
+        with safe_open(file, "pt", device="cpu") as f:
+            for name, param in wanted:
+                if files.get(name) == file and id(param) not in loaded:
+                    loaded[id(param)] = torch.nn.Parameter(f.get_tensor(name).to(device=device, dtype=torch_dtype),
+                                                           requires_grad=False)
     for name, param in wanted:
-        if id(param) not in loaded:
-            if name not in files:
-                continue
-            with safe_open(files[name], "pt", device="cpu") as f:
-                tensor = f.get_tensor(name)
-            loaded[id(param)] = torch.nn.Parameter(tensor.to(device=device, dtype=torch_dtype), requires_grad=False)
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._parameters[leaf] = loaded[id(param)]
+        if id(param) in loaded:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._parameters[leaf] = loaded[id(param)]
     if any(p.is_meta for _, p in wanted if id(p) not in loaded):
         return None  # a tensor outside the layers the checkpoint does not name as the model does
     model.eval().requires_grad_(False)  # frozen, the layers on the meta device too
