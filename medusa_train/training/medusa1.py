@@ -88,4 +88,4 @@ class Medusa1Recipe:
         return target
 
     def cleanup(self) -> None:
-        self.accelerator.end_training()
+        loop.finish(self.run)

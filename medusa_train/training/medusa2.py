@@ -262,4 +262,4 @@ class Medusa2Recipe:
         return target
 
     def cleanup(self) -> None:
-        self.accelerator.end_training()
+        loop.finish(self.run)
