@@ -9,7 +9,9 @@ before anything heavy loads.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +38,8 @@ def run_command(config_name: str, build: Callable[[Any], Any], run: Callable[[An
     from omegaconf import OmegaConf
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: where a hung run waits
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     for name, fn in (resolvers or {}).items():
         OmegaConf.register_new_resolver(name, fn, replace=True)
 

@@ -8,19 +8,19 @@ heads must agree to float rounding.
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
+from helpers.launch import ACCELERATE, accelerate_cmd, free_port, run_launched
 from helpers.training import make_chat_jsonl, make_model_dir, read_metrics, train_overrides
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 METRICS = ("loss", "head1/loss", "head2/loss", "head3/loss", "head1/top1", "head3/top5")
 
 
@@ -31,20 +31,11 @@ def tiny(tmp_path_factory):
 
 
 def launch(script: str, overrides: list[str], processes: int, recipe: str = "medusa1") -> subprocess.CompletedProcess:
-    cmd = ([ACCELERATE, "launch", "--cpu", "--num_processes", str(processes)] if processes > 1 else [sys.executable])
-    # A session of its own: if the run hangs, the launcher and every worker are stopped together (a timeout of
-    # subprocess.run kills only the launcher, leaving ranks that hold the CPU for the rest of the suite).
-    process = subprocess.Popen([*cmd, script, f"+recipe={recipe}", "trainer=smoke", *overrides], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        stdout, stderr = process.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{script} with {processes} process(es) did not finish in 900 s:\n{stdout[-2000:]}{stderr[-3000:]}")
-    assert process.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    args = [script, f"+recipe={recipe}", "trainer=smoke", *overrides]
+    cmd = accelerate_cmd(processes, *args) if processes > 1 else [sys.executable, *args]
+    result = run_launched(cmd, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
 
 
 def assert_same_run(one: Path, two: Path, files: tuple[str, ...] = ("model.safetensors",)) -> None:
@@ -97,10 +88,7 @@ def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(ti
     overrides = train_overrides(model_dir, data, tmp_path / "run", **{"trainer.max_steps": 4, "trainer.save_every": 2,
                                                                       "trainer.eval_every": 0})
     launch("train.py", [*overrides, "trainer.max_steps=2"], 1)  # leaves checkpoints/step-0000002
-    cmd = [ACCELERATE, "launch", "--cpu", "--num_processes", "2", "train.py", "+recipe=medusa1", "trainer=smoke",
-           *overrides]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = run_launched(accelerate_cmd(2, "train.py", "+recipe=medusa1", "trainer=smoke", *overrides), timeout=600)
     assert result.returncode != 0
     assert "was written by 1 process(es), this run has 2: resume with --num_processes 1" in result.stderr
 
@@ -120,31 +108,35 @@ def test_medusa2_jointly_with_lora_on_two_processes_equals_one(tiny, tmp_path):
 
 
 def test_killing_one_rank_and_rerunning_resumes_every_rank_from_the_same_step(tiny, tmp_path):
-    import psutil
-
     model_dir, data = tiny
     common = {"trainer.max_steps": 40, "trainer.eval_every": 0, "trainer.save_every": 4, "data.batch_size": 2,
               "trainer.log_every": 4}
-    cmd = [ACCELERATE, "launch", "--cpu", "--num_processes", "2", "train.py", "+recipe=medusa1", "trainer=smoke",
-           *train_overrides(model_dir, data, tmp_path / "killed", **common)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first = tmp_path / "killed/checkpoints/step-0000004"
-    while not first.exists() and launcher.poll() is None:
-        time.sleep(0.01)
-    ranks = [c for c in psutil.Process(launcher.pid).children(recursive=True)
-             if "train.py" in " ".join(c.cmdline()) and c.environ().get("RANK") == "1"]
-    assert len(ranks) == 1, "rank 1 was not found running after the first checkpoint"
-    ranks[0].kill()
-    try:  # torchrun normally stops the other rank within seconds; once it left rank 0 blocked in a collective
-        launcher.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        for process in psutil.Process(launcher.pid).children(recursive=True):
-            process.kill()
+    cmd = accelerate_cmd(2, "train.py", "+recipe=medusa1", "trainer=smoke",
+                         *train_overrides(model_dir, data, tmp_path / "killed", **common))
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    first, deadline, started = tmp_path / "killed/checkpoints/step-0000004", time.monotonic() + 600, []
+    try:
+        while not first.exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = psutil.Process(launcher.pid).children(recursive=True)
+        ranks = [c for c in started if "train.py" in " ".join(c.cmdline()) and c.environ().get("RANK") == "1"]
+        assert len(ranks) == 1, "rank 1 was not found running after the first checkpoint"
+        ranks[0].kill()
+        try:  # torchrun normally stops the other rank within seconds; once it left rank 0 blocked in a collective
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:  # the ranks run in sessions of their own: whatever is left goes with the launcher
+        for process in [*started, psutil.Process(launcher.pid)] if launcher.poll() is None else started:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
     assert launcher.wait(timeout=60) != 0
     saved = sorted(p.name for p in (tmp_path / "killed/checkpoints").iterdir() if p.name.startswith("step-"))
     assert saved and saved[-1] != "step-0000040"  # killed before the end
-    resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    resumed = run_launched(cmd, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     step = int(saved[-1].split("-")[1])
     # (the two ranks' lines may interleave on the shared stdout)
@@ -188,10 +180,9 @@ def test_accelerates_fsdp_without_a_gpu_is_refused_instead_of_running_each_proce
     model_dir, data = tiny
     config = tmp_path / "fsdp.yaml"
     config.write_text((ROOT / "configs/accelerate/fsdp.yaml").read_text().replace("use_cpu: false", "use_cpu: true"))
-    result = subprocess.run([ACCELERATE, "launch", "--config_file", str(config), "--num_processes", "2", "train.py",
-                             "+recipe=medusa1", "trainer=smoke", *train_overrides(model_dir, data, tmp_path / "run")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = run_launched([ACCELERATE, "launch", "--config_file", str(config), "--num_processes", "2",
+                           "--main_process_port", str(free_port()), "train.py", "+recipe=medusa1", "trainer=smoke",
+                           *train_overrides(model_dir, data, tmp_path / "run")], timeout=600)
     assert result.returncode != 0
     assert "2 processes were launched but accelerate made each a run of its own" in result.stderr
     assert "model.fsdp=true" in result.stderr and not (tmp_path / "run/metrics.jsonl").exists()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import ROOT
+from helpers.launch import accelerate_cmd, run_launched
 from helpers.training import compose_config, make_chat_jsonl, make_model_dir, read_metrics, train_overrides
 
 from medusa_train import MedusaModel
@@ -117,12 +118,10 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny_setup, 
 
 def test_two_processes_train_on_different_shards_and_write_one_export(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    cmd = [accelerate, "launch", "--cpu", "--num_processes", "2", "train.py",
-           "+recipe=medusa1", "trainer=smoke",
-           *train_overrides(model_dir, data, tmp_path, **{"trainer.max_steps": 6, "trainer.eval_every": 3})]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = run_launched(accelerate_cmd(2, "train.py", "+recipe=medusa1", "trainer=smoke",
+                                         *train_overrides(model_dir, data, tmp_path,
+                                                          **{"trainer.max_steps": 6, "trainer.eval_every": 3})),
+                          timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     shards = [line for line in result.stdout.splitlines() if "first batch of epoch 0" in line]
     assert len(shards) == 2 and shards[0].split(":", 1)[1] != shards[1].split(":", 1)[1]
