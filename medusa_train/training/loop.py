@@ -366,10 +366,11 @@ def finish(run: Run) -> None:
     """End the run: free the DDP wrapper while the process group is still registered, then let accelerate stop the
     trackers and destroy the group.
 
-    The other order deadlocks now and then (seen in about one 2-process run in ten on CPU): DDP's C++ reducer holds
-    the gloo group, and when freeing the reducer drops the group's last reference, the group's destructor joins its
-    worker threads while holding the GIL, and a worker still releasing its last collective's tensors waits for the
-    GIL (pytorch/pytorch#56297). Freed first, the reducer only lets go of a reference; the group is then destroyed
+    The other order deadlocks now and then (a 2-process gloo run hung so in CI and once in a local test run):
+    DDP's C++ reducer holds the gloo group, and when freeing the reducer drops the group's last reference, the
+    group's destructor joins its worker threads while holding the GIL, and a worker still releasing its last
+    collective's tensors waits for the GIL (pytorch/pytorch#56297). Freed first, the reducer only lets go of a
+    reference; the group is then destroyed
     through ``destroy_process_group``, which releases the GIL."""
     wrapped = weakref.ref(run.wrapped) if run.wrapped is not None else None
     run.wrapped = None
