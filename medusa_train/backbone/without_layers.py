@@ -63,6 +63,30 @@ def load_without_layers(name_or_path: str | os.PathLike, dtype: str | torch.dtyp
     return model
 
 
+def empty_backbone(name_or_path: str | os.PathLike, dtype: str | torch.dtype = "bfloat16",
+                   trust_remote_code: bool = False, attn_implementation: str | None = None,
+                   pad_token_id: int | None = None) -> PreTrainedModel:
+    """The backbone's modules without its weights: every parameter on the meta device (no memory), buffers
+    computed as a load computes them (rotary frequencies). For the processes that receive the weights from
+    process 0 instead of reading the checkpoint (``training/shard.py``)."""
+    from accelerate import init_empty_weights
+
+    from medusa_train.backbone.load import resolve_dtype, resolve_model_path
+
+    path, _ = resolve_model_path(name_or_path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code,
+                                                 **extra)
+    model.tie_weights()  # as a load ties them (from_config alone leaves tied weights apart)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = pad_token_id
+    model.eval().requires_grad_(False)
+    model.name_or_path = str(name_or_path)
+    return model
+
+
 def _files_holding(path: str, names: list[str]) -> dict[str, str] | None:
     """``{tensor name: local safetensors file}`` for ``names`` (only those files fetched from the hub)."""
     folder = Path(path)

@@ -31,17 +31,19 @@ class Medusa1Recipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.accelerator = acc = setup.make_accelerator(cfg)
-        sharded = setup.shards_backbone(cfg, acc)  # then loaded whole into CPU memory, its layers sharded onto the device
+        sharded = setup.shards_backbone(cfg, acc)  # read by process 0, its layers sharded onto every device
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
         train, evals = setup.load_examples(cfg, self.tokenizer, acc)
         backbone = None
         if cfg.data.cache_hidden_states and setup.captured_already(cfg, self.tokenizer, acc, train, evals):
             backbone = setup.load_without_layers_for(cfg, acc)
-        if backbone is None:
-            backbone, _ = setup.load_backbone_for(cfg, torch.device("cpu") if sharded else acc.device)
+        if backbone is None and sharded:  # before the heads: they start from the LM head process 0 broadcasts
+            backbone = setup.load_backbone_on_first_process(cfg, acc, self.tokenizer.pad_token_id)
+            loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes, from_rank0=True)
+                     .summary(acc.num_processes))
+        elif backbone is None:
+            backbone, _ = setup.load_backbone_for(cfg, acc.device)
         self.model = setup.build_heads(cfg, backbone, acc.device, train)
-        if sharded:
-            loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes).summary(acc.num_processes))
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.run = loop.start_run(cfg, acc, self.model, data, [{"params": trainable, "lr": cfg.optim.lr}],

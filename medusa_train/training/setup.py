@@ -85,6 +85,17 @@ def load_backbone_for(cfg: TrainConfig, device: torch.device):
     return backbone, tokenizer
 
 
+def load_backbone_on_first_process(cfg: TrainConfig, accelerator, pad_token_id: int | None):
+    """Process 0: the backbone read whole into CPU memory; the others: its modules without weights, to receive
+    them from process 0 while sharding (``shard.shard_backbone(..., from_rank0=True)``)."""
+    if accelerator.process_index == 0:
+        return load_backbone_for(cfg, torch.device("cpu"))[0]
+    from medusa_train.backbone.without_layers import empty_backbone
+
+    m = cfg.model
+    return empty_backbone(m.name_or_path, m.dtype, m.trust_remote_code, m.attn_implementation, pad_token_id)
+
+
 def captured_already(cfg: TrainConfig, tokenizer, accelerator, train: list[dict], evals: list[dict]) -> bool:
     """Whether both splits' hidden states are captured for these settings (training then never runs the backbone)."""
     from accelerate.utils import broadcast_object_list

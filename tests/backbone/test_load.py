@@ -122,3 +122,27 @@ def test_a_checkpoint_naming_its_tensors_otherwise_is_loaded_whole_instead(tmp_p
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert "embed_out.weight" in f.keys() and "lm_head.weight" not in f.keys()
     assert load_without_layers(tmp_path, "float32") is None
+
+
+@pytest.mark.parametrize("arch, tie", [("llama", True), ("qwen2", False), ("gpt_neox", False)])
+def test_an_empty_backbone_has_the_loaded_ones_modules_and_buffers_but_no_weights(tmp_path, arch, tie):
+    """What the processes that receive process 0's weights build (model.fsdp): every parameter the loaded model
+    has, by the same name, shape and dtype, on the meta device; the buffers (rotary frequencies) computed as a
+    load computes them; weights tied as the loaded model ties them."""
+    from medusa_train.backbone.without_layers import empty_backbone
+
+    make_tiny_backbone(arch, tie=tie).save_pretrained(tmp_path)
+    whole, _ = load_with_tokenizerless(load_backbone, tmp_path)  # what process 0 loads
+    empty = empty_backbone(tmp_path, "float32", pad_token_id=whole.config.pad_token_id)
+    loaded = dict(whole.named_parameters(remove_duplicate=False))
+    built = dict(empty.named_parameters(remove_duplicate=False))
+    assert built.keys() == loaded.keys()
+    for name, param in built.items():
+        assert param.is_meta and (param.shape, param.dtype) == (loaded[name].shape, loaded[name].dtype), name
+        assert not param.requires_grad
+    buffers = dict(whole.named_buffers())
+    assert dict(empty.named_buffers()).keys() == buffers.keys() and buffers
+    for name, buffer in empty.named_buffers():
+        assert not buffer.is_meta and torch.equal(buffer, buffers[name]), name
+    assert (empty.get_output_embeddings().weight is empty.get_input_embeddings().weight) == tie
+    assert type(empty) is type(whole) and not empty.training
