@@ -1,0 +1,34 @@
+"""Peak host memory of each process once a Medusa-1 run is set up (backbone loaded, sharded or not, heads built,
+data ready), without training: what a launch needs per process before its first step.
+
+    accelerate launch --cpu --num_processes 2 scripts/setup_memory.py +recipe=medusa1 model.fsdp=true ...
+
+Takes the training keys (configs/train.yaml); prints one line per process.
+"""
+
+import os
+import resource
+import sys
+
+from hydra import compose, initialize_config_dir
+
+from medusa_train.cli.launch import relaunch_cpu_processes_if_asked
+from medusa_train.config.paths import CONFIG_DIR
+from medusa_train.config.train import build_config
+from medusa_train.training import loop
+from medusa_train.training.medusa1 import Medusa1Recipe
+
+
+def main() -> None:
+    relaunch_cpu_processes_if_asked()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = build_config(compose("train", overrides=sys.argv[1:]))
+    recipe = Medusa1Recipe(cfg)
+    recipe.setup()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(f"process {os.environ.get('RANK', '0')}: peak host memory after setup {peak:,.0f} MiB", flush=True)
+    loop.finish(recipe.run)
+
+
+if __name__ == "__main__":
+    main()
