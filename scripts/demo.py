@@ -111,7 +111,8 @@ def run(cfg: DemoConfig) -> None:
         f"heads.next_token_input={str(t.next_token_input).lower()}", f"heads.path_input={str(t.path_input).lower()}",
         f"heads.prefix_attention={str(t.prefix_attention).lower()}", f"loss.head_decay={t.head_decay}",
         f"loss.targets={t.targets}", f"model.dtype={t.dtype}",
-        f"trainer.mixed_precision={'bf16' if t.dtype == 'bfloat16' else 'no'}", "trainer.save_every=100",
+        f"trainer.mixed_precision={'bf16' if t.dtype == 'bfloat16' else 'no'}",
+        "trainer.save_every=20",  # ~10 min of a CPU's joint (medusa2) steps: a killed demo resumes from there
         "trainer.eval_every=100"]
     if cfg.recipe == "medusa1":
         times["train"] = stage("2/4 train heads (medusa1)", [
