@@ -33,10 +33,8 @@ def load_without_layers(name_or_path: str | os.PathLike, dtype: str | torch.dtyp
     from medusa_train.backbone.load import resolve_dtype, resolve_model_path
 
     path, _ = resolve_model_path(name_or_path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     torch_dtype = resolve_dtype(dtype)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    model = empty_backbone(name_or_path, torch_dtype, trust_remote_code)
     layers = decoder_layers(model)
     if not layers:
         return None
@@ -58,8 +56,7 @@ def load_without_layers(name_or_path: str | os.PathLike, dtype: str | torch.dtyp
             model.get_submodule(owner)._parameters[leaf] = loaded[id(param)]
     if any(p.is_meta for _, p in wanted if id(p) not in loaded):
         return None  # a tensor outside the layers the checkpoint does not name as the model does
-    model.eval().requires_grad_(False)  # frozen, the layers on the meta device too
-    model.name_or_path = str(name_or_path)
+    place_buffers(model, dict(model.named_buffers()), device)  # (rotary frequencies); .to() refuses the meta layers
     return model
 
 
@@ -85,6 +82,14 @@ def empty_backbone(name_or_path: str | os.PathLike, dtype: str | torch.dtype = "
     model.eval().requires_grad_(False)
     model.name_or_path = str(name_or_path)
     return model
+
+
+def place_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor], device: torch.device | str) -> None:
+    """Set each of ``model``'s buffers named in ``buffers`` to that tensor on ``device``, without touching its
+    parameters (``Module.to`` would, and refuses meta ones)."""
+    for name, buffer in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
 
 
 def _files_holding(path: str, names: list[str]) -> dict[str, str] | None:

@@ -370,8 +370,7 @@ def finish(run: Run) -> None:
     DDP's C++ reducer holds the gloo group, and when freeing the reducer drops the group's last reference, the
     group's destructor joins its worker threads while holding the GIL, and a worker still releasing its last
     collective's tensors waits for the GIL (pytorch/pytorch#56297). Freed first, the reducer only lets go of a
-    reference; the group is then destroyed
-    through ``destroy_process_group``, which releases the GIL."""
+    reference; the group is then destroyed through ``destroy_process_group``, which releases the GIL."""
     wrapped = weakref.ref(run.wrapped) if run.wrapped is not None else None
     run.wrapped = None
     run.accelerator.free_memory()  # accelerate's own references to what it prepared, then a garbage collection

@@ -39,8 +39,7 @@ class Medusa1Recipe:
             backbone = setup.load_without_layers_for(cfg, acc)
         if backbone is None and sharded:  # before the heads: they start from the LM head process 0 broadcasts
             backbone = setup.load_backbone_on_first_process(cfg, acc, self.tokenizer.pad_token_id)
-            loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes, from_rank0=True)
-                     .summary(acc.num_processes))
+            loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes).summary(acc.num_processes))
         elif backbone is None:
             backbone, _ = setup.load_backbone_for(cfg, acc.device)
         self.model = setup.build_heads(cfg, backbone, acc.device, train)

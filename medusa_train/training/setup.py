@@ -87,7 +87,7 @@ def load_backbone_for(cfg: TrainConfig, device: torch.device):
 
 def load_backbone_on_first_process(cfg: TrainConfig, accelerator, pad_token_id: int | None):
     """Process 0: the backbone read whole into CPU memory; the others: its modules without weights, to receive
-    them from process 0 while sharding (``shard.shard_backbone(..., from_rank0=True)``)."""
+    them from process 0 while sharding (``shard.shard_backbone``)."""
     if accelerator.process_index == 0:
         return load_backbone_for(cfg, torch.device("cpu"))[0]
     from medusa_train.backbone.without_layers import empty_backbone

@@ -82,7 +82,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, capt
         layers = sum(p.numel() for n, p in load_file(model_dir / "model.safetensors").items() if ".layers." in n)
         whole, mine = int(held[3].replace(",", "")), int(held[2].replace(",", ""))
         assert whole - mine == layers // 2  # each process holds half of every layer, the rest whole
-        assert "read by process 0 and broadcast" in held.group(0) + two.stdout  # rank 1 built it without weights
+        assert "read by process 0 and broadcast" in two.stdout  # rank 1 built it without weights
     assert_same_run(tmp_path / "one", tmp_path / "two")
 
 
