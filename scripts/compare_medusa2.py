@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_DIR = "outputs/medusa2-compare"
 # tree.nodes=64: the heads' quality is compared at the demo's former fixed 64-node tree, not a machine-sized one
-SHARED = [f"output_dir={OUTPUT_DIR}", "distill.dtype=float32", "train.dtype=float32", "tree.nodes=64"]
+SHARED = [f"output_dir={OUTPUT_DIR}", "distill.dtype=float32", "train.dtype=float32", "eval.dtype=float32",
+          "tree.nodes=64"]
 ROWS: dict[str, list[str]] = {
     "medusa1": ["recipe=medusa1"],
     # 5 epochs of heads on the frozen 4-bit backbone, then 1 joint epoch (LoRA lr 1e-4, lambda 0.2)
@@ -47,11 +48,12 @@ def demo_paths(overrides: list[str]) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT / "scripts"))
     import demo
 
+    from medusa_train.backbone.load import native_bf16
     from medusa_train.cli.entry import COMMANDS_DIR
-    from medusa_train.config.demo import build_demo_config
+    from medusa_train.config.demo import build_demo_config, resolve_dtypes
 
     with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
-        return demo.stage_paths(build_demo_config(compose("demo", overrides)))
+        return demo.stage_paths(resolve_dtypes(build_demo_config(compose("demo", overrides)), native_bf16()))
 
 
 def row_result(name: str, overrides: list[str]) -> dict | None:

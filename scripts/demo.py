@@ -87,8 +87,8 @@ def run(cfg: DemoConfig) -> None:
         ENV["OMP_NUM_THREADS"] = str(cfg.threads)
     py = sys.executable
     d, t, tr, e = cfg.distill, cfg.train, cfg.tree, cfg.eval
-    print(f"dtypes: distill {d.dtype}, train {t.dtype}, evaluate {e.dtype} (distill.dtype/train.dtype=auto: "
-          "bfloat16 where it runs natively, float32 on CPUs without AVX512-BF16 or AMX)", flush=True)
+    print(f"dtypes: distill {d.dtype}, train {t.dtype}, evaluate {e.dtype} (auto: bfloat16 where it runs natively, "
+          "float32 on CPUs without AVX512-BF16 or AMX)", flush=True)
     paths = stage_paths(cfg)
     data, run_dir, export, tree, report = (paths[k] for k in ("data", "run", "export", "tree", "report"))
     times = {}
@@ -111,6 +111,7 @@ def run(cfg: DemoConfig) -> None:
         f"heads.next_token_input={str(t.next_token_input).lower()}", f"heads.path_input={str(t.path_input).lower()}",
         f"heads.prefix_attention={str(t.prefix_attention).lower()}", f"loss.head_decay={t.head_decay}",
         f"loss.targets={t.targets}", f"model.dtype={t.dtype}",
+        *([f"heads.vocab_size={t.vocab_size}"] if t.vocab_size else []),
         f"trainer.mixed_precision={'bf16' if t.dtype == 'bfloat16' else 'no'}",
         "trainer.save_every=20",  # ~10 min of a CPU's joint (medusa2) steps: a killed demo resumes from there
         "trainer.eval_every=100"]
@@ -231,11 +232,13 @@ def _complete(data: Path) -> bool:
 
 
 def _train_key(t) -> dict:
-    """The train section as keys see it: without ``dtype`` when it is the default bfloat16, so
-    folders trained before ``train.dtype`` existed are still found."""
+    """The train section as keys see it: without ``dtype`` when it is bfloat16 and without ``vocab_size``
+    when it is null (the whole vocabulary), so folders trained before those keys existed are still found."""
     t = asdict(t)
     if t.get("dtype") == "bfloat16":
         del t["dtype"]
+    if t.get("vocab_size") is None:
+        t.pop("vocab_size", None)
     return t
 
 

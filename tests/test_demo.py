@@ -81,6 +81,8 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
     (["recipe=medusa2", "medusa2.stage1_epochs=6"], "medusa2.stage1_epochs=6: must be in [0, train.epochs=6)"),
     (["recipe=medusa2", "medusa2.stage1_epochs=-1"], "medusa2.stage1_epochs=-1"),
     (["train.epochs=two"], "train.epochs='two': expected int"),
+    (["eval.dtype=fp16"], "eval.dtype='fp16': must be auto, bfloat16 or float32"),
+    (["train.vocab_size=0"], "train.vocab_size=0: must be >= 1 or null"),
     (["+tree.depth=3"], "tree.depth: unknown key"),
 ])
 def test_an_impossible_demo_setting_stops_before_anything_runs_and_names_the_key(overrides, named):
@@ -106,19 +108,24 @@ def test_medusa2_and_float32_runs_get_their_own_folders_and_a_default_run_keeps_
     assert demo._key(demo._train_key(cfg.train)) == demo._key(before_dtype)  # train.dtype=bfloat16: the old key
     as_float32 = replace(cfg.train, dtype="float32")
     assert demo._key(demo._train_key(as_float32)) != demo._key(before_dtype)
+    before_vocab = {k: v for k, v in asdict(as_float32).items() if k != "vocab_size"}
+    assert demo._key(demo._train_key(as_float32)) == demo._key(before_vocab)  # vocab_size=null: the old key
+    draft = demo_config("train.dtype=float32", "train.vocab_size=4096")
+    assert demo._key(demo._train_key(draft.train)) != demo._key(before_vocab)
 
 
 def test_the_default_settings_keep_the_folders_of_finished_runs():
     """Folder keys of configs/commands/demo.yaml as they were computed before the demo's config was typed
     (from OmegaConf sections): a finished run must still be found, not started again."""
-    bf16 = ("distill.dtype=bfloat16", "train.dtype=bfloat16")  # what dtype=auto resolves to where bf16 is native
+    # the dtypes before dtype=auto (float32 evaluation), as auto resolves them where bf16 is native
+    bf16 = ("distill.dtype=bfloat16", "train.dtype=bfloat16", "eval.dtype=float32")
     names = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16)).items()}
     # tree.nodes became auto (issue 21): the tree and the evaluation run afresh; data and heads are found
     assert names == {"data": "distill-400-be6e59f2.jsonl", "run": "train-a6bc37ee", "export": "export",
                      "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-4b0f202a.yaml", "report": "eval-144bfe30"}
     sixty_four = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16, "tree.nodes=64")).items()}
     assert (sixty_four["tree"], sixty_four["report"]) == ("tree-3c283f98.yaml", "eval-40187ec9")
-    bf16_timed = demo.stage_paths(demo_config(*bf16, "eval.dtype=bfloat16"))["tree"].name
+    bf16_timed = demo.stage_paths(demo_config(*bf16[:2], "eval.dtype=bfloat16"))["tree"].name
     assert bf16_timed != names["tree"]  # an auto tree is sized in the evaluation's dtype: another one, another tree
     assert demo.stage_paths(demo_config(*bf16, "recipe=medusa2"))["run"].name == "medusa2-495b46b3"
 
@@ -134,7 +141,7 @@ def test_auto_dtype_is_bfloat16_only_where_it_runs_natively_and_keys_folders_as_
         raw = compose("demo", [])
     for native, dtype in ((True, "bfloat16"), (False, "float32")):
         cfg = resolve_dtypes(parse_config(DemoConfig, raw, lambda c: []), bf16=native)
-        assert (cfg.distill.dtype, cfg.train.dtype) == (dtype, dtype)
-        explicit = demo_config(f"distill.dtype={dtype}", f"train.dtype={dtype}")
+        assert (cfg.distill.dtype, cfg.train.dtype, cfg.eval.dtype) == (dtype, dtype, dtype)
+        explicit = demo_config(f"distill.dtype={dtype}", f"train.dtype={dtype}", f"eval.dtype={dtype}")
         assert demo.stage_paths(cfg) == demo.stage_paths(explicit)
     assert demo_config("train.dtype=float32").train.dtype == "float32"  # an explicit dtype stays

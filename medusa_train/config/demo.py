@@ -40,6 +40,7 @@ class TrainStage:
     targets: str = "text"  #: text | greedy | teacher
     eval_size: int = 8  #: held-out conversations for the training-time eval
     dtype: str = "auto"  #: auto | bfloat16 | float32 (backbone weights and autocast; auto as distill.dtype)
+    vocab_size: int | None = None  #: heads score only the K most frequent training targets (heads.vocab_size)
 
 
 @dataclass
@@ -63,7 +64,7 @@ class EvalStage:
     limit: int | None = 24  #: MT-Bench questions (null = all 80)
     turns: int = 1
     max_new_tokens: int = 128
-    dtype: str = "float32"
+    dtype: str = "auto"  #: auto | bfloat16 | float32 (tree timing and decoding; auto as distill.dtype)
 
 
 @dataclass
@@ -85,8 +86,10 @@ def check_demo_config(c: DemoConfig) -> list[str]:
     p.need(c.recipe in ("medusa1", "medusa2"), "recipe", c.recipe, "must be medusa1 or medusa2")
     p.need(c.train.dtype in ("auto", "bfloat16", "float32"), "train.dtype", c.train.dtype,
            "must be auto, bfloat16 or float32")
-    p.need(c.distill.dtype in ("auto", "bfloat16", "float32"), "distill.dtype", c.distill.dtype,
-           "must be auto, bfloat16 or float32")
+    for key, value in (("distill.dtype", c.distill.dtype), ("eval.dtype", c.eval.dtype)):
+        p.need(value in ("auto", "bfloat16", "float32"), key, value, "must be auto, bfloat16 or float32")
+    p.need(c.train.vocab_size is None or c.train.vocab_size >= 1, "train.vocab_size", c.train.vocab_size,
+           "must be >= 1 or null (the whole vocabulary)")
     p.need(c.train.epochs >= 1, "train.epochs", c.train.epochs, "must be >= 1")
     p.need(c.recipe != "medusa2" or 0 <= c.medusa2.stage1_epochs < c.train.epochs, "medusa2.stage1_epochs",
            c.medusa2.stage1_epochs, f"must be in [0, train.epochs={c.train.epochs}) so that at least one epoch "
@@ -108,8 +111,8 @@ def resolve_dtypes(c: DemoConfig, bf16: bool) -> DemoConfig:
     """Replace ``auto`` dtypes by what runs fast here (``bf16``: whether bfloat16 is native, e.g.
     ``backbone.load.native_bf16()``), in place; the demo does it before folders are keyed, so an auto run
     on a bf16 machine finds the folders of a bfloat16 run."""
-    if "auto" in (c.distill.dtype, c.train.dtype):
-        fast = "bfloat16" if bf16 else "float32"
-        c.distill.dtype = fast if c.distill.dtype == "auto" else c.distill.dtype
-        c.train.dtype = fast if c.train.dtype == "auto" else c.train.dtype
+    fast = "bfloat16" if bf16 else "float32"
+    for section in (c.distill, c.train, c.eval):
+        if section.dtype == "auto":
+            section.dtype = fast
     return c
