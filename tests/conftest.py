@@ -42,3 +42,13 @@ def packaged_backbone():
     from medusa_train import load_backbone
 
     return load_backbone(PACKAGED_MODEL, dtype="float32")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: without it they are skipped (and counted), not failed."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
