@@ -102,9 +102,9 @@ def test_the_command_line_reports_every_problem_and_runs_nothing(tmp_path):
 
 
 def test_medusa2_and_float32_runs_get_their_own_folders_and_a_default_run_keeps_its_old_one():
-    cfg = demo_config("train.dtype=bfloat16")
+    cfg = demo_config("train.dtype=bfloat16", "train.vocab_size=null")
     demo_config("recipe=medusa2", "medusa2.stage1_epochs=0")  # valid: joint from the start
-    before_dtype = {k: v for k, v in asdict(cfg.train).items() if k != "dtype"}
+    before_dtype = {k: v for k, v in asdict(cfg.train).items() if k not in ("dtype", "vocab_size")}
     assert demo._key(demo._train_key(cfg.train)) == demo._key(before_dtype)  # train.dtype=bfloat16: the old key
     as_float32 = replace(cfg.train, dtype="float32")
     assert demo._key(demo._train_key(as_float32)) != demo._key(before_dtype)
@@ -118,15 +118,18 @@ def test_the_default_settings_keep_the_folders_of_finished_runs():
     """Folder keys of configs/commands/demo.yaml as they were computed before the demo's config was typed
     (from OmegaConf sections): a finished run must still be found, not started again."""
     # the dtypes before dtype=auto (float32 evaluation), as auto resolves them where bf16 is native
-    bf16 = ("distill.dtype=bfloat16", "train.dtype=bfloat16", "eval.dtype=float32")
+    bf16 = ("distill.dtype=bfloat16", "train.dtype=bfloat16", "eval.dtype=float32", "train.vocab_size=null")
     names = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16)).items()}
     # tree.nodes became auto (issue 21): the tree and the evaluation run afresh; data and heads are found
     assert names == {"data": "distill-400-be6e59f2.jsonl", "run": "train-a6bc37ee", "export": "export",
                      "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-4b0f202a.yaml", "report": "eval-144bfe30"}
     sixty_four = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16, "tree.nodes=64")).items()}
     assert (sixty_four["tree"], sixty_four["report"]) == ("tree-3c283f98.yaml", "eval-40187ec9")
-    bf16_timed = demo.stage_paths(demo_config(*bf16[:2], "eval.dtype=bfloat16"))["tree"].name
+    bf16_timed = demo.stage_paths(demo_config(*bf16[:2], "eval.dtype=bfloat16", bf16[3]))["tree"].name
     assert bf16_timed != names["tree"]  # an auto tree is sized in the evaluation's dtype: another one, another tree
+    # train.vocab_size=4096 became the default (issue 21): the same distilled data, new heads
+    draft = demo.stage_paths(demo_config(*bf16[:3]))
+    assert draft["data"].name == names["data"] and draft["run"].name not in (names["run"], "")
     assert demo.stage_paths(demo_config(*bf16, "recipe=medusa2"))["run"].name == "medusa2-495b46b3"
 
 

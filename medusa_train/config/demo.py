@@ -40,7 +40,7 @@ class TrainStage:
     targets: str = "text"  #: text | greedy | teacher
     eval_size: int = 8  #: held-out conversations for the training-time eval
     dtype: str = "auto"  #: auto | bfloat16 | float32 (backbone weights and autocast; auto as distill.dtype)
-    vocab_size: int | None = None  #: heads score only the K most frequent training targets (heads.vocab_size)
+    vocab_size: int | None = 4096  #: heads score only the K most frequent training targets (heads.vocab_size; null = all)
 
 
 @dataclass
