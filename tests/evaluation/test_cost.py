@@ -41,7 +41,8 @@ def test_a_flat_cost_curve_picks_a_bigger_tree_than_a_steep_one():
             assert r.relative_cost == pytest.approx(c.verify_ms[r.nodes] / 10.0)
 
 
-def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, capsys):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, capsys, device):
     root = tmp_path
     backbone, _ = load_backbone(str(make_model_dir(root / "model")), dtype="float32")
     heads = MedusaModel.from_backbone(backbone, num_heads=3).save_pretrained(root / "heads")
@@ -50,14 +51,14 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     out = root / "tree.yaml"
     result = run(build_build_tree_config({
         "heads": str(heads), "nodes": "auto", "max_nodes": 16, "calibration": str(source), "num_prompts": 3,
-        "max_new_tokens": 12, "exclude": None, "output": str(out), "device": "cpu", "cost_context": 32,
+        "max_new_tokens": 12, "exclude": None, "output": str(out), "device": device, "cost_context": 32,
         "cost_repeats": 2}))
     printed = capsys.readouterr().out
     data = yaml.safe_load(out.read_text())
     full = build_tree(result["rank_accuracies"], 16)
     sizes = auto_sizes(16, len(full) + 1)
     assert sorted(data["cost_curve"]["verify_ms"]) == sizes and data["dtype"] == "float32"
-    assert data["device"].startswith("cpu") and all(ms > 0 for ms in data["cost_curve"]["verify_ms"].values())
+    assert data["device"].startswith(f"{device} (") and all(ms > 0 for ms in data["cost_curve"]["verify_ms"].values())
     rate = {n: data["sizes"][str(n)]["expected_tokens_per_s"] for n in sizes}
     assert data["chosen_nodes"] == max(sizes, key=lambda n: rate[n])
     for n in sizes:
