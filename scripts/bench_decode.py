@@ -7,7 +7,9 @@ their listed, most-likely-first order) it times, at the same context length:
 
 - a plain step: the backbone over 1 new token + LM head + argmax;
 - a verify step: the heads' top-k at the last token, one backbone pass over every tree node
-  (4D tree mask), the LM head at every node, greedy acceptance and KV compaction.
+  (4D tree mask), the LM head at every node, greedy acceptance and KV compaction; and its parts
+  alone (the heads' candidates, the backbone pass, the LM head + argmax over the nodes), the rest
+  being acceptance, cache compaction, the mask and host syncs.
 
 ``relative cost`` = verify / plain is the accept length at which Medusa breaks even; the expected
 speedup is ``accept_length / relative cost``, with the accept length either given (``accept_length=``)
@@ -59,17 +61,23 @@ def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]
     return trees
 
 
+PARTS = ("verify", "candidates", "forward", "lm_head")  #: what each tree's step is timed as, whole and by part
+
+
 def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
             seed: int) -> tuple[float, float, list]:
     """Median seconds at ``context`` cached tokens: a plain step (the model's own mask path, as in
-    ``generate``), the same step given an explicit 4D mask, and each tree's verify step and the heads'
-    candidates alone within it: ``(plain, plain_explicit, [(name, tree, verify, candidates)])``."""
+    ``generate``), the same step given an explicit 4D mask, and for each tree its verify step and, alone,
+    the parts of it: the heads' candidates, the backbone's pass over the nodes, the LM head (+ argmax)
+    over the nodes: ``(plain, plain_explicit, [(name, tree, {part: seconds})])``."""
     steps = DecodeSteps(model, context, seed)
     timed = [steps.plain_step, lambda: steps.plain_step(explicit_mask=True)]
     for _, tree in trees:
-        timed += [steps.verify_step(tree), steps.candidates_step(tree)]
+        timed += [steps.verify_step(tree), steps.candidates_step(tree), steps.forward_step(tree),
+                  steps.lm_head_step(tree.num_nodes)]
     seconds = median_times(timed, repeats, warmup, steps.device)
-    return seconds[0], seconds[1], [(name, tree, seconds[2 + 2 * i], seconds[3 + 2 * i])
+    n = len(PARTS)
+    return seconds[0], seconds[1], [(name, tree, dict(zip(PARTS, seconds[2 + n * i: 2 + n * (i + 1)])))
                                     for i, (name, tree) in enumerate(trees)]
 
 
@@ -107,17 +115,21 @@ def main(**overrides) -> int:
           f"{model.config.head_vocab_size} tokens, median of {opts['repeats']}. "
           f"Plain step: {plain * 1e3:.2f} ms ({plain_explicit * 1e3:.2f} ms when given an explicit 4D mask). "
           f"Accept length: {source}.\n")
-    print("| tree | nodes | verify step (ms) | of which heads' candidates (ms) | relative cost (= break-even accept "
-          "length) | accept length | expected speedup |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| tree | nodes | verify step (ms) | heads' candidates | backbone pass | LM head + argmax | the rest "
+          "(acceptance, cache, mask, host) | relative cost (= break-even accept length) | accept length | "
+          "expected speedup |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
-    for name, tree, seconds, candidates in results:
-        relative = seconds / plain
+    for name, tree, part in results:
+        ms = {k: v * 1e3 for k, v in part.items()}
+        rest = ms["verify"] - ms["candidates"] - ms["forward"] - ms["lm_head"]
+        relative = part["verify"] / plain
         accept = float(given) if given is not None else expected_accept_length(tree.choices, accuracies)
-        print(f"| {name} | {tree.num_nodes} | {seconds * 1e3:.2f} | {candidates * 1e3:.2f} | {relative:.2f} | "
-              f"{accept:.2f} | {accept / relative:.2f}x |")
-        rows.append({"tree": name, "nodes": tree.num_nodes, "verify_ms": seconds * 1e3,
-                     "candidates_ms": candidates * 1e3, "relative_cost": relative,
+        print(f"| {name} | {tree.num_nodes} | {ms['verify']:.2f} | {ms['candidates']:.2f} | {ms['forward']:.2f} | "
+              f"{ms['lm_head']:.2f} | {rest:.2f} | {relative:.2f} | {accept:.2f} | {accept / relative:.2f}x |")
+        rows.append({"tree": name, "nodes": tree.num_nodes, "verify_ms": ms["verify"],
+                     "candidates_ms": ms["candidates"], "forward_ms": ms["forward"], "lm_head_ms": ms["lm_head"],
+                     "rest_ms": rest, "relative_cost": relative,
                      "accept_length": accept, "expected_speedup": accept / relative})
     draft = f"-vocab{opts['draft_vocab']}" if opts["draft_vocab"] else ""
     output = Path(opts["output"] or f"outputs/bench/decode-{opts['dtype']}-{opts['reads']}{draft}.json")

@@ -95,6 +95,8 @@ class DecodeSteps:
         self.dtype = self.out.hidden_states.dtype
         self.root = int(model.base_logits(self.out.hidden_states[:, -1])[0].argmax())  # the backbone's own next token
         self.heads_state = model.new_decode_state()  # what the heads keep between steps (e.g. their own cache)
+        # the heads have read every position but the last, which each step reads as its accepted one
+        self.heads_read = context - 1
         model.head_features(self.out.hidden_states[0, :-1], torch.tensor([[self.root]], device=device),
                             self.heads_state)
 
@@ -123,7 +125,7 @@ class DecodeSteps:
             result = greedy_accept(tree, tokens, logits)
             compact_cache(self.cache, context, result.path)
             self.cache.crop(-len(result.path))  # back to the same context for the next round
-            self.heads_state.rewind(context)
+            self.heads_state.rewind(self.heads_read)
 
         return step
 
@@ -134,7 +136,34 @@ class DecodeSteps:
         def step():
             tokens = candidate_tokens(self.model, tree, self.out.hidden_states[0, -1:], self.root, self.heads_state)
             tokens[-1].item()  # wait for the result, as the tree pass would
-            self.heads_state.rewind(self.context)
+            self.heads_state.rewind(self.heads_read)
+
+        return step
+
+    def forward_step(self, tree: MedusaTree) -> Callable[[], None]:
+        """Only the backbone's pass over ``tree``'s nodes with its mask (no LM head): a step's breakdown."""
+        mask, offsets = tree.attention_mask(self.dtype).to(self.device), tree.position_offsets.to(self.device)
+        tokens = torch.full((tree.num_nodes,), self.root, device=self.device)
+
+        @torch.no_grad()
+        def step():
+            if tree.num_nodes == 1:  # as verify_tree: the model's own causal mask
+                self.model(tokens[None], past_key_values=self.cache, use_cache=True)
+            else:
+                prefix = torch.zeros(tree.num_nodes, self.context, dtype=self.dtype, device=self.device)
+                self.model(tokens[None], attention_mask=torch.cat([prefix, mask], dim=1)[None, None],
+                           position_ids=(self.context + offsets)[None], past_key_values=self.cache, use_cache=True)
+            self.cache.crop(-tree.num_nodes)
+
+        return step
+
+    def lm_head_step(self, nodes: int) -> Callable[[], None]:
+        """Only the LM head over ``nodes`` hidden states and their argmax: a step's breakdown."""
+        hidden = self.out.hidden_states[0, -1:].expand(nodes, -1).contiguous()
+
+        @torch.no_grad()
+        def step():
+            self.model.base_logits(hidden).argmax(-1)[-1].item()
 
         return step
 
