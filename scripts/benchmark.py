@@ -4,6 +4,7 @@
     python scripts/benchmark.py decode   # verify-step cost vs plain decoding for several tree sizes
     python scripts/benchmark.py train    # tokens/s per epoch, cached vs uncached hidden states
     python scripts/benchmark.py vocab data=...  # what a draft vocabulary (heads.vocab_size) costs the heads
+    python scripts/benchmark.py rounding  # how often a multi-token bf16 pass picks another greedy token
 
 Extra ``key=value`` arguments are passed to the chosen benchmark.
 """
@@ -14,7 +15,8 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab"}
+BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
+              "rounding": "bench_rounding"}
 
 
 def main(argv: list[str]) -> int:
