@@ -35,6 +35,7 @@ import json
 from pathlib import Path
 
 import torch
+from bench_options import bench_options
 
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.decoding import MedusaTree
@@ -83,14 +84,10 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
 
 def main(**overrides) -> int:
     """Run the benchmark and print a Markdown table. Options: see the module docstring."""
-    unknown = sorted(set(overrides) - set(DEFAULTS))
-    if unknown:
-        print(f"unknown option(s) {unknown}; known: {sorted(DEFAULTS)}")
+    opts = bench_options(DEFAULTS, overrides)
+    if opts is None:
         return 2
-    opts = {**DEFAULTS, **overrides}
     device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if opts["threads"]:
-        torch.set_num_threads(int(opts["threads"]))
     num_heads, context = int(opts["num_heads"]), int(opts["context"])
     if opts["reads"] not in ("plain", "next_token", "path", "prefix"):
         print(f"reads={opts['reads']}: must be plain, next_token, path or prefix")

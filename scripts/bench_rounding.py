@@ -28,6 +28,7 @@ import json
 from pathlib import Path
 
 import torch
+from bench_options import bench_options
 from transformers import DynamicCache
 
 from medusa_train import load_backbone
@@ -52,13 +53,9 @@ def hidden_states(decoder, sequence: torch.Tensor, prompt_len: int, chunk: int) 
 @torch.no_grad()
 def main(**overrides) -> int:
     """Run the benchmark and print a Markdown table. Options: see the module docstring."""
-    unknown = sorted(set(overrides) - set(DEFAULTS))
-    if unknown:
-        print(f"unknown option(s) {unknown}; known: {sorted(DEFAULTS)}")
+    opts = bench_options(DEFAULTS, overrides)
+    if opts is None:
         return 2
-    opts = {**DEFAULTS, **overrides}
-    if opts["threads"]:
-        torch.set_num_threads(int(opts["threads"]))
     chunk, new_tokens = int(opts["chunk"]), int(opts["max_new_tokens"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backbone, tokenizer = load_backbone(opts["model"], dtype=opts["dtype"])

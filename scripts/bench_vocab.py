@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 
 import torch
+from bench_options import bench_options
 
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.data import build_datasets
@@ -40,13 +41,12 @@ DEFAULTS = dict(data=None, heads=None, model=None, dtype="float32", sizes="1024,
 
 
 def main(**overrides) -> int:
-    unknown = sorted(set(overrides) - set(DEFAULTS))
-    opts = {**DEFAULTS, **overrides}
-    if unknown or not opts["data"]:
-        print(f"unknown option(s) {unknown}; known: {sorted(DEFAULTS)}" if unknown else "data=<source> is required")
+    opts = bench_options(DEFAULTS, overrides)
+    if opts is None:
         return 2
-    if opts["threads"]:
-        torch.set_num_threads(int(opts["threads"]))
+    if not opts["data"]:
+        print("data=<source> is required")
+        return 2
     name = opts["model"]
     if name is None and opts["heads"]:
         name = json.loads((Path(opts["heads"]) / "config.json").read_text()).get("base_model_name_or_path")

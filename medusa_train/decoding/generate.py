@@ -186,6 +186,13 @@ def verify_tree(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: t
     Returns:
         Hidden states (num_nodes, hidden) and base logits (num_nodes, vocab) at every node.
     """
+    hidden = tree_forward(model, tokens, tree_mask, offsets, cache, past_len)
+    return hidden, model.base_logits(hidden)
+
+
+def tree_forward(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: torch.Tensor, cache: DynamicCache,
+                 past_len: int) -> torch.Tensor:
+    """The backbone's pass of ``verify_tree`` alone: (num_nodes, hidden) final hidden states, no LM head."""
     if tokens.shape[0] == 1:  # the root alone: a plain step, whose causal mask the model builds faster
         out = model(tokens[None], position_ids=(past_len + offsets)[None], past_key_values=cache, use_cache=True)
     else:
@@ -193,8 +200,7 @@ def verify_tree(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: t
         mask = torch.cat([prefix, tree_mask], dim=1)[None, None]  # (batch, 1, query, past + query)
         out = model(tokens[None], attention_mask=mask, position_ids=(past_len + offsets)[None],
                     past_key_values=cache, use_cache=True)
-    hidden = out.hidden_states[0]
-    return hidden, model.base_logits(hidden)
+    return out.hidden_states[0]
 
 
 def candidate_tokens(model, tree: MedusaTree, accepted_hidden: torch.Tensor, root_token: int,

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from medusa_train.decoding.acceptance import greedy_accept
-from medusa_train.decoding.generate import candidate_tokens, compact_cache, verify_tree
+from medusa_train.decoding.generate import candidate_tokens, compact_cache, tree_forward, verify_tree
 from medusa_train.decoding.tree import MedusaTree
 
 AUTO_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
@@ -149,12 +149,7 @@ class DecodeSteps:
 
         @torch.no_grad()
         def step():
-            if tree.num_nodes == 1:  # as verify_tree: the model's own causal mask
-                self.model(tokens[None], past_key_values=self.cache, use_cache=True)
-            else:
-                prefix = torch.zeros(tree.num_nodes, self.context, dtype=self.dtype, device=self.device)
-                self.model(tokens[None], attention_mask=torch.cat([prefix, mask], dim=1)[None, None],
-                           position_ids=(self.context + offsets)[None], past_key_values=self.cache, use_cache=True)
+            tree_forward(self.model, tokens, mask, offsets, self.cache, self.context)
             self.cache.crop(-tree.num_nodes)
 
         return step
