@@ -27,9 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_DIR = "outputs/medusa2-compare"
 # tree.nodes=64: the heads' quality is compared at the demo's former fixed 64-node tree, not a machine-sized one
-# eval.dtype and train.vocab_size: what the demo's defaults were when the rows were measured
+# eval.dtype, train.vocab_size, the distillation's size and the epochs: the demo's defaults when the rows were measured
 SHARED = [f"output_dir={OUTPUT_DIR}", "distill.dtype=float32", "train.dtype=float32", "eval.dtype=float32",
-          "train.vocab_size=null", "tree.nodes=64"]
+          "train.vocab_size=null", "tree.nodes=64", "distill.num_prompts=400", "distill.max_new_tokens=256",
+          "distill.batch_size=16", "train.epochs=6", "medusa2.stage1_epochs=5"]
 ROWS: dict[str, list[str]] = {
     "medusa1": ["recipe=medusa1"],
     # 5 epochs of heads on the frozen 4-bit backbone, then 1 joint epoch (LoRA lr 1e-4, lambda 0.2)

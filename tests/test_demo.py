@@ -78,7 +78,7 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
 @pytest.mark.parametrize("overrides, named", [
     (["recipe=medusa3"], "recipe='medusa3': must be medusa1 or medusa2"),
     (["train.dtype=float16"], "train.dtype='float16': must be auto, bfloat16 or float32"),
-    (["recipe=medusa2", "medusa2.stage1_epochs=6"], "medusa2.stage1_epochs=6: must be in [0, train.epochs=6)"),
+    (["recipe=medusa2", "train.epochs=6", "medusa2.stage1_epochs=6"], "medusa2.stage1_epochs=6: must be in [0, train.epochs=6)"),
     (["recipe=medusa2", "medusa2.stage1_epochs=-1"], "medusa2.stage1_epochs=-1"),
     (["train.epochs=two"], "train.epochs='two': expected int"),
     (["eval.dtype=fp16"], "eval.dtype='fp16': must be auto, bfloat16 or float32"),
@@ -114,21 +114,27 @@ def test_medusa2_and_float32_runs_get_their_own_folders_and_a_default_run_keeps_
     assert demo._key(demo._train_key(draft.train)) != demo._key(before_vocab)
 
 
+# the demo's data and epochs before replies were capped at 128 tokens (issue 21): its finished runs keep their folders
+OLD_DATA = ("distill.num_prompts=400", "distill.max_new_tokens=256", "distill.batch_size=16", "train.epochs=6",
+            "medusa2.stage1_epochs=5")
+
+
 def test_the_default_settings_keep_the_folders_of_finished_runs():
     """Folder keys of configs/commands/demo.yaml as they were computed before the demo's config was typed
     (from OmegaConf sections): a finished run must still be found, not started again."""
     # the dtypes before dtype=auto (float32 evaluation), as auto resolves them where bf16 is native
-    bf16 = ("distill.dtype=bfloat16", "train.dtype=bfloat16", "eval.dtype=float32", "train.vocab_size=null")
+    bf16 = ("distill.dtype=bfloat16", "train.dtype=bfloat16", "eval.dtype=float32", "train.vocab_size=null",
+            *OLD_DATA)
     names = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16)).items()}
     # tree.nodes became auto (issue 21): the tree and the evaluation run afresh; data and heads are found
     assert names == {"data": "distill-400-be6e59f2.jsonl", "run": "train-a6bc37ee", "export": "export",
                      "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-4b0f202a.yaml", "report": "eval-144bfe30"}
     sixty_four = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16, "tree.nodes=64")).items()}
     assert (sixty_four["tree"], sixty_four["report"]) == ("tree-3c283f98.yaml", "eval-40187ec9")
-    bf16_timed = demo.stage_paths(demo_config(*bf16[:2], "eval.dtype=bfloat16", bf16[3]))["tree"].name
+    bf16_timed = demo.stage_paths(demo_config(*bf16[:2], "eval.dtype=bfloat16", *bf16[3:]))["tree"].name
     assert bf16_timed != names["tree"]  # an auto tree is sized in the evaluation's dtype: another one, another tree
     # train.vocab_size=4096 became the default (issue 21): the same distilled data, new heads
-    draft = demo.stage_paths(demo_config(*bf16[:3]))
+    draft = demo.stage_paths(demo_config(*bf16[:3], *OLD_DATA))
     assert draft["data"].name == names["data"] and draft["run"].name != names["run"]
     assert demo.stage_paths(demo_config(*bf16, "recipe=medusa2"))["run"].name == "medusa2-495b46b3"
 

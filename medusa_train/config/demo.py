@@ -14,13 +14,13 @@ from medusa_train.config.check import Problems, parse_config
 
 @dataclass
 class DistillStage:
-    num_prompts: int | None = 400  #: ShareGPT conversations (MT-Bench prompts excluded; null = all)
+    num_prompts: int | None = 1200  #: ShareGPT conversations (MT-Bench prompts excluded; null = all)
     max_prompt_tokens: int = 256
     keep_truncated: bool = True  #: replies cut at max_new_tokens are still the model's own text
     trim_loops: bool = True  #: a reply stuck in a loop is kept up to where the loop began
     max_turns: int = 1
-    max_new_tokens: int = 256
-    batch_size: int = 16
+    max_new_tokens: int = 128
+    batch_size: int = 32
     dtype: str = "auto"  #: auto: bfloat16 where it runs natively (GPU, AVX512-BF16/AMX CPU), else float32
 
 
@@ -32,7 +32,7 @@ class TrainStage:
     next_token_input: bool = True
     path_input: bool = True
     prefix_attention: bool = True
-    epochs: int = 6
+    epochs: int = 4
     lr: float = 2.0e-3
     max_length: int = 512
     batch_size: int = 8
@@ -45,7 +45,7 @@ class TrainStage:
 
 @dataclass
 class Medusa2Stage:
-    stage1_epochs: int = 5  #: heads first on the frozen 4-bit backbone; 0 = joint throughout
+    stage1_epochs: int = 3  #: heads first on the frozen 4-bit backbone; 0 = joint throughout
     lr: float = 1.0e-4  #: LoRA learning rate in the joint epochs
     head_lr: float = 1.0e-3  #: heads' learning rate in the joint epochs
     head_weight: float = 0.2  #: lambda: L = KL(original || adapted) + lambda * heads' loss
