@@ -41,7 +41,8 @@ def accelerate_cmd(processes: int, *args: str) -> list[str]:
 
 def kill_tree(root: psutil.Process, dump_stacks: bool, launcher: bool) -> None:
     """SIGUSR1 to the processes that registered a stack dump (every one but an ``accelerate`` ``launcher`` root,
-    which SIGUSR1 would end before it printed anything), a moment to write, then SIGKILL to the whole tree."""
+    which SIGUSR1 would end before it printed anything), a moment to write, then SIGKILL to the whole tree; returns
+    once every process of it has ended (gone, or a zombie left for its parent to reap), 10 s at most."""
     try:
         tree = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
@@ -59,6 +60,16 @@ def kill_tree(root: psutil.Process, dump_stacks: bool, launcher: bool) -> None:
             p.kill()
         except psutil.Error:
             pass
+    # a killed process closes its pipes before it turns zombie, so the output can end while it still runs
+    deadline = time.monotonic() + 10
+    for p in tree:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.Error:  # gone
+                break
+            time.sleep(0.02)
 
 
 def run_launched(cmd: list[str], timeout: float, env: dict | None = None,
