@@ -109,10 +109,11 @@ def choose_size(model, accuracies, cfg: BuildTreeConfig) -> tuple[int, dict]:
     best, rows = choose_tree_size(curve, {n: expected_accept_length(full[:n - 1], accuracies) for n in sizes})
     print(f"cost on {curve.device}, {curve.dtype}: plain step {curve.plain_ms:.1f} ms, generate "
           f"{curve.generate_ms:.1f} ms per token")
-    print("| nodes | expected accepted length | verify step (ms) | relative cost | expected tokens/s | "
-          "expected speedup |\n|---:|---:|---:|---:|---:|---:|")
+    print("| nodes | expected accepted length | verify step timed (ms) | fitted (ms) | relative cost | "
+          "expected tokens/s | expected speedup |\n|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.nodes}{' *' if r.nodes == best else ''} | {r.expected_accept_length:.3f} | {r.verify_ms:.1f} | "
+        print(f"| {r.nodes}{' *' if r.nodes == best else ''} | {r.expected_accept_length:.3f} | "
+              f"{curve.verify_ms[r.nodes]:.1f} | {r.verify_ms:.1f} | "
               f"{r.relative_cost:.2f} | {r.expected_tokens_per_s:.1f} | {r.expected_speedup:.2f}x |")
     chosen = next(r for r in rows if r.nodes == best)
     extra = {"device": curve.device, "dtype": curve.dtype, "chosen_nodes": best,
@@ -120,7 +121,9 @@ def choose_size(model, accuracies, cfg: BuildTreeConfig) -> tuple[int, dict]:
              "expected_tokens_per_s": round(chosen.expected_tokens_per_s, 2),
              "cost_curve": {"context": curve.context, "repeats": curve.repeats, "threads": curve.threads,
                             "plain_ms": round(curve.plain_ms, 3), "generate_ms": round(curve.generate_ms, 3),
-                            "verify_ms": {int(n): round(ms, 3) for n, ms in curve.verify_ms.items()}},
+                            "verify_ms": {int(n): round(ms, 3) for n, ms in curve.verify_ms.items()},
+                            # what the choice used: the timings made non-decreasing in size (noise pooled)
+                            "verify_ms_fitted": {r.nodes: round(r.verify_ms, 3) for r in rows}},
              "sizes": {str(r.nodes): {"expected_accept_length": round(r.expected_accept_length, 4),
                                       "expected_tokens_per_s": round(r.expected_tokens_per_s, 2),
                                       "expected_speedup": round(r.expected_speedup, 4)} for r in rows}}

@@ -13,7 +13,7 @@ from medusa_train import MedusaModel, load_backbone
 from medusa_train.cli.build_tree import build_build_tree_config, run
 from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.fit_tree import build_tree, expected_accept_length
-from medusa_train.evaluation.cost import CostCurve, auto_sizes, choose_tree_size
+from medusa_train.evaluation.cost import CostCurve, auto_sizes, choose_tree_size, nondecreasing
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -60,6 +60,9 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     sizes = auto_sizes(16, len(full) + 1)
     assert sorted(data["cost_curve"]["verify_ms"]) == sizes and data["dtype"] == "float32"
     assert data["device"].startswith(f"{device} (") and all(ms > 0 for ms in data["cost_curve"]["verify_ms"].values())
+    fitted = data["cost_curve"]["verify_ms_fitted"]
+    assert fitted == pytest.approx(nondecreasing(data["cost_curve"]["verify_ms"]), abs=1e-3)  # YAML rounds to 3 places
+    assert all(fitted[a] <= fitted[b] for a, b in zip(sizes[1:], sizes[2:]))  # non-decreasing from 2 nodes
     rate = {n: data["sizes"][str(n)]["expected_tokens_per_s"] for n in sizes}
     assert data["chosen_nodes"] == max(sizes, key=lambda n: rate[n])
     for n in sizes:
@@ -102,3 +105,25 @@ def test_every_timed_step_leaves_the_decode_state_as_it_found_it():
             for (k0, v0), (k1, v1) in zip(before[0], after[0]):
                 assert torch.equal(k0, k1) and torch.equal(v0, v1)
             assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+
+
+def test_the_cost_curve_is_made_nondecreasing_from_two_nodes_by_pooling_the_runs_timed_out_of_order():
+    timed = {1: 45.0, 2: 44.0, 3: 47.0, 4: 50.0, 5: 53.0, 6: 47.0, 8: 55.0, 10: 54.0, 12: 61.0}
+    fitted = nondecreasing(timed)
+    # 1 -> 2 may truly fall (a one-row pass); 4, 5, 6 pool to their mean, then 8 and 10 to theirs
+    assert fitted == pytest.approx({1: 45.0, 2: 44.0, 3: 47.0, 4: 50.0, 5: 50.0, 6: 50.0, 8: 54.5, 10: 54.5,
+                                    12: 61.0})
+    assert nondecreasing(fitted) == pytest.approx(fitted)  # a monotone curve is left as it is
+    increasing = {n: 40.0 + n for n in (1, 2, 4, 8)}
+    assert nondecreasing(increasing) == increasing
+
+
+def test_a_size_timed_in_a_dip_is_expected_at_its_pooled_cost_not_its_dip():
+    expected = {1: 1.0, 2: 1.3, 4: 1.45, 6: 1.55, 8: 1.6}
+    dip = curve({1: 10.0, 2: 10.5, 4: 11.0, 6: 10.2, 8: 12.0})  # 6 nodes timed below 4: noise
+    best, rows = choose_tree_size(dip, expected)
+    cost = {r.nodes: r.verify_ms for r in rows}
+    assert cost[4] == cost[6] == pytest.approx(10.6)  # pooled
+    assert best == max(expected, key=lambda n: expected[n] / cost[n]) == 6
+    chosen = next(r for r in rows if r.nodes == best)
+    assert chosen.expected_speedup == pytest.approx(1.55 * 12.0 / 10.6)  # not 1.55 * 12 / 10.2
