@@ -30,7 +30,7 @@ OUTPUT_DIR = "outputs/medusa2-compare"
 # eval.dtype, train.vocab_size, the distillation's size and the epochs: the demo's defaults when the rows were measured
 SHARED = [f"output_dir={OUTPUT_DIR}", "distill.dtype=float32", "train.dtype=float32", "eval.dtype=float32",
           "train.vocab_size=null", "tree.nodes=64", "distill.num_prompts=400", "distill.max_new_tokens=256",
-          "distill.batch_size=16", "train.epochs=6", "medusa2.stage1_epochs=5"]
+          "distill.batch_size=16", "train.epochs=6", "medusa2.stage1_epochs=5", "train.targets=text"]
 ROWS: dict[str, list[str]] = {
     "medusa1": ["recipe=medusa1"],
     # 5 epochs of heads on the frozen 4-bit backbone, then 1 joint epoch (LoRA lr 1e-4, lambda 0.2)

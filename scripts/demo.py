@@ -4,7 +4,7 @@
     .venv/bin/python scripts/demo.py distill.num_prompts=2500 distill.max_new_tokens=256 distill.batch_size=16 \
         train.epochs=4 train.targets=teacher tree.nodes=128 output_dir=outputs/scale   # the README's largest run:
         # 2.25 tokens/step, ~85 min on 2 cores (float32 then: add the dtypes of docs/results.md to repeat it exactly)
-    .venv/bin/python scripts/demo.py recipe=medusa2 train.targets=teacher   # Medusa-2 on the same data and epochs
+    .venv/bin/python scripts/demo.py recipe=medusa2   # Medusa-2 on the same data, epochs and (teacher) targets
 
 Stages (each prints the command it runs, which you can run yourself):
   1. self-distill ShareGPT prompts with the backbone  -> <output_dir>/distill-<n>-<key>.jsonl

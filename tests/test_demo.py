@@ -116,7 +116,7 @@ def test_medusa2_and_float32_runs_get_their_own_folders_and_a_default_run_keeps_
 
 # the demo's data and epochs before replies were capped at 128 tokens (issue 21): its finished runs keep their folders
 OLD_DATA = ("distill.num_prompts=400", "distill.max_new_tokens=256", "distill.batch_size=16", "train.epochs=6",
-            "medusa2.stage1_epochs=5")
+            "medusa2.stage1_epochs=5", "train.targets=text")
 
 
 def test_the_default_settings_keep_the_folders_of_finished_runs():

@@ -37,7 +37,7 @@ class TrainStage:
     max_length: int = 512
     batch_size: int = 8
     head_decay: float = 0.8
-    targets: str = "text"  #: text | greedy | teacher
+    targets: str = "teacher"  #: text | greedy | teacher (the backbone's distribution; the default since issue 21)
     eval_size: int = 8  #: held-out conversations for the training-time eval
     dtype: str = "auto"  #: auto | bfloat16 | float32 (backbone weights and autocast; auto as distill.dtype)
     vocab_size: int | None = 4096  #: heads score only the K most frequent training targets (heads.vocab_size; null = all)
