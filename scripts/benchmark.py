@@ -5,6 +5,7 @@
     python scripts/benchmark.py train    # tokens/s per epoch, cached vs uncached hidden states
     python scripts/benchmark.py vocab data=...  # what a draft vocabulary (heads.vocab_size) costs the heads
     python scripts/benchmark.py rounding  # how often a multi-token bf16 pass picks another greedy token
+    python scripts/benchmark.py loop heads=... tree=...  # the real decode loop against the timed verify step
 
 Extra ``key=value`` arguments are passed to the chosen benchmark.
 """
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
-              "rounding": "bench_rounding"}
+              "rounding": "bench_rounding", "loop": "bench_loop"}
 
 
 def main(argv: list[str]) -> int:
