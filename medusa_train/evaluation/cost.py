@@ -11,8 +11,8 @@ baseline and the one the evaluation's speedup is measured against.
 with the most expected tokens per second (expected accepted length / step cost: Sequoia's objective;
 the Medusa paper picked its 64-node tree on an A100 by such a sweep). It reads the curve through
 ``nondecreasing``: a tree pass over more nodes does at least the work of one over fewer, so a bigger
-tree timed cheaper than a smaller one is timing noise, and picking that dip made the builder promise
-20% more speed than the evaluation then measured (docs/results.md, issue 21).
+tree timed cheaper than a smaller one is timing noise, and a size picked for such a dip is promised
+more speed than it has (one demo run: 19% above the measured speedup, 16% with the fit; docs/results.md).
 """
 
 from __future__ import annotations
