@@ -129,7 +129,7 @@ def main(**overrides) -> int:
               f"{row['speedup_from_timed']:.2f}x |")
     out = Path(opts["output"])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"options": {k: v for k, v in opts.items()}, "device": device, "rounds": rounds},
+    out.write_text(json.dumps({"options": opts, "device": device, "rounds": rounds},
                               indent=1))
     print(f"\nwrote {out}")
     return 0

@@ -202,17 +202,15 @@ def nondecreasing(verify_ms: dict[int, float], start: int = 2) -> dict[int, floa
 
     Sizes below ``start`` keep their timing: one node is a one-row pass, which oneDNN's bf16 kernels
     run slower than two rows, so a 2-node step can truly cost less than a 1-node one."""
-    sizes = sorted(verify_ms)
-    fitted = {n: verify_ms[n] for n in sizes if n < start}
-    blocks: list[list] = []  # [mean, count] of pooled runs, in size order
-    for n in (n for n in sizes if n >= start):
-        blocks.append([verify_ms[n], 1])
+    pooled = [n for n in sorted(verify_ms) if n >= start]
+    blocks: list[tuple[float, int]] = []  # (mean, count) of pooled runs, in size order
+    for n in pooled:
+        blocks.append((verify_ms[n], 1))
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+            blocks.append(((m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2))
     values = [mean for mean, count in blocks for _ in range(count)]
-    fitted.update(zip((n for n in sizes if n >= start), values))
-    return fitted
+    return {**{n: ms for n, ms in verify_ms.items() if n < start}, **dict(zip(pooled, values))}
 
 
 def choose_tree_size(curve: CostCurve, expected: dict[int, float]) -> tuple[int, list[SizeChoice]]:
