@@ -7,7 +7,7 @@ Each round decodes ``prompts`` MT-Bench first turns with ``generate`` and with `
 prompt, one after the other, as the evaluation does), timing the loop's phases inside it (the heads'
 candidates, the tree pass, the LM head, acceptance, cache compaction; on CUDA each phase is
 synchronised, which adds a little), then times ``DecodeSteps``' plain, ``generate`` and verify steps at
-the round's mean context (what ``build_tree nodes=auto`` times, at 256 tokens). A real step much
+the round's mean context (where ``build_tree nodes=auto`` times them too, by default). A real step much
 dearer than the timed one in the same round is the loop's own cost; rounds that differ from each other
 are the machine.
 

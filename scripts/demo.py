@@ -68,8 +68,10 @@ def stage_paths(cfg: DemoConfig) -> dict[str, Path]:
     """Where each stage of ``cfg`` writes. Folders are keyed by their settings (and those of the stages
     before them): changing one starts that stage afresh, keeping the old results."""
     out, t_key = Path(cfg.output_dir), _train_key(cfg.train)
-    # an auto-sized tree is timed in the evaluation's dtype: another dtype sizes it afresh
-    tree_key = _key(cfg.tree, cfg.eval.dtype) if cfg.tree.nodes == "auto" else _key(cfg.tree)
+    # an auto-sized tree is timed in the evaluation's dtype, at its mean context (its answers' length):
+    # another dtype or answer length sizes it afresh
+    tree_key = (_key(cfg.tree, cfg.eval.dtype, cfg.eval.max_new_tokens) if cfg.tree.nodes == "auto"
+                else _key(cfg.tree))
     # a medusa1 folder's key is what it was before medusa2 could be asked for, so finished runs are still found
     run_dir = out / (f"train-{_key(cfg.model, cfg.distill, t_key)}" if cfg.recipe == "medusa1"
                      else f"medusa2-{_key(cfg.model, cfg.distill, t_key, cfg.medusa2)}")
@@ -126,7 +128,7 @@ def run(cfg: DemoConfig) -> None:
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
         py, "scripts/build_tree.py", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
-        f"model.dtype={e.dtype}", f"output={tree}"], done=newer(tree, export / "model.safetensors"))
+        f"model.dtype={e.dtype}", f"answer_tokens={e.max_new_tokens}", f"output={tree}"], done=newer(tree, export / "model.safetensors"))
 
     times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
         py, "scripts/evaluate.py", f"heads={export}", f"tree={tree}", f"bench.limit={e.limit}",

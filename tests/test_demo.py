@@ -126,13 +126,16 @@ def test_the_default_settings_keep_the_folders_of_finished_runs():
     bf16 = ("distill.dtype=bfloat16", "train.dtype=bfloat16", "eval.dtype=float32", "train.vocab_size=null",
             *OLD_DATA)
     names = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16)).items()}
-    # tree.nodes became auto (issue 21): the tree and the evaluation run afresh; data and heads are found
+    # tree.nodes became auto (issue 21): the tree and the evaluation run afresh; data and heads are found.
+    # (An auto tree is timed at the evaluation's mean context since: tree-4b0f202a became tree-2138700f.)
     assert names == {"data": "distill-400-be6e59f2.jsonl", "run": "train-a6bc37ee", "export": "export",
-                     "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-4b0f202a.yaml", "report": "eval-144bfe30"}
+                     "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-2138700f.yaml", "report": "eval-144bfe30"}
     sixty_four = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16, "tree.nodes=64")).items()}
     assert (sixty_four["tree"], sixty_four["report"]) == ("tree-3c283f98.yaml", "eval-40187ec9")
     bf16_timed = demo.stage_paths(demo_config(*bf16[:2], "eval.dtype=bfloat16", *bf16[3:]))["tree"].name
     assert bf16_timed != names["tree"]  # an auto tree is sized in the evaluation's dtype: another one, another tree
+    longer = demo.stage_paths(demo_config(*bf16, "eval.max_new_tokens=256"))["tree"].name
+    assert longer != names["tree"]  # ... and at its answers' mean context: longer answers, another tree
     # train.vocab_size=4096 became the default (issue 21): the same distilled data, new heads
     draft = demo.stage_paths(demo_config(*bf16[:3], *OLD_DATA))
     assert draft["data"].name == names["data"] and draft["run"].name != names["run"]

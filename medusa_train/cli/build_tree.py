@@ -12,10 +12,12 @@ from pathlib import Path
 
 import torch
 
+from medusa_train.backbone.generation import encode_chat
 from medusa_train.cli.evaluate import check_heads
 from medusa_train.config.build_tree import BuildTreeConfig, check_build_tree_config
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.evaluate import default_output_dir
+from medusa_train.data.benchmarks import load_benchmark
 from medusa_train.decoding.fit_tree import build_tree, expected_accept_length
 from medusa_train.decoding.tree import MedusaTree
 from medusa_train.evaluation.calibrate import (
@@ -68,8 +70,10 @@ def run(cfg: BuildTreeConfig) -> dict:
     output = cfg.output or str(Path("outputs") / "trees" / f"{name}-n{cfg.nodes}.yaml")
     command = (f"python scripts/build_tree.py heads={cfg.heads} nodes={cfg.nodes} calibration={cfg.calibration} "
                f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "
-               f"model.dtype={cfg.model.dtype}")
-    target, extra = (choose_size(model, accuracies, cfg) if cfg.nodes == "auto" else (cfg.nodes, None))
+               f"model.dtype={cfg.model.dtype}"
+               + (f" cost_context={cfg.cost_context} answer_tokens={cfg.answer_tokens}" if cfg.nodes == "auto" else ""))
+    target, extra = (choose_size(model, accuracies, cfg, cost_context(cfg, tokenizer, prompts))
+                     if cfg.nodes == "auto" else (cfg.nodes, None))
     nodes = len(build_tree(accuracies, target)) + 1
     comments = [command, f"use: python scripts/evaluate.py heads={cfg.heads} tree={output}",
                 f"{nodes} nodes (root + paths), most likely path first, fitted to rank accuracies measured on "
@@ -95,17 +99,36 @@ def run(cfg: BuildTreeConfig) -> dict:
             "expected_accept_length": expected, **({"auto": extra} if extra else {})}
 
 
-def choose_size(model, accuracies, cfg: BuildTreeConfig) -> tuple[int, dict]:
-    """``nodes=auto``: time the fitted tree's prefixes here and pick the size with the most expected tokens/s.
+def cost_context(cfg: BuildTreeConfig, tokenizer, calibration: list[str]) -> int:
+    """Cached tokens at which ``nodes=auto`` times the steps: ``cost_context``, or with ``auto`` the mean context
+    of a decode step answering the evaluation's prompts (the ``exclude`` benchmark's first turns, else the
+    ``calibration`` prompts) with ``answer_tokens`` new tokens: their mean length + ``answer_tokens / 2``.
+
+    The ratio of the two steps' costs may move with the context (a plain step's attention grows with it, a
+    verify step's extra rows less so), so the steps are timed where the decoding will run rather than at a
+    fixed length. Measured on the demo's CPU (6-node tree, 4 interleaved rounds): verify / generate 1.21
+    on average at 129 tokens against 1.17 at 256, and 1.17 at 160 (the demo's mean) against 1.12 at 256,
+    round by round from -2% to +19% (docs/results.md)."""
+    if cfg.cost_context != "auto":
+        return cfg.cost_context
+    texts = [p.turns[0] for p in load_benchmark(cfg.exclude) if p.turns] if cfg.exclude else calibration
+    lengths = [encode_chat(tokenizer, [{"role": "user", "content": t}]).shape[1] for t in texts]
+    return round(sum(lengths) / len(lengths) + cfg.answer_tokens / 2)
+
+
+def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int) -> tuple[int, dict]:
+    """``nodes=auto``: time the fitted tree's prefixes here (at ``context`` cached tokens) and pick the size
+    with the most expected tokens/s.
 
     Returns the size and what the tree YAML records about the choice (device, dtype, cost curve, every
     size's expected figures)."""
     full = build_tree(accuracies, cfg.max_nodes)
     sizes = auto_sizes(cfg.max_nodes, len(full) + 1)
     trees = {n: MedusaTree(full[:n - 1]) for n in sizes}  # most likely first: every prefix is a tree
+    where = ", the mean context answering the evaluation's prompts" if cfg.cost_context == "auto" else ""
     print(f"nodes=auto: timing a plain step, generate and a verify step at {len(sizes)} tree sizes "
-          f"({cfg.cost_context} cached tokens, {cfg.cost_repeats} rounds)", flush=True)
-    curve = measure_cost_curve(model, trees, cfg.cost_context, cfg.cost_repeats)
+          f"({context} cached tokens{where}, {cfg.cost_repeats} rounds)", flush=True)
+    curve = measure_cost_curve(model, trees, context, cfg.cost_repeats)
     best, rows = choose_tree_size(curve, {n: expected_accept_length(full[:n - 1], accuracies) for n in sizes})
     print(f"cost on {curve.device}, {curve.dtype}: plain step {curve.plain_ms:.1f} ms, generate "
           f"{curve.generate_ms:.1f} ms per token")

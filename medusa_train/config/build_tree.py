@@ -19,7 +19,11 @@ class BuildTreeConfig:
     #: from a cost curve measured here, on this device and dtype (medusa_train/evaluation/cost.py)
     nodes: int | str = 64
     max_nodes: int = 128  #: with nodes=auto, the largest size considered
-    cost_context: int = 256  #: with nodes=auto, cached tokens at which steps are timed
+    #: with nodes=auto, cached tokens at which steps are timed; auto: a decode step's mean context when answering
+    #: the evaluation's prompts (the ``exclude`` benchmark's first turns, else the calibration prompts, through the
+    #: chat template) with ``answer_tokens`` new tokens: their mean length + answer_tokens / 2
+    cost_context: int | str = "auto"
+    answer_tokens: int = 128  #: with cost_context=auto, the answers' length (the evaluation's generation.max_new_tokens)
     cost_repeats: int = 10  #: with nodes=auto, timed rounds per size (the median counts)
     calibration: str = "packaged:sharegpt-v3"  #: packaged:sharegpt-v3 or a .jsonl of prompts (not MT-Bench)
     num_prompts: int = 16  #: calibration prompts (their first user turn)
@@ -42,7 +46,9 @@ def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
     p.need(c.nodes == "auto" or (isinstance(c.nodes, int) and c.nodes >= 1), "nodes", c.nodes,
            "must be >= 1 (the root) or auto")
     p.need(c.max_nodes >= 1, "max_nodes", c.max_nodes, "must be >= 1")
-    p.need(c.cost_context >= 1, "cost_context", c.cost_context, "must be >= 1")
+    p.need(c.cost_context == "auto" or (isinstance(c.cost_context, int) and c.cost_context >= 1), "cost_context",
+           c.cost_context, "must be >= 1 or auto")
+    p.need(c.answer_tokens >= 0, "answer_tokens", c.answer_tokens, "must be >= 0")
     p.need(c.cost_repeats >= 1, "cost_repeats", c.cost_repeats, "must be >= 1")
     p.need(c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1")
     p.need(c.max_new_tokens >= 4, "max_new_tokens", c.max_new_tokens, "must be >= 4")

@@ -10,7 +10,9 @@ import yaml
 from helpers.training import make_model_dir
 
 from medusa_train import MedusaModel, load_backbone
-from medusa_train.cli.build_tree import build_build_tree_config, run
+from medusa_train.backbone.load import load_tokenizer
+from medusa_train.cli.build_tree import build_build_tree_config, cost_context, run
+from medusa_train.config.build_tree import BuildTreeConfig
 from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.fit_tree import build_tree, expected_accept_length
 from medusa_train.evaluation.cost import CostCurve, auto_sizes, choose_tree_size, nondecreasing
@@ -18,6 +20,11 @@ from medusa_train.evaluation.cost import CostCurve, auto_sizes, choose_tree_size
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 ACCURACIES = [[0.6, 0.1, 0.05], [0.4, 0.08, 0.04], [0.3, 0.05, 0.02], [0.2, 0.04, 0.01]]
+
+
+def prompt_tokens(tokenizer, text: str) -> int:
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(chat, add_special_tokens=False).input_ids)
 
 
 def curve(verify_ms: dict[int, float]) -> CostCurve:
@@ -52,10 +59,15 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     out = root / "tree.yaml"
     result = run(build_build_tree_config({
         "heads": str(heads), "nodes": "auto", "max_nodes": 16, "calibration": str(source), "num_prompts": 3,
-        "max_new_tokens": 12, "exclude": None, "output": str(out), "device": device, "cost_context": 32,
-        "cost_repeats": 2}))
+        "max_new_tokens": 12, "exclude": None, "output": str(out), "device": device, "cost_context": "auto",
+        "answer_tokens": 10, "cost_repeats": 2}))
     printed = capsys.readouterr().out
     data = yaml.safe_load(out.read_text())
+    # timed at the mean context of answering the prompts (no benchmark to exclude: the calibration ones)
+    tokenizer = load_tokenizer(str(root / "model"))
+    lengths = [prompt_tokens(tokenizer, p)
+               for p in ["Hello there!", "def add(a, b):", "One two"]]
+    assert data["cost_curve"]["context"] == round(sum(lengths) / 3 + 5)
     full = build_tree(result["rank_accuracies"], 16)
     sizes = auto_sizes(16, len(full) + 1)
     assert sorted(data["cost_curve"]["verify_ms"]) == sizes and data["dtype"] == "float32"
@@ -73,6 +85,20 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     assert sorted(tree.choices) == sorted(tuple(c) for c in full[:data["chosen_nodes"] - 1])
     assert f"chosen size: {data['chosen_nodes']} nodes" in printed
     assert "| nodes | expected accepted length |" in printed
+
+
+def test_the_cost_context_is_the_evaluations_mean_context(tmp_path):
+    """auto: the evaluation benchmark's first turns through the chat template, plus half the answers' length."""
+    tokenizer = load_tokenizer(str(make_model_dir(tmp_path / "model")))
+    bench = tmp_path / "bench.jsonl"
+    turns = [["Write a poem about the sea.", "Now shorter."], ["What is 2 + 2?"], ["Name three rivers in Europe."]]
+    bench.write_text("".join(json.dumps({"turns": t}) + "\n" for t in turns))
+    lengths = [prompt_tokens(tokenizer, t[0])
+               for t in turns]
+    assert len(set(lengths)) > 1  # a mean of different lengths, not one prompt's
+    cfg = BuildTreeConfig(exclude=str(bench), answer_tokens=64)
+    assert cost_context(cfg, tokenizer, ["a calibration prompt"]) == round(sum(lengths) / 3 + 32)
+    assert cost_context(BuildTreeConfig(exclude=str(bench), cost_context=100), tokenizer, []) == 100
 
 
 def test_every_timed_step_leaves_the_decode_state_as_it_found_it():
