@@ -128,7 +128,8 @@ def run(cfg: DemoConfig) -> None:
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
         py, "scripts/build_tree.py", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
-        f"model.dtype={e.dtype}", f"answer_tokens={e.max_new_tokens}", f"output={tree}"], done=newer(tree, export / "model.safetensors"))
+        f"model.dtype={e.dtype}", f"answer_tokens={e.max_new_tokens}", f"output={tree}"],
+        done=newer(tree, export / "model.safetensors"))
 
     times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
         py, "scripts/evaluate.py", f"heads={export}", f"tree={tree}", f"bench.limit={e.limit}",

@@ -111,7 +111,8 @@ def cost_context(cfg: BuildTreeConfig, tokenizer, calibration: list[str]) -> int
     round by round from -2% to +19% (docs/results.md)."""
     if cfg.cost_context != "auto":
         return cfg.cost_context
-    texts = [p.turns[0] for p in load_benchmark(cfg.exclude) if p.turns] if cfg.exclude else calibration
+    benchmark = [p.turns[0] for p in load_benchmark(cfg.exclude) if p.turns] if cfg.exclude else []
+    texts = benchmark or calibration  # run() has stopped already if there are no calibration prompts
     lengths = [encode_chat(tokenizer, [{"role": "user", "content": t}]).shape[1] for t in texts]
     return round(sum(lengths) / len(lengths) + cfg.answer_tokens / 2)
 

@@ -65,8 +65,7 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     data = yaml.safe_load(out.read_text())
     # timed at the mean context of answering the prompts (no benchmark to exclude: the calibration ones)
     tokenizer = load_tokenizer(str(root / "model"))
-    lengths = [prompt_tokens(tokenizer, p)
-               for p in ["Hello there!", "def add(a, b):", "One two"]]
+    lengths = [prompt_tokens(tokenizer, p) for p in ["Hello there!", "def add(a, b):", "One two"]]
     assert data["cost_curve"]["context"] == round(sum(lengths) / 3 + 5)
     full = build_tree(result["rank_accuracies"], 16)
     sizes = auto_sizes(16, len(full) + 1)
@@ -93,12 +92,16 @@ def test_the_cost_context_is_the_evaluations_mean_context(tmp_path):
     bench = tmp_path / "bench.jsonl"
     turns = [["Write a poem about the sea.", "Now shorter."], ["What is 2 + 2?"], ["Name three rivers in Europe."]]
     bench.write_text("".join(json.dumps({"turns": t}) + "\n" for t in turns))
-    lengths = [prompt_tokens(tokenizer, t[0])
-               for t in turns]
+    lengths = [prompt_tokens(tokenizer, t[0]) for t in turns]
     assert len(set(lengths)) > 1  # a mean of different lengths, not one prompt's
     cfg = BuildTreeConfig(exclude=str(bench), answer_tokens=64)
     assert cost_context(cfg, tokenizer, ["a calibration prompt"]) == round(sum(lengths) / 3 + 32)
     assert cost_context(BuildTreeConfig(exclude=str(bench), cost_context=100), tokenizer, []) == 100
+    empty = tmp_path / "empty.jsonl"  # a benchmark with no prompts: the calibration prompts stand in
+    empty.write_text("")
+    calibration = ["Hello there!", "One two three four five"]
+    expected = round(sum(prompt_tokens(tokenizer, p) for p in calibration) / 2 + 32)
+    assert cost_context(BuildTreeConfig(exclude=str(empty), answer_tokens=64), tokenizer, calibration) == expected
 
 
 def test_every_timed_step_leaves_the_decode_state_as_it_found_it():
