@@ -4,7 +4,11 @@ Read from the engines' code (FACTS.md): vLLM's V1 engine proposes a top-1 chain 
 (``num_speculative_tokens`` <= heads, no tree); TGI speculates chains the same way; TensorRT-LLM
 verifies a static tree passed as ``medusa_choices`` (plain heads). Heads that read the next token,
 their path or through prefix attention load only in our own decoder (``native``); heads with a draft
-vocabulary (``token_map``) load in vLLM and ours, not in the original Medusa layout TGI and TensorRT-LLM read.
+vocabulary (``token_map``) load in ours only as they are: the original Medusa layout TGI and TensorRT-LLM
+read has no token map, and vLLM 0.32 refuses one at load (tested against the engine). Draft heads that
+share the LM head are exported to vLLM with the whole LM head, so they guess from every token there:
+the ``vllm`` row decodes with exactly that export. Draft heads with their own output layers have no
+vLLM form. The row's ``served`` entry (``evaluation.served``) is what a running vLLM measured.
 
 Greedy output is the backbone's whatever the tree, so an engine's accepted length is what our
 decoder accepts with that engine's tree: a K-long rank-0 chain for ``vllm`` and ``tgi``, the
@@ -31,6 +35,24 @@ def native_only_reason(config) -> str | None:
     return ("the heads " + " and ".join(features) + ": only the native layout holds that") if features else None
 
 
+def vllm_form(model):
+    """The heads as the ``vllm`` export serves them: ``model`` itself, or, with a draft vocabulary shared
+    through the LM head, the export written and read back (whole LM head, no token map)."""
+    if not model.config.draft_vocab_size:
+        return model
+    import tempfile
+
+    from medusa_train.model.export import export_heads
+    from medusa_train.model.medusa import MedusaModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        export_heads(model, tmp, "vllm")
+        served = MedusaModel.from_pretrained(tmp, backbone=model.backbone)
+    for part in served.medusa_modules():
+        part.to(model.lm_head.weight.dtype)
+    return served.eval()
+
+
 @torch.no_grad()
 def chain_accepted_length(model, inputs: Sequence[torch.Tensor], max_new_tokens: int, eos: list[int]) -> float:
     """Tokens per verify step of a ``num_heads``-long rank-0 chain over ``inputs`` (greedy)."""
@@ -48,8 +70,9 @@ def engine_rows(model, inputs: Sequence[torch.Tensor], tree: MedusaTree, native_
     native_only = native_only_reason(model.config)
     no_token_map = model.config.token_map_problem()  # TGI and TensorRT-LLM read the original Medusa layout
     medusa_v1 = native_only or (f"the heads {no_token_map}" if no_token_map else None)
-    reasons = {"vllm": native_only, "tgi": medusa_v1, "trtllm": medusa_v1, "native": None}
-    chain = None if native_only else chain_accepted_length(model, inputs, max_new_tokens, eos)
+    vllm = native_only or (f"the heads {model.config.vllm_problem()}" if model.config.vllm_problem() else None)
+    reasons = {"vllm": vllm, "tgi": medusa_v1, "trtllm": medusa_v1, "native": None}
+    chain = None if vllm else chain_accepted_length(vllm_form(model), inputs, max_new_tokens, eos)
     values = {"vllm": chain, "tgi": chain, "trtllm": native_accepted_length, "native": native_accepted_length}
     return {name: {"mean_accepted_length": None if reasons[name] else values[name], "verifies": ENGINES[name],
                    "reason": reasons[name]} for name in ENGINES}

@@ -88,6 +88,19 @@ class MedusaConfig:
                     "(heads.vocab_size), which only the native and vllm layouts hold")
         return None
 
+    def vllm_problem(self) -> str | None:
+        """Why vLLM (0.32) cannot serve these heads faithfully, or ``None`` when it can.
+
+        vLLM registers a ``token_map`` as a parameter but never reports it loaded, so no export with one
+        starts. Heads sharing the LM head are written with the whole LM head instead (they then guess
+        from the whole vocabulary); heads with their own draft-sized output layers have no such form:
+        vLLM's LM heads have no bias to keep the other tokens out."""
+        if self.draft_vocab_size and not self.share_lm_head:
+            return (f"score a draft vocabulary of {self.draft_vocab_size} tokens with their own output layers "
+                    "(heads.vocab_size, heads.share_lm_head=false): vLLM 0.32 refuses any token_map at load and "
+                    "its LM heads have no bias to mask the other tokens, so it has no faithful form of them")
+        return None
+
     def to_dict(self) -> dict:
         return {"format": "medusa_train", **asdict(self)}
 

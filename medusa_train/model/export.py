@@ -67,8 +67,8 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
         directory: Target folder; replaced whole if it exists.
         format: ``native``, ``medusa_v1`` or ``vllm``.
         lm_head_weight: The backbone's LM head, required when ``config.share_lm_head`` and
-            ``format`` is not native: ``medusa_v1`` gets a copy per head, ``vllm`` one copy (of the
-            draft vocabulary's rows, when the heads have one).
+            ``format`` is not native: ``medusa_v1`` gets a copy per head, ``vllm`` one copy (the whole
+            LM head, also for heads with a draft vocabulary: vLLM 0.32 loads no ``token_map``).
         lm_head_pt: See ``export_heads``.
         max_paths: See ``export_heads``.
         topk: See ``export_heads``.
@@ -76,7 +76,8 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
     Raises:
         ValueError: an unknown format or bad option, tensors that do not match ``config``, a
             shared LM head that is missing, ``next_token_input`` / ``prefix_attention`` heads for a
-            layout other than native, or a draft vocabulary for ``medusa_v1``.
+            layout other than native, a draft vocabulary for ``medusa_v1``, or a draft vocabulary
+            with the heads' own output layers for ``vllm`` (``MedusaConfig.vllm_problem``).
     """
     _check_options(format, lm_head_pt, max_paths, topk)
     for key, what in config.native_only_features().items():
@@ -87,6 +88,9 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
     if format == "medusa_v1" and config.token_map_problem():
         raise ValueError(f"format=medusa_v1: these heads {config.token_map_problem()}; export format=vllm or "
                          "native, or train with heads.vocab_size=null for heads TensorRT-LLM and TGI can load")
+    if format == "vllm" and config.vllm_problem():
+        raise ValueError(f"format=vllm: these heads {config.vllm_problem()}; export format=native, or train with "
+                         "heads.share_lm_head=true (or heads.vocab_size=null) for heads vLLM can load")
     if config.share_lm_head and format != "native" and lm_head_weight is None:
         raise ValueError(f"format={format} stores the heads' shared LM head: pass lm_head_weight")
     check_tensors(tensors, native_shapes(config), "the heads to export")
@@ -95,8 +99,9 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
     dtype = _dtype_of(tensors, config)
     if lm_head_weight is not None:
         lm_head_weight = lm_head_weight.detach().cpu().to(dtype)
-        if config.draft_vocab_size and lm_head_weight.shape[0] == config.vocab_size:
-            lm_head_weight = lm_head_weight[tensors[TOKEN_MAP_KEY]]
+        if tuple(lm_head_weight.shape) != (config.vocab_size, config.hidden_size):
+            raise ValueError(f"lm_head_weight has shape {tuple(lm_head_weight.shape)}: pass the backbone's whole LM "
+                             f"head ({config.vocab_size}, {config.hidden_size})")
     if format == "native":
         files = {WEIGHTS_NAME: tensors}
         meta = {**config.to_dict(), "dtype": str(dtype).removeprefix("torch.")}
@@ -147,14 +152,16 @@ def _medusa_v1(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None
 
 def _vllm(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None, max_paths: int, topk: int,
           dtype: torch.dtype):
-    names = {**layout_names(config.num_heads, config.num_layers, "vllm"), TOKEN_MAP_KEY: TOKEN_MAP_KEY}
-    state = {names[k]: t for k, t in tensors.items()}
+    # No token_map: vLLM 0.32 refuses one at load. Heads sharing the LM head get the whole of it (they then
+    # guess from every token, not only the draft vocabulary's); write_heads refuses the other draft heads.
+    names = layout_names(config.num_heads, config.num_layers, "vllm")
+    state = {names[k]: t for k, t in tensors.items() if k != TOKEN_MAP_KEY}
     if config.share_lm_head:
         state[SHARED_LM_HEAD_KEY] = lm_head
     meta = {"model_type": "medusa", "architectures": ["MedusaModel"],
             "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
             "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
-            "max_paths": max_paths, "topk": topk, "truncated_vocab_size": config.head_vocab_size,
+            "max_paths": max_paths, "topk": topk, "truncated_vocab_size": config.vocab_size,
             "medusa_fc_bias": True, "original_lm_head": config.share_lm_head,
             "base_model_name_or_path": config.base_model_name_or_path,
             "torch_dtype": str(dtype).removeprefix("torch.")}

@@ -24,7 +24,10 @@ guessed from a model name:
     or one ``lm_head.weight`` for every head when ``original_lm_head`` is true. ResBlocks
     without bias (``medusa_fc_bias`` false, vLLM's default) read as a zero bias. A draft
     vocabulary is ``truncated_vocab_size`` (K) < ``vocab_size`` with a ``token_map`` (K,) tensor;
-    the output layers then have K rows (vLLM also slices full-size ones; this reader wants K).
+    the output layers then have K rows (vLLM also slices full-size ones; this reader wants K). The
+    writer never emits one: vLLM 0.32 refuses every folder with a ``token_map`` at load (it makes it
+    a parameter and never reports it loaded), so heads with a draft vocabulary that share the LM head
+    are written with the whole LM head, and those with their own output layers are refused.
 
 Every reader is strict: a missing tensor, an unexpected one or a wrong shape is an error that
 names the tensor in the layout's own key scheme. Writers live in ``export.py``.

@@ -169,10 +169,9 @@ def test_targets_are_indices_in_the_draft_vocabulary(tiny_llama, kind):
 
 # ------------------------------------------------------------------------------------ layouts
 @pytest.mark.parametrize("share_lm_head", [False, True])
-@pytest.mark.parametrize("layout", ["native", "vllm"])
-def test_native_and_vllm_hold_the_map_and_load_back_identical(tmp_path, tiny_llama, layout, share_lm_head):
+def test_native_holds_the_map_and_loads_back_identical(tmp_path, tiny_llama, share_lm_head):
     model = _heads(tiny_llama, share_lm_head)
-    export_heads(model, tmp_path, layout)
+    export_heads(model, tmp_path, "native")
     loaded = MedusaModel.from_pretrained(tmp_path, backbone=tiny_llama)
     assert loaded.config.draft_vocab_size == len(TOKEN_MAP)
     assert torch.equal(loaded.token_map, TOKEN_MAP)
@@ -181,19 +180,31 @@ def test_native_and_vllm_hold_the_map_and_load_back_identical(tmp_path, tiny_lla
         assert torch.equal(loaded.head_logits(hidden, k), model.head_logits(hidden, k))
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(tensors["token_map"], TOKEN_MAP) and tensors["token_map"].dtype == torch.int64
-    if layout == "vllm":  # what vLLM's Medusa loader reads: truncated_vocab_size < vocab_size and token_map
-        config = json.loads((tmp_path / "config.json").read_text())
-        assert (config["truncated_vocab_size"], config["vocab_size"]) == (len(TOKEN_MAP), VOCAB)
-        head = tensors["lm_head.weight" if share_lm_head else "lm_heads.0.weight"]
-        assert head.shape == (len(TOKEN_MAP), HIDDEN)
-        if share_lm_head:
-            assert torch.equal(head, tiny_llama.lm_head.weight[TOKEN_MAP])
-        # a vLLM config that names a draft vocabulary without its token_map is refused, naming it
-        del tensors["token_map"]
-        from safetensors.torch import save_file
-        save_file(tensors, str(tmp_path / "model.safetensors"))
-        with pytest.raises(ValueError, match="missing tensors: token_map"):
-            MedusaModel.from_pretrained(tmp_path, backbone=tiny_llama)
+
+
+def test_vllm_gets_shared_draft_heads_with_the_whole_lm_head_and_no_token_map(tmp_path, tiny_llama):
+    """vLLM 0.32 refuses every token_map at load (tests/engine shows it loads this form): the export keeps
+    the ResBlocks bit-exact and the whole LM head, so the heads there score every token."""
+    model = _heads(tiny_llama, share_lm_head=True)
+    export_heads(model, tmp_path, "vllm")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "token_map" not in tensors
+    assert (config["truncated_vocab_size"], config["vocab_size"], config["original_lm_head"]) == (VOCAB, VOCAB, True)
+    assert torch.equal(tensors["lm_head.weight"], tiny_llama.lm_head.weight)
+    loaded = MedusaModel.from_pretrained(tmp_path, backbone=tiny_llama)
+    assert loaded.config.draft_vocab_size is None and loaded.config.share_lm_head
+    full = _full_twin(model)  # the draft heads' blocks with every LM head row
+    hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(2))
+    for k in range(4):
+        assert torch.equal(loaded.head_logits(hidden, k), full.head_logits(hidden, k))
+        torch.testing.assert_close(loaded.head_logits(hidden, k)[..., TOKEN_MAP], model.head_logits(hidden, k))
+
+
+def test_vllm_refuses_draft_heads_with_their_own_output_layers_saying_why(tmp_path, tiny_llama):
+    with pytest.raises(ValueError, match=r"format=vllm: .*own output layers.*refuses any token_map.*no bias"):
+        export_heads(_heads(tiny_llama, share_lm_head=False), tmp_path / "x", "vllm")
+    assert not (tmp_path / "x").exists()
 
 
 def test_medusa_v1_refuses_a_draft_vocabulary_naming_the_key(tmp_path, tiny_llama):
@@ -206,6 +217,9 @@ def test_engine_rows_say_why_tgi_and_trtllm_cannot_load_a_draft_vocabulary(tiny_
     rows = engine_rows(model, [torch.tensor([[5, 6, 7]])], MedusaTree.from_name("default", num_heads=4), 1.5,
                        max_new_tokens=8, eos=[1])
     assert rows["vllm"]["mean_accepted_length"] is not None and rows["vllm"]["reason"] is None
+    own = engine_rows(_heads(tiny_llama, False), [torch.tensor([[5, 6, 7]])], MedusaTree.chain(4), 1.5,
+                      max_new_tokens=8, eos=[1])
+    assert own["vllm"]["mean_accepted_length"] is None and "no faithful form" in own["vllm"]["reason"]
     assert rows["native"]["mean_accepted_length"] == 1.5
     for engine in ("tgi", "trtllm"):
         assert rows[engine]["mean_accepted_length"] is None and "token_map" in rows[engine]["reason"]
