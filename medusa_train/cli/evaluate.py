@@ -2,6 +2,7 @@
 
     python scripts/evaluate.py heads=outputs/medusa1/export                    # MT-Bench, 80 x 2 turns
     python scripts/evaluate.py heads=outputs/medusa1/export bench.limit=5 generation.max_new_tokens=64
+    python scripts/evaluate.py heads=outputs/medusa1/export engine=vllm bench.limit=24 bench.turns=1   # + served
 
 Options: ``configs/commands/evaluate.yaml`` (schema: ``medusa_train.config.evaluate.EvalConfig``).
 """
@@ -54,11 +55,15 @@ def check_heads(heads: str | None, p: Problems) -> tuple[int | None, str | None]
 def check_eval_inputs(c: EvalConfig) -> list[str]:
     """The checks that need the heads folder, the tree, the benchmark file or this machine."""
     from medusa_train.backbone.load import DTYPES
+    from medusa_train.config.engine import check_served
     from medusa_train.data.benchmarks import BENCH_PICKS, BENCHMARK_PACKAGES
     from medusa_train.decoding import ACCEPTANCE_METHODS
 
     p = Problems()
     num_heads, base = check_heads(c.heads, p)
+    if c.engine:
+        p.extend(check_served(c.served, num_heads))
+        p.need(c.model.form == "merged", "model.form", c.model.form, "engine=vllm serves a merged backbone")
     if num_heads is not None:
         p.need(bool(base or c.model.name_or_path), "model.name_or_path", None,
                "the heads' config.json names no base model; set model.name_or_path")
@@ -115,9 +120,10 @@ def run(cfg: EvalConfig) -> dict:
         d = extra["drift"]
         print(f"backbone drift from {d['original']}: mean KL {d['mean_kl']:.4f} per token, greedy agreement "
               f"{d['greedy_agreement']:.1%} over {d['num_tokens']} tokens of {d['prompts']} prompts", flush=True)
+    served = served_runner(cfg, model, output_dir) if cfg.engine == "vllm" else None
     report = evaluate(model, tokenizer, prompts, cfg.tree, turns=cfg.bench.turns, generation=cfg.generation,
                       warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress, settings=settings,
-                      extra=extra)
+                      extra=extra, served=served)
     tps = report["tokens_per_s"]
     print(f"report: {report['files']['json']}")
     print(f"prompts: {len(prompts)} x up to {cfg.bench.turns} turns = {report['totals']['count']} generations; "
@@ -130,9 +136,46 @@ def run(cfg: EvalConfig) -> dict:
         for m in report["mismatch_details"]:
             print(f"  id {m['id']} turn {m['turn']}: first difference at token {m['position']}, "
                   f"base top-2 logit gap {m['top2_gap']:.3g}")
+    print_served(report)
     print(f"mean accepted length: {report['mean_accepted_length']:.2f}")
     print(f"speedup: {report['speedup']:.2f}x")
     return report
+
+
+def served_runner(cfg: EvalConfig, model, output_dir: str):
+    """``served(conversations)`` for ``evaluate``: the heads as a vllm export (the folder itself when it is one),
+    served on the backbone's folder (``packaged:`` names resolved) in the evaluation's dtype."""
+    import json
+
+    from medusa_train.backbone.generation import eos_token_ids
+    from medusa_train.backbone.load import resolve_model_path
+    from medusa_train.evaluation.served import serve_and_measure
+    from medusa_train.model.export import export_heads
+    from medusa_train.model.layouts import detect_format
+
+    heads = Path(cfg.heads).expanduser()
+    _, base = heads_metadata(heads)
+    base_model = resolve_model_path(cfg.model.name_or_path or base)[0]
+    eos = eos_token_ids(model.backbone)
+
+    def served(conversations):  # called only for heads vLLM can serve (the report's vllm row has no reason)
+        export = heads if detect_format(json.loads((heads / "config.json").read_text())) == "vllm" \
+            else export_heads(model, Path(output_dir) / "vllm-export", "vllm")
+        return serve_and_measure(base_model, export, model.config.num_heads, conversations, dtype=cfg.model.dtype,
+                                 max_tokens=cfg.generation.max_new_tokens, eos=eos, served=cfg.served,
+                                 server=cfg.server, log_dir=output_dir, seed=cfg.generation.seed,
+                                 progress=cfg.progress)
+    return served
+
+
+def print_served(report: dict) -> None:
+    """The served lines of the summary (nothing when no engine was run)."""
+    from medusa_train.evaluation.report import served_cell
+
+    for name, row in (report.get("engines") or {}).items():
+        if row.get("served"):
+            simulated = f" (simulated {row['mean_accepted_length']:.3f})" if name == "vllm" else ""
+            print(f"served {name}{simulated}: {served_cell(row['served'])}")
 
 
 def main() -> None:

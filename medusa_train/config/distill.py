@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from medusa_train.config.check import Problems, parse_config
+from medusa_train.config.engine import ServerConfig, check_server
 from medusa_train.config.train import ModelConfig, check_model
 
 # Settings that change what a record contains: resuming an output made with others is refused.
+# The engine too: another engine's numerics give other greedy replies, so a resume never mixes them.
 RECORD_SETTINGS = ("model.name_or_path", "model.dtype", "model.quantization", "source", "max_turns",
-                   "max_prompt_tokens", "seed", "exclude_benchmark", "generation", "filters")
+                   "max_prompt_tokens", "seed", "exclude_benchmark", "generation", "filters", "engine")
 
 
 @dataclass
@@ -51,6 +53,12 @@ class DistillConfig:
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     filters: FilterConfig = field(default_factory=FilterConfig)
     progress: bool = True  #: tqdm bar with tokens/s
+    #: null: generate in-process (Hugging Face, batch_size at a time) | vllm: start a vLLM server on model.name_or_path
+    #: for the run | openai: the OpenAI-compatible server(s) at url (data parallelism over several)
+    engine: str | None = None
+    url: str | list[str] | None = None  #: engine=openai: http://host:port, or a list of them
+    concurrency: int = 64  #: engine=vllm|openai: conversations in flight at once, over all servers
+    server: ServerConfig = field(default_factory=ServerConfig)  #: engine=vllm: how the server is started
 
 
 def build_distill_config(raw: Any) -> DistillConfig:
@@ -68,6 +76,13 @@ def check_distill_config(c: DistillConfig) -> list[str]:
     p.need(c.batch_size >= 1, "batch_size", c.batch_size, "must be >= 1")
     p.need(c.sort_window >= 1, "sort_window", c.sort_window, "must be >= 1")
     p.need(c.output is None or bool(c.output), "output", c.output, "must be a path or null")
+    p.need(c.engine in (None, "vllm", "openai"), "engine", c.engine, "must be null (in-process), vllm or openai")
+    p.need(c.engine != "openai" or bool(c.url), "url", c.url, "engine=openai needs url=http://host:port (or a list)")
+    p.need(c.engine == "openai" or not c.url, "url", c.url, "only engine=openai reads url")
+    p.need(c.concurrency >= 1, "concurrency", c.concurrency, "must be >= 1")
+    p.need(not c.engine or c.model.quantization is None, "model.quantization", c.model.quantization,
+           "the server loads the model itself; quantize it there (server.args) and leave this null")
+    p.extend(check_server(c.server))
     g, f = c.generation, c.filters
     p.need(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
     p.need(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0 (0 = greedy)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from medusa_train.config.check import Problems
+from medusa_train.config.engine import ServedConfig, ServerConfig, check_server
 
 
 @dataclass
@@ -66,6 +67,9 @@ class EvalConfig:
     threads: int | None = None  #: torch CPU threads (null = torch's default)
     warmup: bool = True  #: one untimed generation of each method first
     progress: bool = True  #: tqdm bar over prompts
+    engine: str | None = None  #: null | vllm: also serve the prompts in vLLM (with the vllm export, without, n-gram)
+    server: ServerConfig = field(default_factory=ServerConfig)  #: how that engine is started
+    served: ServedConfig = field(default_factory=ServedConfig)  #: what is measured in it
 
 
 def default_output_dir(heads: str | None) -> str:
@@ -94,6 +98,10 @@ def check_eval_config(c: EvalConfig) -> list[str]:
     p.need(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0")
     p.need(0 < g.top_p <= 1, "generation.top_p", g.top_p, "must be in (0, 1]")
     p.need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null")
+    p.need(c.engine in (None, "vllm"), "engine", c.engine, "must be null or vllm")
+    p.need(c.engine is None or c.generation.temperature == 0, "engine", c.engine,
+           "the served comparison runs greedy (generation.temperature=0); its sampled pass is served.sampled_temperature")
+    p.extend(check_server(c.server))
     p.need(c.device is None or re.fullmatch(r"cpu|cuda(:\d+)?|mps", c.device) is not None, "device", c.device,
            "must be cpu, cuda, cuda:N, mps or null")
     return p

@@ -37,13 +37,15 @@ _RUNNING: set[VllmServer] = set()
 def find_engine_python(python: str | None = None) -> str:
     """The Python that has vLLM: ``python``, ``$MEDUSA_TRAIN_VLLM_PYTHON``, or ``.venv-vllm`` (``make setup``)
     in the working directory or the checkout this package runs from."""
-    candidates = [python, os.environ.get(ENGINE_PYTHON_ENV), Path.cwd() / ".venv-vllm/bin/python",
+    if python:
+        if not Path(python).expanduser().is_file():
+            raise EngineError(f"server.python={python}: no such file")
+        return str(Path(python).expanduser())
+    candidates = [os.environ.get(ENGINE_PYTHON_ENV), Path.cwd() / ".venv-vllm/bin/python",
                   Path(__file__).resolve().parents[2] / ".venv-vllm/bin/python"]
     for candidate in candidates:
         if candidate and Path(candidate).expanduser().is_file():
             return str(Path(candidate).expanduser())
-    if python:
-        raise EngineError(f"server.python={python}: no such file")
     raise EngineError("no Python with vLLM found: run `make setup` (it creates .venv-vllm), set "
                       f"server.python=<a python with vllm> (or ${ENGINE_PYTHON_ENV}), or attach to a running "
                       "server with url=http://host:port")

@@ -185,7 +185,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
              tree: MedusaTree | str = "default", *, turns: int = 2, limit: int | None = None,
              generation: DecodeConfig | None = None, warmup: bool = True, output_dir: str | os.PathLike | None = None,
              progress: bool = True, settings: dict | None = None, extra: dict | None = None,
-             **generation_kwargs) -> dict:
+             served=None, **generation_kwargs) -> dict:
     """Run a benchmark with Medusa and plain decoding and return the report.
 
     Args:
@@ -201,6 +201,9 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         progress: Show a tqdm bar over prompts with the running accepted length.
         settings: Extra entries for the report's ``settings`` (the model, the heads, ...).
         extra: Extra top-level entries of the report (``drift``, ...), written with it.
+        served: ``served(conversations) -> serve_and_measure's result`` (``evaluation.served``): the same
+            conversations through a running engine (greedy only); its figures join ``engines.vllm``
+            as ``served``, and the engine's n-gram speculation becomes the ``vllm-ngram`` row.
 
     Returns:
         The report dict (keys described in ``summarise``).
@@ -227,6 +230,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
 
     records: list[dict] = []
     inputs: list[torch.Tensor] = []
+    conversations: list[list[dict]] = []  # what each input was encoded from (for a served engine)
     tokens = steps = 0
     bar = tqdm(prompts, desc="evaluate", unit="prompt", disable=not progress)
     for prompt in bar:
@@ -235,6 +239,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
             messages.append({"role": "user", "content": text})
             record, plain, input_ids = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad)
             inputs.append(input_ids)
+            conversations.append(list(messages))
             records.append({"id": prompt.id, "category": prompt.category, "turn": turn, **record})
             messages.append({"role": "assistant", "content": tokenizer.decode(plain, skip_special_tokens=True)})
             tokens, steps = tokens + record["new_tokens"], steps + record["steps"]
@@ -244,6 +249,8 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     report = summarise(records, model.config.num_heads)
     if gen.temperature == 0:  # what each serving engine would accept on the same prompts
         report["engines"] = engine_rows(model, inputs, tree, report["mean_accepted_length"], gen.max_new_tokens, eos)
+        if served is not None and report["engines"]["vllm"]["reason"] is None:
+            _add_served(report["engines"], served(conversations), model, inputs)
     report["settings"] = {
         **(settings or {}), "tree": tree_spec, "tree_nodes": tree.num_nodes, "tree_depth": tree.depth,
         "tree_choices": [list(c) for c in tree.listed_choices], "turns": turns, **asdict(gen),
@@ -261,6 +268,25 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
 
         report["files"] = {k: str(v) for k, v in write_report(report, output_dir).items()}
     return report
+
+
+def _add_served(engines: dict, raw: dict, model, inputs: list[torch.Tensor]) -> None:
+    """Put a served engine's figures beside the simulated ones (see ``evaluation.served``)."""
+    from medusa_train.evaluation.served import summarise_served
+
+    def classify(i, plain, speculated, position):
+        detail = mismatch_detail(model, inputs[i], plain, speculated, position)
+        return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "medusa_token")}
+
+    engines["vllm"]["served"] = summarise_served(raw, "medusa", classify)
+    engines["vllm"]["served"]["settings"] = raw["settings"]
+    counted = raw["servers"]["medusa"]["greedy"]["prompt_tokens"]  # the engine's chat template vs ours
+    engines["vllm"]["served"]["prompts_tokenised_alike"] = sum(n == ids.shape[1] for n, ids in zip(counted, inputs))
+    if "ngram" in raw["servers"]:
+        row = summarise_served(raw, "ngram", classify)
+        engines["vllm-ngram"] = {"mean_accepted_length": row["mean_acceptance_length"],
+                                 "verifies": "vLLM's n-gram prompt lookup, no heads (served)", "reason": None,
+                                 "served": row}
 
 
 def _totals(records: list[dict]) -> dict:

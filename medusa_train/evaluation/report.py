@@ -74,11 +74,11 @@ def render_markdown(report: dict) -> str:
                      f"{'n/a' if c['mismatches'] is None else c['mismatches']} |")
     if report.get("engines"):
         lines += ["", "## What your server will see", "",
-                  "| engine | verifies | mean accepted length |", "|---|---|---|"]
+                  "| engine | verifies | mean accepted length | served by the engine |", "|---|---|---|---|"]
         for name, row in report["engines"].items():
-            value = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] is not None \
+            value = f"{row['mean_accepted_length']:.3f}" if row["mean_accepted_length"] is not None \
                 else f"n/a: {row['reason']}"
-            lines.append(f"| {name} | {row['verifies']} | {value} |")
+            lines.append(f"| {name} | {row['verifies']} | {value} | {served_cell(row.get('served'))} |")
     if report.get("drift"):
         d = report["drift"]
         lines += ["", "## Backbone drift", "",
@@ -98,6 +98,29 @@ def render_markdown(report: dict) -> str:
                          f"{m['top2_gap']:.3g} | {m.get('tolerance', float('nan')):.3g} | {m.get('kind', '?')} |")
     lines += ["", f"Speedup: {s.get('speedup', '')}.", ""]
     return "\n".join(lines)
+
+
+def served_cell(served: dict | None) -> str:
+    """One engine row's served figures: acceptance length, per position, tokens/s and speedup, outputs."""
+    if not served:
+        return ""
+    parts = []
+    if served.get("mean_acceptance_length") is not None:
+        positions = "/".join(f"{a:.3f}" for a in served["per_position_acceptance"])
+        parts.append(f"acceptance length {served['mean_acceptance_length']:.3f} (per position {positions})")
+    tps = served["tokens_per_s"]
+    if "speedup" in served:
+        parts.append(f"{tps['speculative']:.1f} vs {tps['plain']:.1f} tokens/s without speculation = "
+                     f"{served['speedup']:.2f}x")
+    for phase in served.get("phases", {}).values():
+        if "speedup" in phase:
+            what = f"T={phase['temperature']}" if phase["temperature"] else f"concurrency {phase['concurrency']}"
+            parts.append(f"{what}: {phase['speedup']:.2f}x")
+    if served.get("outputs"):
+        o = served["outputs"]
+        parts.append(f"greedy outputs identical {o['identical']}/{o['compared']} "
+                     f"({o['at_rounding']} at rounding, {o['unexplained']} unexplained)")
+    return "; ".join(parts)
 
 
 def mismatch_summary(report: dict) -> str:

@@ -55,6 +55,8 @@ class DistillStats:
     run_cpu_seconds: float  # CPU time of all threads: on a shared machine, seconds / cpu_seconds shows contention
     threads: int  # torch threads
     record_settings: dict
+    engine: str | None = None  # null: in-process | vllm | openai (see DistillConfig.engine)
+    engine_startup_seconds: float | None = None  # a server this run started: seconds until /health (not in run_seconds)
 
     @property
     def tokens_per_s(self) -> float:
@@ -72,7 +74,10 @@ class DistillStats:
                 f"excluded {sum(self.excluded.values()):,} of {self.considered:,} read{reasons(self.excluded)}, "
                 f"{self.benchmark_prompts_excluded:,} benchmark prompts; "
                 f"this run: {self.run_conversations:,} conversations, {self.run_new_tokens:,} tokens "
-                f"in {self.run_seconds:.1f} s ({self.tokens_per_s:.1f} tokens/s)")
+                f"in {self.run_seconds:.1f} s ({self.tokens_per_s:.1f} tokens/s)"
+                + (f" through {self.engine}" if self.engine else "")
+                + (f", after {self.engine_startup_seconds:.0f} s of server start-up" if self.engine_startup_seconds
+                   else ""))
 
 
 def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> DistillStats:
@@ -102,9 +107,16 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
         skipped_file.recover()
         if records_file.lines or skipped_file.lines:
             check_same_settings(stats_path, cfg)
-        if model is None:
-            model, tokenizer = _load(cfg)
-        limit = getattr(model.config, "max_position_embeddings", None)
+        if cfg.engine and model is not None:
+            raise ValueError(f"engine={cfg.engine}: the server generates; pass no model (only the tokenizer loads)")
+        if cfg.engine:
+            from medusa_train.data.distill.served import tokenizer_only
+
+            tokenizer, eos_ids, limit, model_path = tokenizer_only(cfg)
+        else:
+            if model is None:
+                model, tokenizer = _load(cfg)
+            limit, eos_ids = getattr(model.config, "max_position_embeddings", None), eos_token_ids(model, tokenizer)
         if limit and cfg.max_prompt_tokens + cfg.generation.max_new_tokens > limit:
             raise ConfigError([f"max_prompt_tokens + generation.max_new_tokens = "
                                f"{cfg.max_prompt_tokens + cfg.generation.max_new_tokens}: the model reads at most "
@@ -117,18 +129,25 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
         done = {r["id"] for r in records_file.lines} | {r["id"] for r in skipped_file.lines}
         write_json(stats_path, {"complete": False, "record_settings": record_settings(cfg)})
 
-        eos_ids = eos_token_ids(model, tokenizer)
         if not eos_ids:
             raise ValueError("neither the model's generation config nor the tokenizer names an eos token")
-        batches = plan_batches(selection.prompts, done, cfg.batch_size, cfg.sort_window)
+        todo = [p for p in selection.prompts if p.id not in done]
+        if cfg.engine:
+            from medusa_train.data.distill.served import distill_served, engine_clients
+
+            clients = stack.enter_context(engine_clients(cfg, model_path)) if todo else []
+            server = getattr(clients[0], "server", None) if clients else None
+            startup = server.startup_seconds if server is not None else None
+            outcomes = ([o] for o in distill_served(clients, tokenizer, todo, cfg, eos_ids))
+        else:
+            startup = None
+            outcomes = _in_process(model, tokenizer, plan_batches(selection.prompts, done, cfg.batch_size,
+                                                                   cfg.sort_window), cfg, eos_ids)
         run_tokens, run_conversations = 0, 0
         started, cpu_started = time.perf_counter(), time.process_time()
-        bar = tqdm(total=sum(map(len, batches)), desc="distill", unit="conv", disable=not cfg.progress,
-                   dynamic_ncols=True)
-        for number, batch in enumerate(batches):
-            if cfg.generation.temperature > 0:
-                torch.manual_seed(cfg.seed * 1_000_003 + number)
-            for outcome in distill_batch(model, tokenizer, batch, cfg, eos_ids):
+        bar = tqdm(total=len(todo), desc="distill", unit="conv", disable=not cfg.progress, dynamic_ncols=True)
+        for batch in outcomes:
+            for outcome in batch:
                 line = outcome.line()
                 (records_file if "messages" in line else skipped_file).append(line)
                 run_tokens += outcome.generated
@@ -139,8 +158,17 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
         bar.close()
         stats = _stats(cfg, selection, records_file, skipped_file, resumed, run_conversations, run_tokens,
                        time.perf_counter() - started, time.process_time() - cpu_started)
+        stats.engine, stats.engine_startup_seconds = cfg.engine, startup and round(startup, 1)
         write_json(stats_path, stats.to_dict())
         return stats
+
+
+def _in_process(model, tokenizer, batches, cfg: DistillConfig, eos_ids: list[int]):
+    """The embedded default: ``batch_size`` conversations at a time, left-padded, in this process."""
+    for number, batch in enumerate(batches):
+        if cfg.generation.temperature > 0:
+            torch.manual_seed(cfg.seed * 1_000_003 + number)
+        yield distill_batch(model, tokenizer, batch, cfg, eos_ids)
 
 
 def _load(cfg: DistillConfig):

@@ -27,8 +27,12 @@ class Outcome:
         return {"id": self.id, "messages": self.messages, "new_tokens": self.new_tokens, "stopped": self.stopped}
 
 
-def distill_batch(model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, eos_ids: list[int]) -> list[Outcome]:
-    """Answer every turn of a batch of conversations, turn by turn, each with its own earlier replies."""
+def distill_batch(model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, eos_ids: list[int],
+                  generate=None) -> list[Outcome]:
+    """Answer every turn of a batch of conversations, turn by turn, each with its own earlier replies.
+
+    ``generate(contexts) -> list[Reply]`` replaces the in-process ``generate_replies(model, ...)`` (a serving
+    engine's replies, ``served.served_replies``); ``model`` is then unused."""
     outcomes = [Outcome(p.id, [], 0, None) for p in prompts]
     active = list(range(len(prompts)))
     for turn in range(max(len(p.segments) for p in prompts)):
@@ -43,7 +47,9 @@ def distill_batch(model, tokenizer, prompts: list[Prompt], cfg: DistillConfig, e
             ready.append((i, context))
         if not ready:
             break
-        replies = generate_replies(model, tokenizer, [c for _, c in ready], cfg.generation, eos_ids, cfg.filters)
+        contexts = [c for _, c in ready]
+        replies = generate(contexts) if generate is not None else \
+            generate_replies(model, tokenizer, contexts, cfg.generation, eos_ids, cfg.filters)
         active = []
         for (i, context), reply in zip(ready, replies):
             outcomes[i].generated += reply.generated

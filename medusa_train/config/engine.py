@@ -1,0 +1,55 @@
+"""Typed configuration of a serving engine the toolkit starts or attaches to (``server:`` in the commands'
+YAML), and of the served measurement (``served:`` in ``configs/commands/evaluate.yaml``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from medusa_train.config.check import Problems
+
+ENGINES = ("vllm", "openai")
+
+
+@dataclass
+class ServerConfig:
+    python: str | None = None  #: the engine's Python (null: $MEDUSA_TRAIN_VLLM_PYTHON, else .venv-vllm/bin/python from make setup)
+    port: int | None = None  #: port to listen on (null: a free one)
+    args: list[str] = field(default_factory=list)  #: more vLLM server flags, as typed after `vllm serve MODEL`
+    enforce_eager: bool = True  #: --enforce-eager (skips a slow compile at start-up)
+    kv_cache_gib: float = 2  #: VLLM_CPU_KVCACHE_SPACE for the CPU build (GPU builds ignore it)
+    startup_timeout: float = 600  #: seconds to wait for /health
+    request_timeout: float = 600  #: seconds one request may take
+
+
+@dataclass
+class ServedConfig:
+    """What ``engine=vllm`` measures in the served engine."""
+
+    num_speculative_tokens: int | None = None  #: K heads proposed per step (null: every head, as the simulated chain)
+    concurrency: int = 8  #: the higher concurrency measured beside 1
+    sampled_temperature: float = 0.7  #: a sampled pass (seeded): acceptance and speed only; 0 = skip it
+    ngram: bool = True  #: also serve the engine's n-gram speculation (no training at all) on the same prompts
+    ngram_tokens: int = 4  #: its num_speculative_tokens
+    plain: bool = True  #: also serve without speculation (the speed and output baseline)
+
+
+def check_server(s: ServerConfig, prefix: str = "server") -> list[str]:
+    p = Problems()
+    p.need(s.port is None or 0 < s.port < 65536, f"{prefix}.port", s.port, "must be a port number or null")
+    p.need(s.kv_cache_gib > 0, f"{prefix}.kv_cache_gib", s.kv_cache_gib, "must be > 0")
+    p.need(s.startup_timeout > 0, f"{prefix}.startup_timeout", s.startup_timeout, "must be > 0")
+    p.need(s.request_timeout > 0, f"{prefix}.request_timeout", s.request_timeout, "must be > 0")
+    return p
+
+
+def check_served(s: ServedConfig, num_heads: int | None) -> list[str]:
+    p = Problems()
+    p.need(s.num_speculative_tokens is None or s.num_speculative_tokens >= 1, "served.num_speculative_tokens",
+           s.num_speculative_tokens, "must be >= 1 or null (every head)")
+    if num_heads and s.num_speculative_tokens:
+        p.need(s.num_speculative_tokens <= num_heads, "served.num_speculative_tokens", s.num_speculative_tokens,
+               f"must be at most the heads' {num_heads} (vLLM fails to load more)")
+    p.need(s.concurrency >= 1, "served.concurrency", s.concurrency, "must be >= 1")
+    p.need(s.sampled_temperature >= 0, "served.sampled_temperature", s.sampled_temperature, "must be >= 0")
+    p.need(s.ngram_tokens >= 1, "served.ngram_tokens", s.ngram_tokens, "must be >= 1")
+    return p

@@ -1,0 +1,34 @@
+"""Fixtures for the tests against the real engine: heads trained for about a minute on the packaged model
+and data, and the packaged model's folder (what vLLM loads; ``packaged:`` names mean nothing to it)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.backbones import PACKAGED_MODEL
+from helpers.training import compose_config
+
+NUM_HEADS = 3
+
+
+@pytest.fixture(scope="session")
+def model_folder() -> str:
+    from medusa_train.backbone.load import resolve_model_path
+
+    return resolve_model_path(PACKAGED_MODEL)[0]
+
+
+@pytest.fixture(scope="session")
+def trained_heads(tmp_path_factory) -> str:
+    """Plain heads as the demo trains them (shared LM head, a 4,096-token draft vocabulary, teacher targets),
+    a minute of training on ShareGPT with the frozen float32 backbone: the native export's folder."""
+    from medusa_train.cli.train import run
+
+    out = tmp_path_factory.mktemp("engine-heads")
+    cfg = compose_config([
+        f"model.name_or_path={PACKAGED_MODEL}", "model.dtype=float32", "trainer.mixed_precision=no",
+        f"heads.num_heads={NUM_HEADS}", "heads.share_lm_head=true", "heads.vocab_size=4096",
+        "loss.targets=teacher", "data.max_samples=160", "data.max_length=192", "data.eval_size=8",
+        "data.batch_size=8", "trainer.max_steps=20", "trainer.eval_every=20", "trainer.save_every=20",
+        "optim.lr=3e-3", f"trainer.output_dir={out}"])
+    run(cfg)
+    return str(out / "export")

@@ -1,0 +1,141 @@
+"""Process handling of a served engine: what is started is always stopped (with its children, after a crash
+of ours too), failures say why with the server's log, and /metrics counters parse.
+
+The lifecycle tests run a stand-in server (a Python that answers /health and spawns a child, as vLLM's API
+server spawns its engine core): what is under test is our process handling, not vLLM. The real engine is
+in test_vllm.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from medusa_train.engine import EngineError, VllmServer, attach
+from medusa_train.engine.client import SpecCounters, parse_metrics, spec_counters
+from medusa_train.engine.server import find_engine_python, free_port
+
+STAND_IN = textwrap.dedent('''\
+    #!{python}
+    # answers like `python -m vllm.entrypoints.openai.api_server --port N ...`, with a child process
+    import http.server, subprocess, sys, os
+    args = sys.argv
+    port = int(args[args.index("--port") + 1])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(os.environ["STAND_IN_PIDS"], "w").write(f"{{os.getpid()}} {{child.pid}}")
+    if "--fail" in args:
+        print("RuntimeError: no such model", flush=True); sys.exit(3)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+''')
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    script = tmp_path / "python"
+    script.write_text(STAND_IN.format(python=sys.executable))
+    script.chmod(0o755)
+    monkeypatch.setenv("STAND_IN_PIDS", str(tmp_path / "pids"))
+    return script
+
+
+def _pids(tmp_path: Path) -> list[int]:
+    return [int(p) for p in (tmp_path / "pids").read_text().split()]
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":  # a zombie has ended
+                return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_stop_ends_the_server_and_the_processes_it_started(stand_in, tmp_path):
+    server = VllmServer("/some/model", dtype="float32", python=str(stand_in), log_path=tmp_path / "log")
+    with server as client:
+        assert client.healthy()
+        assert "--dtype float32" in " ".join(server.command) and "--enforce-eager" in server.command
+        parent, child = _pids(tmp_path)
+    assert _gone(parent) and _gone(child)
+    assert not client.healthy()
+
+
+def test_an_exception_inside_the_block_still_stops_the_server(stand_in, tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        with VllmServer("/m", dtype="float32", python=str(stand_in), log_path=tmp_path / "log"):
+            raise KeyboardInterrupt  # Ctrl-C
+    assert all(_gone(pid) for pid in _pids(tmp_path))
+
+
+def test_a_killed_toolkit_process_leaves_no_server_behind(stand_in, tmp_path):
+    """SIGKILL gives us no chance to clean up: the kernel's parent-death signal stops the server."""
+    code = (f"from medusa_train.engine import VllmServer\n"
+            f"s = VllmServer('/m', dtype='float32', python={str(stand_in)!r}, log_path={str(tmp_path / 'log')!r})\n"
+            f"s.start()\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    result = subprocess.run([sys.executable, "-c", code], timeout=120, env=os.environ)
+    assert result.returncode == -9
+    parent, child = _pids(tmp_path)
+    assert _gone(parent)  # (vLLM's API server stops its engine core on SIGTERM; the stand-in's child we end here)
+    os.kill(child, 9)
+
+
+def test_a_server_that_exits_says_so_with_its_log(stand_in, tmp_path):
+    server = VllmServer("/m", dtype="float32", python=str(stand_in), extra_args=["--fail"], log_path=tmp_path / "log")
+    with pytest.raises(EngineError, match=r"exited with status 3 .*\n(.*\n)*RuntimeError: no such model"):
+        server.start()
+    assert server.process is None
+
+
+def test_a_server_that_never_answers_times_out_naming_the_key(tmp_path):
+    script = tmp_path / "python"
+    script.write_text(f"#!{sys.executable}\nimport time; print('loading...', flush=True); time.sleep(600)\n")
+    script.chmod(0o755)
+    server = VllmServer("/m", dtype="float32", python=str(script), startup_timeout=3, log_path=tmp_path / "log")
+    with pytest.raises(EngineError, match=r"within 3 s \(server.startup_timeout\).*\n(.*\n)*loading"):
+        server.start()
+
+
+def test_attach_needs_a_server_that_answers(tmp_path):
+    with pytest.raises(EngineError, match=r"url=http://127.0.0.1:\d+: no server answers .*engine=vllm"):
+        attach(f"http://127.0.0.1:{free_port()}")
+
+
+def test_no_engine_python_says_how_to_get_one(tmp_path):
+    with pytest.raises(EngineError, match="server.python=/nonexistent/python: no such file"):
+        find_engine_python("/nonexistent/python")
+
+
+def test_spec_decode_counters_parse_and_subtract():
+    text = textwrap.dedent('''\
+        # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+        # TYPE vllm:spec_decode_num_drafts_total counter
+        vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+        vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+        vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 4.0
+        vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 3.0
+        vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 0.0
+        vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 1.0
+        vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+        vllm:num_requests_running{engine="0",model_name="m"} 0.0
+    ''')
+    now = spec_counters(parse_metrics(text))
+    assert now == SpecCounters(10.0, 30.0, 4.0, [3.0, 1.0, 0.0])
+    delta = now - SpecCounters(4.0, 12.0, 1.0, [1.0])
+    assert delta == SpecCounters(6.0, 18.0, 3.0, [2.0, 1.0, 0.0])
+    assert delta.mean_acceptance_length == pytest.approx(1.5)
+    assert delta.per_position_acceptance == pytest.approx([2 / 6, 1 / 6, 0.0])
+    assert SpecCounters().mean_acceptance_length is None  # no speculation: no figure, not 1.0

@@ -1,0 +1,134 @@
+"""The real engine (vLLM's CPU build from .venv-vllm, started as users start theirs): our export loads and
+accepts what our decoder simulates, greedy output is the engine's own, and distillation through it writes
+what the in-process path writes and survives the server being killed.
+
+Each server takes ~90 s to answer /health here; the tests start as few as the claims need."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from medusa_train.config.engine import ServedConfig, ServerConfig
+from medusa_train.engine import EngineError, VllmServer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = 6  # MT-Bench first turns, spread over the categories
+MAX_TOKENS = 48
+
+
+def test_the_draft_vocabulary_export_serves_accepts_what_we_simulate_and_keeps_greedy_output(
+        trained_heads, model_folder, tmp_path):
+    """Heads with a 4,096-token draft vocabulary sharing the LM head, exported for vLLM (whole LM head, no
+    token_map), served with and without speculation in float32: served acceptance > 1 and within 0.03 of our
+    decoder's top-1 chain on the same prompts, greedy replies identical to the engine's own."""
+    from medusa_train.backbone.generation import eos_token_ids
+    from medusa_train.data.benchmarks import load_benchmark
+    from medusa_train.evaluation.evaluate import evaluate, load_medusa
+    from medusa_train.evaluation.served import serve_and_measure
+    from medusa_train.model.export import export_heads
+
+    model, tokenizer = load_medusa(trained_heads, device="cpu")
+    assert model.config.draft_vocab_size == 4096 and model.config.share_lm_head
+    export = export_heads(model, tmp_path / "vllm", "vllm")
+    served_cfg = ServedConfig(concurrency=3, sampled_temperature=0.7, ngram=False)
+    calls = []
+
+    def served(conversations):
+        calls.append(conversations)
+        return serve_and_measure(model_folder, export, model.config.num_heads, conversations, dtype="float32",
+                                 max_tokens=MAX_TOKENS, eos=eos_token_ids(model.backbone), served=served_cfg,
+                                 server=ServerConfig(), log_dir=tmp_path, progress=False)
+
+    prompts = load_benchmark("packaged:mt-bench", PROMPTS)
+    report = evaluate(model, tokenizer, prompts, "chain", turns=1, max_new_tokens=MAX_TOKENS, progress=False,
+                      warmup=False, output_dir=tmp_path / "report", served=served)
+    assert calls == [[[{"role": "user", "content": p.turns[0]}] for p in prompts]]
+    row = report["engines"]["vllm"]
+    got = row["served"]
+    # the server started with the export as its speculator, K = every head, and counted drafts
+    assert got["speculative_config"]["num_speculative_tokens"] == model.config.num_heads
+    assert got["drafts"] > 0 and len(got["per_position_acceptance"]) == model.config.num_heads
+    assert got["mean_acceptance_length"] > 1.0
+    assert abs(got["mean_acceptance_length"] - row["mean_accepted_length"]) <= 0.03, (got, row)
+    assert got["prompts_tokenised_alike"] == PROMPTS  # the engine's chat template gave our input ids' length
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["engines"]["vllm"]["served"] \
+        == json.loads(json.dumps(got))
+    o = got["outputs"]
+    assert o["compared"] == PROMPTS and o["unexplained"] == 0 and o["identical"] + o["at_rounding"] == PROMPTS, o
+    assert set(got["phases"]) == {"greedy_c3", "sampled"}
+    assert got["phases"]["sampled"]["mean_acceptance_length"] >= 1.0
+    assert "acceptance length" in (tmp_path / "report" / "report.md").read_text()
+    assert (tmp_path / "vllm-medusa.log").read_text().count("speculative") > 0
+
+
+def _distill_cfg(output, **extra):
+    from medusa_train.config.distill import build_distill_config
+
+    return build_distill_config({"model": {"name_or_path": "packaged:smollm2-135m-instruct", "dtype": "float32"},
+                                 "num_prompts": 16, "max_turns": 2, "max_prompt_tokens": 256, "batch_size": 8,
+                                 "generation": {"max_new_tokens": MAX_TOKENS}, "output": str(output),
+                                 "progress": False, **extra})
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_distillation_through_the_server_survives_its_kill_and_writes_the_in_process_records(
+        model_folder, tmp_path):
+    """engine=openai against a server killed mid-run: the run stops with the engine's error, every line on
+    disk whole; resuming with another engine is refused; the rerun against a new server completes, and the
+    file accounts for the same conversations as the in-process path, with the same replies but for near-ties."""
+    from medusa_train.data.distill import distill
+
+    output = tmp_path / "served.jsonl"
+    server = VllmServer(model_folder, dtype="float32", log_path=tmp_path / "vllm-a.log")
+    client = server.start()
+    try:
+        def kill_after_some_records():
+            while len(_lines(output)) < 3 and server.process is not None:
+                time.sleep(0.2)
+            os.killpg(server.process.pid, signal.SIGKILL)  # the engine dies as in an OOM kill
+
+        killer = threading.Thread(target=kill_after_some_records, daemon=True)
+        killer.start()
+        with pytest.raises(EngineError, match="did not answer|HTTP 5"):
+            distill(_distill_cfg(output, engine="openai", url=client.url, concurrency=4))
+        killer.join(30)
+    finally:
+        server.stop()
+    written = _lines(output)
+    skipped = _lines(output.with_name("served.skipped.jsonl"))
+    assert len(written) >= 3 and all("messages" in r for r in written)
+    stats = json.loads(output.with_name("served.stats.json").read_text())
+    assert stats["complete"] is False and stats["record_settings"]["engine"] == "openai"
+
+    with pytest.raises(Exception, match="engine: 'openai' -> 'vllm'"):  # a resume never mixes engines
+        distill(_distill_cfg(output, engine="vllm"))
+
+    with VllmServer(model_folder, dtype="float32", log_path=tmp_path / "vllm-b.log") as client:
+        resumed = distill(_distill_cfg(output, engine="openai", url=client.url, concurrency=4))
+    assert resumed.complete and resumed.resumed_records == len(written) + len(skipped)
+    assert resumed.records + sum(resumed.skipped.values()) == resumed.selected == 16
+
+    local = distill(_distill_cfg(tmp_path / "local.jsonl"))
+    by_id = {r["id"]: r for r in _lines(output)}
+    local_by_id = {r["id"]: r for r in _lines(tmp_path / "local.jsonl")}
+    skipped_ids = {r["id"] for r in _lines(output.with_name("served.skipped.jsonl"))}
+    local_skipped = {r["id"] for r in _lines(tmp_path / "local.skipped.jsonl")}
+    assert set(by_id) | skipped_ids == set(local_by_id) | local_skipped  # the same conversations accounted for
+    same = [i for i in by_id if i in local_by_id and by_id[i]["messages"] == local_by_id[i]["messages"]]
+    first_turn = [i for i in by_id if i in local_by_id
+                  and by_id[i]["messages"][:2] == local_by_id[i]["messages"][:2]]
+    # float32 in both; kernels differ, so a near-tie may part a reply: most must be identical
+    assert len(first_turn) >= 0.75 * len(local_by_id), (len(first_turn), len(local_by_id))
+    assert len(same) >= 0.5 * len(local_by_id), (len(same), len(local_by_id))
+    assert local.records == len(local_by_id)
