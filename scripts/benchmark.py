@@ -6,6 +6,7 @@
     python scripts/benchmark.py vocab data=...  # what a draft vocabulary (heads.vocab_size) costs the heads
     python scripts/benchmark.py rounding  # how often a multi-token bf16 pass picks another greedy token
     python scripts/benchmark.py loop heads=... tree=...  # the real decode loop against the timed verify step
+    python scripts/benchmark.py vllm_k heads=...  # vLLM's num_speculative_tokens swept 0..heads, the fastest kept
 
 Extra ``key=value`` arguments are passed to the chosen benchmark.
 """
@@ -17,7 +18,8 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
-              "rounding": "bench_rounding", "loop": "bench_loop"}
+              "rounding": "bench_rounding", "loop": "bench_loop",
+              "vllm_k": "bench_vllm_k"}
 
 
 def main(argv: list[str]) -> int:

@@ -34,20 +34,49 @@ def run(cfg: ExportConfig) -> None:
         sys.exit(2)
     print(f"wrote {cfg.format} heads from {cfg.heads} to {path}")
     if cfg.format == "vllm":
-        print("serve it with vLLM (K tokens proposed per step, at most the number of heads):\n"
-              + serve_command(path))
+        print(serve_command(path))
+
+
+SERVING_NAME = "serving.json"  # written into a vllm export by `scripts/benchmark.py vllm_k` (the measured K)
 
 
 def serve_command(path) -> str:
-    """The ``vllm serve`` line for a vllm export: its base model and ``--speculative-config`` JSON."""
+    """How to serve a vllm export: ``vllm serve`` with the base model's folder (``packaged:`` names resolved),
+    the export's dtype and ``--speculative-config``; K is the fastest measured by ``benchmark.py vllm_k``
+    when it ran (``serving.json``), else 1 (vLLM's own per-step cost makes more a loss until measured)."""
     import json
     from pathlib import Path
 
-    config = json.loads((Path(path) / "config.json").read_text())
+    from medusa_train.backbone.load import resolve_model_path
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
     heads = config.get("num_heads") or config.get("medusa_num_heads")
-    spec = {"method": "medusa", "model": str(Path(path).resolve()), "num_speculative_tokens": heads}
-    base = config.get("base_model_name_or_path") or "<base model>"
-    return f"vllm serve {base} --speculative-config '{json.dumps(spec)}'"
+    measured = json.loads((path / SERVING_NAME).read_text()) if (path / SERVING_NAME).is_file() else None
+    k = (measured or {}).get("recommended_num_speculative_tokens")
+    base = config.get("base_model_name_or_path")
+    try:
+        base = resolve_model_path(base)[0] if base else "<base model>"
+    except (OSError, ValueError):
+        pass
+    dtype = config.get("torch_dtype", "auto")
+    lines = []
+    if measured and k is None:
+        lines.append(f"measured ({path / SERVING_NAME}): no K is faster than serving {base} without speculation "
+                     "on that machine; the fastest K is shown")
+        k = max((r for r in measured["rows"] if r["k"]), key=lambda r: r["tokens_per_s"])["k"]
+    elif measured:
+        lines.append(f"K={k}: the fastest of K=1..{heads} measured on {measured.get('device', 'this machine')} "
+                     f"({path / SERVING_NAME})")
+    else:
+        k = 1
+        lines.append(f"K=1 until measured: choose K in 1..{heads} with `python scripts/benchmark.py vllm_k "
+                     f"heads={path}` (one server per K; it writes {SERVING_NAME} here)")
+    spec = json.dumps({"method": "medusa", "model": str(path.resolve()), "num_speculative_tokens": k})
+    lines.append(f"vllm serve {base} --dtype {dtype} --speculative-config '{spec}'")
+    lines.append(f"  (vLLM's CPU build, whose `vllm` script is broken: python -m vllm.entrypoints.openai.api_server "
+                 f"--model {base} --dtype {dtype} --enforce-eager --speculative-config '{spec}')")
+    return "serve it with vLLM:\n" + "\n".join(lines)
 
 
 def main() -> None:

@@ -329,7 +329,14 @@ def test_script_converts_a_native_export_end_to_end(tmp_path):
     assert json.loads((tmp_path / "vllm/config.json").read_text())["topk"] == 4
     serve = next(line for line in done.stdout.splitlines() if line.startswith("vllm serve "))
     spec = json.loads(serve.split("--speculative-config ", 1)[1].strip("'"))
-    assert spec == {"method": "medusa", "model": str((tmp_path / "vllm").resolve()), "num_speculative_tokens": 2}
+    # K=1 until benchmark.py vllm_k has measured one (serving.json); the base model as a folder vLLM can load
+    assert spec == {"method": "medusa", "model": str((tmp_path / "vllm").resolve()), "num_speculative_tokens": 1}
+    assert serve.startswith(f"vllm serve {backbone.name_or_path} --dtype float32 ")
+    assert "python -m vllm.entrypoints.openai.api_server --model " in done.stdout
+    from medusa_train.cli.export import serve_command
+
+    (tmp_path / "vllm/serving.json").write_text(json.dumps({"recommended_num_speculative_tokens": 2, "rows": []}))
+    assert '"num_speculative_tokens": 2}' in serve_command(tmp_path / "vllm")
     _assert_same_head_logits(shared, MedusaModel.from_pretrained(tmp_path / "vllm", backbone=backbone), 2)
 
     done = _run_script(f"heads={tmp_path / 'own'}", "format=medusa_v1", f"output={tmp_path / 'v1'}", "lm_head_pt=true")
