@@ -1,8 +1,8 @@
 """The package's layout, read from its source (AST, nothing imported): modules stay small, imports run
 one way along the data flow and never in a circle, and the head variants' knobs stay inside model/.
 
-Stages: config (0) < backbone (1) < model (2) < data (3) < training (4) = decoding (4) < evaluation (5)
-< cli (6). A module imports only from its own stage folder or an earlier stage (training and decoding
+Stages: config (0) < backbone (1) < model (2) < engine (3) < data (4) < training (5) = decoding (5)
+< evaluation (6) < cli (7). A module imports only from its own stage folder or an earlier stage (training and decoding
 not from each other); the top-level ``medusa_train/__init__.py`` is exempt. Every import counts, also one
 inside a function (it is still a dependency); only ``if TYPE_CHECKING:`` imports are left out.
 """
@@ -17,8 +17,8 @@ from helpers import ROOT
 
 PACKAGE = ROOT / "medusa_train"
 MAX_LINES = 400
-STAGES = {"config": 0, "backbone": 1, "model": 2, "data": 3, "training": 4, "decoding": 4, "evaluation": 5,
-          "cli": 6}
+STAGES = {"config": 0, "backbone": 1, "model": 2, "engine": 3, "data": 4, "training": 5, "decoding": 5,
+          "evaluation": 6, "cli": 7}
 HEAD_VARIANT_WORDS = ("path_input", "prefix_attention", "next_token_input")
 HEAD_VARIANT_HOMES = ("config/", "model/")  # model/export.py and model/layouts.py are in model/
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from medusa_train.config.engine import ServedConfig, ServerConfig
 from medusa_train.engine import EngineClient, serve
 from medusa_train.engine.client import run_concurrently
+from medusa_train.evaluation.compare import compare_outputs
 
 WARMUP_TOKENS = 8
 
@@ -144,24 +145,3 @@ def summarise_served(raw: dict, name: str, classify=None) -> dict:
         out["speedup"] = greedy["tokens_per_s"] / max(plain["greedy"]["tokens_per_s"], 1e-9)
         out["outputs"] = compare_outputs(plain["greedy"]["outputs"], greedy["outputs"], classify)
     return out
-
-
-def compare_outputs(plain: Sequence[list[int] | None], speculated: Sequence[list[int] | None], classify=None) -> dict:
-    """Greedy replies with and without speculation: identical, or where and why they part."""
-    from medusa_train.evaluation.evaluate import first_difference
-
-    details = []
-    for i, (a, b) in enumerate(zip(plain, speculated)):
-        if a is None or b is None:
-            continue
-        position = first_difference(a, b)
-        if position is not None:
-            detail = {"index": i, "position": position}
-            if classify is not None:
-                detail.update(classify(i, a, b, position))
-            details.append(detail)
-    kinds = [d.get("kind") for d in details]
-    return {"compared": sum(a is not None and b is not None for a, b in zip(plain, speculated)),
-            "identical": sum(a is not None and a == b for a, b in zip(plain, speculated)),
-            "at_rounding": kinds.count("at_rounding"), "unexplained": kinds.count("unexplained"),
-            "details": details}

@@ -121,6 +121,35 @@ def test_the_yaml_composes_and_every_invalid_value_is_reported_at_once():
                                   "generation.top_p=0.0: must be in (0, 1]"]
 
 
+def test_engine_settings_are_checked_before_anything_starts():
+    with initialize_config_dir(config_dir=str(COMMANDS_DIR), version_base="1.3"):
+        assert build_distill_config(compose("distill", overrides=["engine=openai", "url=[http://a:1,http://b:2]"])).url \
+            == ["http://a:1", "http://b:2"]
+        assert build_distill_config(compose("distill", overrides=["engine=openai", "url=http://a:1"])).url == "http://a:1"
+        with pytest.raises(ConfigError) as err:
+            build_distill_config(compose("distill", overrides=[
+                "engine=openai", "concurrency=0", "server.startup_timeout=0", "model.quantization=nf4"]))
+        with pytest.raises(ConfigError) as other:
+            build_distill_config(compose("distill", overrides=["engine=sglang", "url=http://a:1"]))
+    assert err.value.problems == [
+        "url=None: engine=openai needs url=http://host:port (or a list)", "concurrency=0: must be >= 1",
+        "model.quantization='nf4': the server loads the model itself; quantize it there (server.args) and leave this null",
+        "server.startup_timeout=0.0: must be > 0"]
+    assert other.value.problems == ["engine='sglang': must be null (in-process), vllm or openai",
+                                    "url='http://a:1': only engine=openai reads url"]
+
+
+def test_a_resume_never_mixes_engines(tiny, tmp_path):
+    """The engine is a recorded setting: an in-process output cannot be continued through a server."""
+    model_dir, (model, tokenizer) = tiny
+    source = make_multiturn_jsonl(tmp_path / "chat.jsonl", 4)
+    output = tmp_path / "d.jsonl"
+    distill(tiny_config(model_dir, source, output, batch_size=2, **KEEP_ALL), model, tokenizer)
+    with pytest.raises(ConfigError, match=r"engine: None -> 'openai'"):
+        distill(tiny_config(model_dir, source, output, batch_size=2, engine="openai", url="http://127.0.0.1:9",
+                            **KEEP_ALL))
+
+
 # ------------------------------------------------------------------------------------ tiny model
 def test_multiturn_records_answer_each_user_turn_with_the_models_own_context(tiny, tmp_path):
     model_dir, (model, tokenizer) = tiny
