@@ -15,7 +15,7 @@ class ServerConfig:
     python: str | None = None  #: the engine's Python (null: $MEDUSA_TRAIN_VLLM_PYTHON, else .venv-vllm/bin/python from make setup)
     port: int | None = None  #: port to listen on (null: a free one)
     args: list[str] = field(default_factory=list)  #: more vLLM server flags, as typed after `vllm serve MODEL`
-    enforce_eager: bool = True  #: --enforce-eager (skips a slow compile at start-up)
+    enforce_eager: bool | None = None  #: --enforce-eager (null: where there is no CUDA; it skips a slow compile on CPU)
     kv_cache_gib: float = 2  #: VLLM_CPU_KVCACHE_SPACE for the CPU build (GPU builds ignore it)
     startup_timeout: float = 600  #: seconds to wait for /health
     request_timeout: float = 600  #: seconds one request may take

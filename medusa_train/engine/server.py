@@ -8,8 +8,8 @@ stopped when the ``with`` block ends (normally, on an exception or on Ctrl-C), a
 and, on Linux, by the kernel when this process dies without a chance to clean up (a parent-death
 signal). It is started as ``python -m vllm.entrypoints.openai.api_server`` from the engine's own
 environment (the ``vllm`` console script of the CPU build is broken), with ``--dtype`` always given
-(``auto`` runs a float32 checkpoint in bf16 on CPU) and ``--enforce-eager`` by default (no slow
-compile at start-up).
+(``auto`` runs a float32 checkpoint in bf16 on CPU) and ``--enforce-eager`` where there is no CUDA (no
+slow compile at start-up; on a GPU, CUDA graphs are kept).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class VllmServer:
         python: The engine's Python (see ``find_engine_python``).
         port: Port to listen on (``None``: a free one).
         host: Interface to listen on.
-        enforce_eager: Pass ``--enforce-eager``.
+        enforce_eager: Pass ``--enforce-eager`` (``None``: where this machine has no CUDA; on a GPU eager mode
+            gives up CUDA graphs, on the CPU build it skips a slow compile at start-up).
         seed: ``--seed``.
         extra_args: More server flags, as a user would type them.
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` for the CPU build (ignored by GPU builds).
@@ -83,12 +84,16 @@ class VllmServer:
     """
 
     def __init__(self, model: str, *, dtype: str, speculative_config: dict | None = None, python: str | None = None,
-                 port: int | None = None, host: str = "127.0.0.1", enforce_eager: bool = True, seed: int = 0,
+                 port: int | None = None, host: str = "127.0.0.1", enforce_eager: bool | None = None, seed: int = 0,
                  extra_args: Sequence[str] = (), kv_cache_gib: float | None = 2, log_path: str | os.PathLike | None = None,
                  startup_timeout: float = 600.0):
         self.model, self.dtype, self.speculative_config = str(model), dtype, speculative_config
         self.python = find_engine_python(python)
         self.host, self.port = host, port or free_port(host)
+        if enforce_eager is None:
+            import torch
+
+            enforce_eager = not torch.cuda.is_available()
         self.enforce_eager, self.seed, self.extra_args = enforce_eager, seed, list(extra_args)
         self.kv_cache_gib, self.startup_timeout = kv_cache_gib, startup_timeout
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
