@@ -29,6 +29,7 @@ from medusa_train.engine.client import run_concurrently
 from medusa_train.evaluation.compare import compare_outputs
 
 WARMUP_TOKENS = 8
+COUNTER_SETTLE_S = 1.0
 
 
 def speculative_configs(export_dir: str | Path, num_heads: int, served: ServedConfig) -> dict[str, dict | None]:
@@ -54,6 +55,7 @@ def measure_phase(client: EngineClient, conversations: Sequence[list[dict]], max
     start = time.perf_counter()
     replies = run_concurrently(jobs, concurrency)
     seconds = time.perf_counter() - start
+    time.sleep(COUNTER_SETTLE_S)  # the engine core publishes its counters with its outputs; let the last land
     counters = client.spec_counters() - before
     tokens = sum(r.completion_tokens for r in replies)
     return {"concurrency": concurrency, "temperature": temperature, "requests": len(replies), "tokens": tokens,

@@ -85,7 +85,8 @@ class MedusaConfig:
         these heads (they score a draft vocabulary), or ``None`` when they can."""
         if self.draft_vocab_size:
             return (f"score a draft vocabulary of {self.draft_vocab_size} tokens through a token_map "
-                    "(heads.vocab_size), which only the native and vllm layouts hold")
+                    "(heads.vocab_size), which the original Medusa layout has no place for (native holds it; "
+                    "vllm takes heads sharing the LM head, with the whole of it)")
         return None
 
     def vllm_problem(self) -> str | None:

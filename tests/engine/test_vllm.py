@@ -75,6 +75,7 @@ def _distill_cfg(output, **extra):
     return build_distill_config({"model": {"name_or_path": "packaged:smollm2-135m-instruct", "dtype": "float32"},
                                  "num_prompts": 16, "max_turns": 2, "max_prompt_tokens": 256, "batch_size": 8,
                                  "generation": {"max_new_tokens": MAX_TOKENS}, "output": str(output),
+                                 "filters": {"skip_truncated": False},  # replies cut at 48 tokens are records too
                                  "progress": False, **extra})
 
 
@@ -107,7 +108,7 @@ def test_distillation_through_the_server_survives_its_kill_and_writes_the_in_pro
         server.stop()
     written = _lines(output)
     skipped = _lines(output.with_name("served.skipped.jsonl"))
-    assert len(written) >= 3 and all("messages" in r for r in written)
+    assert 3 <= len(written) < 16 and all("messages" in r for r in written)  # stopped mid-run, every line whole
     stats = json.loads(output.with_name("served.stats.json").read_text())
     assert stats["complete"] is False and stats["record_settings"]["engine"] == "openai"
 
