@@ -129,7 +129,7 @@ def test_distillation_through_the_server_survives_its_kill_and_writes_the_in_pro
     same = [i for i in by_id if i in local_by_id and by_id[i]["messages"] == local_by_id[i]["messages"]]
     first_turn = [i for i in by_id if i in local_by_id
                   and by_id[i]["messages"][:2] == local_by_id[i]["messages"][:2]]
-    # float32 in both; kernels differ, so a near-tie may part a reply: most must be identical
-    assert len(first_turn) >= 0.75 * len(local_by_id), (len(first_turn), len(local_by_id))
-    assert len(same) >= 0.5 * len(local_by_id), (len(same), len(local_by_id))
+    # float32 in both (15 of 15 identical here); other kernels may part a reply at a near-tie, no more
+    assert len(first_turn) >= 0.9 * len(local_by_id), (len(first_turn), len(local_by_id))
+    assert len(same) >= 0.8 * len(local_by_id), (len(same), len(local_by_id))
     assert local.records == len(local_by_id)
