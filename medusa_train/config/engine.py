@@ -16,7 +16,7 @@ class ServerConfig:
     port: int | None = None  #: port to listen on (null: a free one)
     args: list[str] = field(default_factory=list)  #: more vLLM server flags, as typed after `vllm serve MODEL`
     enforce_eager: bool | None = None  #: --enforce-eager (null: where there is no CUDA; it skips a slow compile on CPU)
-    kv_cache_gib: float = 2  #: VLLM_CPU_KVCACHE_SPACE for the CPU build (GPU builds ignore it)
+    kv_cache_gib: int = 2  #: VLLM_CPU_KVCACHE_SPACE (whole GiB) for the CPU build (GPU builds ignore it)
     startup_timeout: float = 600  #: seconds to wait for /health
     request_timeout: float = 600  #: seconds one request may take
 
@@ -36,7 +36,7 @@ class ServedConfig:
 def check_server(s: ServerConfig, prefix: str = "server") -> list[str]:
     p = Problems()
     p.need(s.port is None or 0 < s.port < 65536, f"{prefix}.port", s.port, "must be a port number or null")
-    p.need(s.kv_cache_gib > 0, f"{prefix}.kv_cache_gib", s.kv_cache_gib, "must be > 0")
+    p.need(s.kv_cache_gib >= 1, f"{prefix}.kv_cache_gib", s.kv_cache_gib, "must be a whole number of GiB >= 1")
     p.need(s.startup_timeout > 0, f"{prefix}.startup_timeout", s.startup_timeout, "must be > 0")
     p.need(s.request_timeout > 0, f"{prefix}.request_timeout", s.request_timeout, "must be > 0")
     return p

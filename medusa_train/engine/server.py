@@ -78,14 +78,14 @@ class VllmServer:
             gives up CUDA graphs, on the CPU build it skips a slow compile at start-up).
         seed: ``--seed``.
         extra_args: More server flags, as a user would type them.
-        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` for the CPU build (ignored by GPU builds).
+        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) for the CPU build (ignored by GPU builds).
         log_path: Where the server's output goes (default: a temporary file, named in errors).
         startup_timeout: Seconds to wait for ``/health``.
     """
 
     def __init__(self, model: str, *, dtype: str, speculative_config: dict | None = None, python: str | None = None,
                  port: int | None = None, host: str = "127.0.0.1", enforce_eager: bool | None = None, seed: int = 0,
-                 extra_args: Sequence[str] = (), kv_cache_gib: float | None = 2, log_path: str | os.PathLike | None = None,
+                 extra_args: Sequence[str] = (), kv_cache_gib: int | None = 2, log_path: str | os.PathLike | None = None,
                  startup_timeout: float = 600.0):
         self.model, self.dtype, self.speculative_config = str(model), dtype, speculative_config
         self.python = find_engine_python(python)
@@ -123,7 +123,7 @@ class VllmServer:
         """
         env = dict(os.environ)
         if self.kv_cache_gib is not None:
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.kv_cache_gib)))  # vLLM reads an int
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         with open(self.log_path, "ab") as log:

@@ -205,8 +205,6 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     report = summarise(records, model.config.num_heads)
     if gen.temperature == 0:  # what each serving engine would accept on the same prompts
         report["engines"] = engine_rows(model, inputs, tree, report["mean_accepted_length"], gen.max_new_tokens, eos)
-        if served is not None and report["engines"]["vllm"]["reason"] is None:
-            _add_served(report["engines"], served(conversations), model, inputs)
     report["settings"] = {
         **(settings or {}), "tree": tree_spec, "tree_nodes": tree.num_nodes, "tree_depth": tree.depth,
         "tree_choices": [list(c) for c in tree.listed_choices], "turns": turns, **asdict(gen),
@@ -219,10 +217,14 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     }
     report.update(extra or {})
     report["per_prompt"] = records
-    if output_dir is not None:
+    if output_dir is not None:  # written before any engine runs: a failed server loses nothing measured here
         from medusa_train.evaluation.report import write_report
 
         report["files"] = {k: str(v) for k, v in write_report(report, output_dir).items()}
+    if served is not None and "engines" in report and report["engines"]["vllm"]["reason"] is None:
+        _add_served(report["engines"], served(conversations), model, inputs)
+        if output_dir is not None:
+            write_report(report, output_dir)
     return report
 
 

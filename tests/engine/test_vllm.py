@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from medusa_train.config.engine import ServedConfig, ServerConfig
 from medusa_train.engine import EngineError, VllmServer
 
 pytestmark = pytest.mark.slow
@@ -24,49 +23,42 @@ PROMPTS = 6  # MT-Bench first turns, spread over the categories
 MAX_TOKENS = 48
 
 
-def test_the_draft_vocabulary_export_serves_accepts_what_we_simulate_and_keeps_greedy_output(
-        trained_heads, model_folder, tmp_path):
-    """Heads with a 4,096-token draft vocabulary sharing the LM head, exported for vLLM (whole LM head, no
-    token_map), served with and without speculation in float32: served acceptance > 1 and within 0.03 of our
-    decoder's top-1 chain on the same prompts, greedy replies identical to the engine's own."""
-    from medusa_train.backbone.generation import eos_token_ids
-    from medusa_train.data.benchmarks import load_benchmark
-    from medusa_train.evaluation.evaluate import evaluate, load_medusa
-    from medusa_train.evaluation.served import serve_and_measure
-    from medusa_train.model.export import export_heads
+def test_the_draft_vocabulary_export_serves_accepts_what_we_simulate_and_keeps_greedy_output(trained_heads, tmp_path):
+    """``scripts/evaluate.py heads=<native heads> engine=vllm`` as a user runs it: heads with a 4,096-token
+    draft vocabulary sharing the LM head, exported for vLLM (whole LM head, no token_map) and served on
+    the packaged model's folder with and without speculation in float32: served acceptance > 1 and within
+    0.03 of our decoder's top-1 chain on the same prompts, greedy replies identical to the engine's own."""
+    from medusa_train.cli.evaluate import build_eval_config, run
 
-    model, tokenizer = load_medusa(trained_heads, device="cpu")
-    assert model.config.draft_vocab_size == 4096 and model.config.share_lm_head
-    export = export_heads(model, tmp_path / "vllm", "vllm")
-    served_cfg = ServedConfig(concurrency=3, sampled_temperature=0.7, ngram=False)
-    calls = []
-
-    def served(conversations):
-        calls.append(conversations)
-        return serve_and_measure(model_folder, export, model.config.num_heads, conversations, dtype="float32",
-                                 max_tokens=MAX_TOKENS, eos=eos_token_ids(model.backbone), served=served_cfg,
-                                 server=ServerConfig(), log_dir=tmp_path, progress=False)
-
-    prompts = load_benchmark("packaged:mt-bench", PROMPTS)
-    report = evaluate(model, tokenizer, prompts, "chain", turns=1, max_new_tokens=MAX_TOKENS, progress=False,
-                      warmup=False, output_dir=tmp_path / "report", served=served)
-    assert calls == [[[{"role": "user", "content": p.turns[0]}] for p in prompts]]
+    cfg = build_eval_config({
+        "heads": trained_heads, "engine": "vllm", "tree": "chain", "model": {"dtype": "float32"},
+        "bench": {"limit": PROMPTS, "turns": 1}, "generation": {"max_new_tokens": MAX_TOKENS}, "warmup": False,
+        "progress": False, "output_dir": str(tmp_path / "report"),
+        "served": {"concurrency": 3, "sampled_temperature": 0.7, "ngram": False}})
+    report = run(cfg)
     row = report["engines"]["vllm"]
     got = row["served"]
-    # the server started with the export as its speculator, K = every head, and counted drafts
-    assert got["speculative_config"]["num_speculative_tokens"] == model.config.num_heads
-    assert got["drafts"] > 0 and len(got["per_position_acceptance"]) == model.config.num_heads
+    heads = json.loads((Path(trained_heads) / "config.json").read_text())
+    assert heads["draft_vocab_size"] == 4096 and heads["share_lm_head"]
+    export = json.loads((tmp_path / "report" / "vllm-export" / "config.json").read_text())
+    assert export["truncated_vocab_size"] == export["vocab_size"] and export["original_lm_head"]
+    # the server started on the base model's folder with the export as its speculator, K = every head
+    assert got["speculative_config"] == {"method": "medusa", "num_speculative_tokens": heads["num_heads"],
+                                         "model": str((tmp_path / "report" / "vllm-export").resolve())}
+    assert not got["settings"]["base_model"].startswith("packaged:")
+    assert got["drafts"] > 0 and len(got["per_position_acceptance"]) == heads["num_heads"]
     assert got["mean_acceptance_length"] > 1.0
     assert abs(got["mean_acceptance_length"] - row["mean_accepted_length"]) <= 0.03, (got, row)
     assert got["prompts_tokenised_alike"] == PROMPTS  # the engine's chat template gave our input ids' length
-    assert json.loads((tmp_path / "report" / "report.json").read_text())["engines"]["vllm"]["served"] \
-        == json.loads(json.dumps(got))
     o = got["outputs"]
     assert o["compared"] == PROMPTS and o["unexplained"] == 0 and o["identical"] + o["at_rounding"] == PROMPTS, o
     assert set(got["phases"]) == {"greedy_c3", "sampled"}
     assert got["phases"]["sampled"]["mean_acceptance_length"] >= 1.0
+    written = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert written["engines"]["vllm"]["served"] == json.loads(json.dumps(got))
     assert "acceptance length" in (tmp_path / "report" / "report.md").read_text()
-    assert (tmp_path / "vllm-medusa.log").read_text().count("speculative") > 0
+    assert "--speculative-config" in (tmp_path / "report" / "vllm-medusa.log").read_text()
+    assert "--speculative-config" not in (tmp_path / "report" / "vllm-plain.log").read_text()
 
 
 def _distill_cfg(output, **extra):
