@@ -20,6 +20,11 @@ class ServerConfig:
     startup_timeout: float = 600  #: seconds to wait for /health
     request_timeout: float = 600  #: seconds one request may take
 
+    def server_kwargs(self) -> dict:
+        """The ``engine.VllmServer`` arguments these settings give."""
+        return {"python": self.python, "port": self.port, "enforce_eager": self.enforce_eager,
+                "extra_args": self.args, "kv_cache_gib": self.kv_cache_gib, "startup_timeout": self.startup_timeout}
+
 
 @dataclass
 class ServedConfig:

@@ -93,10 +93,8 @@ def serve_and_measure(base_model: str, export_dir: str | Path, num_heads: int, c
     for name, spec in speculative_configs(export_dir, num_heads, served).items():
         if progress:
             print(f"[medusa_train] vLLM {name}: starting the server ({base_model}, dtype {dtype}) ...", flush=True)
-        with serve(base_model, dtype=dtype, speculative_config=spec, python=server.python, port=server.port,
-                   enforce_eager=server.enforce_eager, extra_args=server.args, kv_cache_gib=server.kv_cache_gib,
-                   startup_timeout=server.startup_timeout, log_path=Path(log_dir) / f"vllm-{name}.log",
-                   seed=seed) as client:
+        with serve(base_model, dtype=dtype, speculative_config=spec, log_path=Path(log_dir) / f"vllm-{name}.log",
+                   seed=seed, **server.server_kwargs()) as client:
             client.timeout = server.request_timeout
             phases = measure_server(client, conversations, max_tokens, eos, served, seed)
             results[name] = {"speculative_config": spec, "startup_s": round(client.server.startup_seconds, 1),

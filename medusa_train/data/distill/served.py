@@ -38,10 +38,8 @@ def engine_clients(cfg: DistillConfig, model_path: str) -> Iterator[list[EngineC
     s = cfg.server
     if cfg.engine == "vllm":
         output = Path(cfg.output)
-        server = VllmServer(model_path, dtype=cfg.model.dtype, python=s.python, port=s.port,
-                            enforce_eager=s.enforce_eager, extra_args=s.args, kv_cache_gib=s.kv_cache_gib,
-                            startup_timeout=s.startup_timeout, seed=cfg.seed,
-                            log_path=output.with_name(output.stem + ".vllm.log"))
+        server = VllmServer(model_path, dtype=cfg.model.dtype, seed=cfg.seed,
+                            log_path=output.with_name(output.stem + ".vllm.log"), **s.server_kwargs())
         print(f"[medusa_train] starting vLLM for distillation ({model_path}, dtype {cfg.model.dtype}; "
               f"log {server.log_path}) ...", flush=True)
         with server as client:
