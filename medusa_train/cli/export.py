@@ -59,7 +59,8 @@ def serve_command(path) -> str:
         base = resolve_model_path(base)[0] if base else "<base model>"
     except (OSError, ValueError):
         pass
-    dtype = config.get("torch_dtype", "auto")
+    # the dtype K was measured in (the heads' own dtype until then)
+    dtype = (measured or {}).get("settings", {}).get("dtype") or config.get("torch_dtype", "auto")
     lines = []
     if measured and k is None:
         lines.append(f"measured ({path / SERVING_NAME}): no K is faster than serving {base} without speculation "
