@@ -4,7 +4,8 @@ Training composes ``configs/train.yaml`` with its config groups; every other com
 config root (``configs/commands/``), so an option such as ``heads=`` or ``tree=`` is a plain key
 there and never collides with training's groups. ``build`` parses and checks the composed config
 (``config.check.parse_config``): a ``ConfigError`` prints every problem with its key and exits 2
-before anything heavy loads.
+before anything heavy loads. A serving engine that fails (``engine.EngineError``) exits 3 with its
+message and log, not a traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from medusa_train.config.check import ConfigError
 from medusa_train.config.paths import CONFIG_DIR
+from medusa_train.engine.client import EngineError
 
 COMMANDS_DIR = CONFIG_DIR / "commands"
 
@@ -50,6 +52,11 @@ def run_command(config_name: str, build: Callable[[Any], Any], run: Callable[[An
         except ConfigError as err:
             print(err, file=sys.stderr)
             sys.exit(2)
-        run(cfg)
+        try:
+            run(cfg)
+        except EngineError as err:  # a server stopped answering or never started: say so, no traceback
+            print(f"{config_name}: the serving engine failed: {err}\nEverything written before it is kept; "
+                  "run the same command again to continue.", file=sys.stderr)
+            sys.exit(3)
 
     _main()
