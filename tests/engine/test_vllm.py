@@ -125,3 +125,25 @@ def test_distillation_through_the_server_survives_its_kill_and_writes_the_in_pro
     assert len(first_turn) >= 0.9 * len(local_by_id), (len(first_turn), len(local_by_id))
     assert len(same) >= 0.8 * len(local_by_id), (len(same), len(local_by_id))
     assert local.records == len(local_by_id)
+
+
+def test_heads_with_their_own_output_layers_load_and_propose(model_folder, tmp_path):
+    """The other layout vLLM accepts from us: plain heads with their own (whole-vocabulary) output layers
+    (``lm_heads.{h}.weight``, ``original_lm_head: false``). The engine loads them and proposes K tokens a step."""
+    from medusa_train import MedusaModel, load_backbone
+    from medusa_train.model.export import export_heads
+
+    backbone, _ = load_backbone(model_folder, dtype="float32")
+    heads = MedusaModel.from_backbone(backbone, num_heads=2, share_lm_head=False)  # each head a copy of the LM head
+    export = export_heads(heads, tmp_path / "vllm", "vllm")
+    assert not json.loads((export / "config.json").read_text())["original_lm_head"]
+    del backbone, heads
+    spec = {"method": "medusa", "model": str(export), "num_speculative_tokens": 2}
+    with VllmServer(model_folder, dtype="float32", speculative_config=spec, log_path=tmp_path / "vllm.log") as client:
+        before = client.spec_counters()
+        reply = client.chat([{"role": "user", "content": "Name three colors."}], max_tokens=24)
+        time.sleep(1.0)  # the counters land with the engine's outputs
+        counted = client.spec_counters() - before
+    assert reply.completion_tokens > 0 and reply.text
+    assert counted.drafts > 0 and counted.draft_tokens == 2 * counted.drafts
+    assert len(counted.per_position) == 2
