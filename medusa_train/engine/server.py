@@ -159,17 +159,19 @@ class VllmServer:
         """Stop the server and every process it started (its process group): SIGTERM, then SIGKILL."""
         process, self.process = self.process, None
         _RUNNING.discard(self)
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
-            try:
-                process.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        with contextlib.suppress(ProcessLookupError):  # workers that outlived their parent
+        if process.poll() is None:
+            for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, sig)
+                try:
+                    process.wait(wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        # the engine core and its workers outlive a server that died (an OOM kill): the group still names them
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
 
     def __enter__(self) -> EngineClient:

@@ -74,6 +74,17 @@ def test_stop_ends_the_server_and_the_processes_it_started(stand_in, tmp_path):
     assert not client.healthy()
 
 
+def test_a_server_that_died_leaves_no_workers_behind(stand_in, tmp_path):
+    """Killed from outside (an OOM kill), the server's children live on in its process group; stop ends them."""
+    server = VllmServer("/m", dtype="float32", python=str(stand_in), log_path=tmp_path / "log")
+    server.start()
+    parent, child = _pids(tmp_path)
+    os.kill(parent, 9)
+    assert _gone(parent) and not _gone(child, within=0.5)
+    server.stop()
+    assert _gone(child)
+
+
 def test_an_exception_inside_the_block_still_stops_the_server(stand_in, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         with VllmServer("/m", dtype="float32", python=str(stand_in), log_path=tmp_path / "log"):
