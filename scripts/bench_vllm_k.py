@@ -26,8 +26,7 @@ def main(**overrides) -> int:
     if opts is None or not opts["heads"]:
         print("pass heads=<heads folder> (any layout; a vllm export is written when it is not one)")
         return 2
-    from medusa_train.backbone.generation import eos_token_ids
-    from medusa_train.backbone.load import load_tokenizer, resolve_model_path
+    from medusa_train.backbone.load import load_without_weights
     from medusa_train.cli.export import serve_command
     from medusa_train.data.benchmarks import load_benchmark
     from medusa_train.engine import serve
@@ -43,15 +42,7 @@ def main(**overrides) -> int:
         export_folder(heads, export, "vllm", model=opts["model"], dtype=opts["dtype"])
         raw = json.loads((export / "config.json").read_text())
     base = opts["model"] or raw.get("base_model_name_or_path")
-    folder = resolve_model_path(base)[0]
-    tokenizer = load_tokenizer(base)
-    from transformers import AutoConfig, GenerationConfig
-
-    generation = GenerationConfig.from_pretrained(folder)
-    from types import SimpleNamespace
-
-    eos = eos_token_ids(SimpleNamespace(generation_config=generation, config=AutoConfig.from_pretrained(folder)),
-                        tokenizer)
+    _, eos, _, folder = load_without_weights(base)
     conversations = [[{"role": "user", "content": p.turns[0]}] for p in load_benchmark("packaged:mt-bench",
                                                                                        int(opts["limit"]))]
     ks = [int(k) for k in str(opts["ks"]).split(",")] if opts["ks"] else list(range(0, raw["num_heads"] + 1))
@@ -74,7 +65,8 @@ def main(**overrides) -> int:
     plain = next((r for r in rows if r["k"] == 0), None)
     best = max((r for r in rows if r["k"]), key=lambda r: r["tokens_per_s"])
     faster = plain is None or best["tokens_per_s"] > plain["tokens_per_s"]
-    result = {"recommended_num_speculative_tokens": best["k"] if faster else None, "rows": rows,
+    result = {"recommended_num_speculative_tokens": best["k"] if faster else None,
+              "fastest_num_speculative_tokens": best["k"], "rows": rows,
               "settings": {k: opts[k] for k in ("dtype", "limit", "max_tokens", "concurrency")},
               "base_model": base, "export": str(export), "device": _device()}
     (export / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -98,6 +90,7 @@ def _row(row: dict, first: dict, concurrency: int) -> str:
 
 
 def _device() -> str:
+    import os
     import platform
 
-    return f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"

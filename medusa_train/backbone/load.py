@@ -217,3 +217,28 @@ def disable_bnb_cpu_inference_repack(model: torch.nn.Module) -> int:
             module.support_avx512bf16_for_cpu = False
             count += 1
     return count
+
+
+def load_without_weights(name_or_path: str | os.PathLike, trust_remote_code: bool = False):
+    """What a client of a serving engine needs of a model, without its weights.
+
+    Returns:
+        ``(tokenizer, end-of-turn ids, context length or None, the local folder or hub id an engine loads)``:
+        the ids are ``generation.eos_token_ids``'s for the model (its generation config, else its config,
+        plus the tokenizer's eos).
+    """
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from medusa_train.backbone.generation import eos_token_ids
+
+    path, _ = resolve_model_path(name_or_path)
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: the model config names the eos
+        generation = None
+    eos = eos_token_ids(SimpleNamespace(generation_config=generation, config=config), tokenizer)
+    return tokenizer, eos, getattr(config, "max_position_embeddings", None), path

@@ -65,7 +65,7 @@ def serve_command(path) -> str:
     if measured and k is None:
         lines.append(f"measured ({path / SERVING_NAME}): no K is faster than serving {base} without speculation "
                      "on that machine; the fastest K is shown")
-        k = max((r for r in measured["rows"] if r["k"]), key=lambda r: r["tokens_per_s"])["k"]
+        k = measured["fastest_num_speculative_tokens"]
     elif measured:
         lines.append(f"K={k}: the fastest of K=1..{heads} measured on {measured.get('device', 'this machine')} "
                      f"({path / SERVING_NAME})")

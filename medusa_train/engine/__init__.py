@@ -6,8 +6,8 @@ spec-decode counters from ``/metrics``. Nothing here imports vLLM: the engine li
 environment (``make setup`` creates ``.venv-vllm``), and a GPU user points ``url=`` at their own.
 """
 
-from medusa_train.engine.client import EngineClient, EngineError, Reply, SpecCounters
+from medusa_train.engine.client import ChatReply, EngineClient, EngineError, SpecCounters
 from medusa_train.engine.server import VllmServer, attach, find_engine_python, serve
 
-__all__ = ["EngineClient", "EngineError", "Reply", "SpecCounters", "VllmServer", "attach", "find_engine_python",
+__all__ = ["ChatReply", "EngineClient", "EngineError", "SpecCounters", "VllmServer", "attach", "find_engine_python",
            "serve"]

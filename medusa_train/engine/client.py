@@ -25,7 +25,7 @@ class EngineError(RuntimeError):
 
 
 @dataclass
-class Reply:
+class ChatReply:
     """One chat completion."""
 
     text: str
@@ -101,11 +101,13 @@ def spec_counters(samples: Sequence[tuple[str, dict[str, str], float]]) -> SpecC
 
 
 class EngineClient:
-    """Requests to one OpenAI-compatible server at ``url`` (``http://host:port``, no ``/v1``)."""
+    """Requests to one OpenAI-compatible server at ``url`` (``http://host:port``, no ``/v1``); ``server`` is the
+    ``VllmServer`` that started it, or ``None`` for a server someone else runs."""
 
-    def __init__(self, url: str, model: str | None = None, timeout: float = 600.0):
+    def __init__(self, url: str, model: str | None = None, timeout: float = 600.0, server=None):
         self.url = url.rstrip("/").removesuffix("/v1")
         self.timeout = timeout
+        self.server = server
         self._model = model
 
     def __repr__(self) -> str:
@@ -154,7 +156,7 @@ class EngineClient:
 
     # ----------------------------------------------------------------------------------------- requests
     def chat(self, messages: list[dict], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int | None = None, stop_token_ids: Sequence[int] | None = None) -> Reply:
+             seed: int | None = None, stop_token_ids: Sequence[int] | None = None) -> ChatReply:
         """One chat completion (``max_tokens`` is always sent: a server's default may be the whole context)."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p, "return_token_ids": True, "skip_special_tokens": True}
@@ -168,7 +170,7 @@ class EngineClient:
         choice = answer["choices"][0]
         usage = answer.get("usage") or {}
         token_ids = choice.get("token_ids")
-        return Reply(text=choice["message"].get("content") or "", token_ids=token_ids,
+        return ChatReply(text=choice["message"].get("content") or "", token_ids=token_ids,
                      finish_reason=choice.get("finish_reason"),
                      completion_tokens=usage.get("completion_tokens", len(token_ids or [])),
                      prompt_tokens=usage.get("prompt_tokens", 0), seconds=seconds)

@@ -132,7 +132,7 @@ class VllmServer:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True, preexec_fn=_die_with_parent)
         _RUNNING.add(self)
-        client = EngineClient(self.url)
+        client = EngineClient(self.url, server=self)
         try:
             while not client.healthy():
                 if self.process.poll() is not None:
@@ -195,9 +195,7 @@ def serve(model: str, **kwargs) -> Iterator[EngineClient]:
     if previous is signal.SIG_DFL and _main_thread():  # a kill of this process still stops the server
         signal.signal(signal.SIGTERM, _raise_exit)
     try:
-        client = server.start()
-        client.server = server
-        yield client
+        yield server.start()
     finally:
         server.stop()
         if previous is signal.SIG_DFL and _main_thread():
@@ -210,7 +208,6 @@ def attach(url: str, model: str | None = None, timeout: float = 600.0) -> Engine
     if not client.healthy():
         raise EngineError(f"url={url}: no server answers {client.url}/health; start it first, or leave url unset "
                           "and pass engine=vllm to have one started")
-    client.server = None
     return client
 
 

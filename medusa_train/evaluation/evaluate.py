@@ -238,7 +238,7 @@ def _add_served(engines: dict, raw: dict, model, inputs: list[torch.Tensor]) -> 
 
     engines["vllm"]["served"] = summarise_served(raw, "medusa", classify)
     engines["vllm"]["served"]["settings"] = raw["settings"]
-    counted = raw["servers"]["medusa"]["greedy"]["prompt_tokens"]  # the engine's chat template vs ours
+    counted = raw["servers"]["medusa"]["phases"]["greedy"]["prompt_tokens"]  # the engine's chat template vs ours
     engines["vllm"]["served"]["prompts_tokenised_alike"] = sum(n == ids.shape[1] for n, ids in zip(counted, inputs))
     if "ngram" in raw["servers"]:
         row = summarise_served(raw, "ngram", classify)

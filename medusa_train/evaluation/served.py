@@ -8,8 +8,8 @@ and with vLLM's n-gram speculation), started one after another and always stoppe
 - greedy at concurrency 1: tokens/s, the reply tokens, and the spec-decode counters read from
   ``/metrics`` before and after (they count from the server's start): mean acceptance length
   (1 + accepted / drafts) and the acceptance at each draft position;
-- greedy at ``served.concurrency``: the same (outputs are not compared: the CPU build does not
-  promise batch-invariant outputs there);
+- greedy at ``served.concurrency``: the same, without the replies (the CPU build does not promise
+  batch-invariant outputs there, so they are not compared);
 - sampled at ``served.sampled_temperature`` (request seeds fixed), concurrency 1: acceptance and speed.
 
 The comparison of greedy outputs with the server without speculation happens in ``evaluate``, which
@@ -63,7 +63,8 @@ def measure_phase(client: EngineClient, conversations: Sequence[list[dict]], max
             "mean_acceptance_length": counters.mean_acceptance_length,
             "per_position_acceptance": counters.per_position_acceptance, "drafts": counters.drafts,
             "prompt_tokens": [r.prompt_tokens for r in replies],
-            "outputs": [_reply_tokens(r.token_ids, eos) for r in replies] if temperature == 0 else None}
+            "outputs": [_reply_tokens(r.token_ids, eos) for r in replies]  # compared: greedy, one at a time
+            if temperature == 0 and concurrency == 1 else None}
 
 
 def measure_server(client: EngineClient, conversations: Sequence[list[dict]], max_tokens: int, eos: Sequence[int],
@@ -74,7 +75,6 @@ def measure_server(client: EngineClient, conversations: Sequence[list[dict]], ma
     if served.concurrency > 1:
         phases[f"greedy_c{served.concurrency}"] = measure_phase(client, conversations, max_tokens, eos,
                                                                 concurrency=served.concurrency)
-        phases[f"greedy_c{served.concurrency}"]["outputs"] = None
     if served.sampled_temperature > 0:
         phases["sampled"] = measure_phase(client, conversations, max_tokens, eos,
                                           temperature=served.sampled_temperature, seed=seed)
@@ -87,7 +87,8 @@ def serve_and_measure(base_model: str, export_dir: str | Path, num_heads: int, c
     """Start each server in turn (see ``speculative_configs``), measure it, stop it.
 
     Returns:
-        ``{"servers": {name: {"speculative_config", "startup_s", "command", phases...}}, "settings": ...}``.
+        ``{"servers": {name: {"speculative_config", "startup_s", "command", "phases": {phase: figures}}},
+        "settings": ...}``.
     """
     results = {}
     for name, spec in speculative_configs(export_dir, num_heads, served).items():
@@ -98,7 +99,7 @@ def serve_and_measure(base_model: str, export_dir: str | Path, num_heads: int, c
             client.timeout = server.request_timeout
             phases = measure_server(client, conversations, max_tokens, eos, served, seed)
             results[name] = {"speculative_config": spec, "startup_s": round(client.server.startup_seconds, 1),
-                             "command": client.server.command, **phases}
+                             "command": client.server.command, "phases": phases}
         if progress:
             g = phases["greedy"]
             accepted = f", acceptance length {g['mean_acceptance_length']:.3f}" if g["mean_acceptance_length"] else ""
@@ -126,20 +127,21 @@ def summarise_served(raw: dict, name: str, classify=None) -> dict:
             for the i-th conversation's first differing token (``None``: differences are not classified).
     """
     servers = raw["servers"]
-    server, plain = servers[name], servers.get("plain")
-    greedy = server["greedy"]
+    phases, plain = servers[name]["phases"], (servers.get("plain") or {}).get("phases")
+    greedy = phases["greedy"]
     out = {"mean_acceptance_length": greedy["mean_acceptance_length"],
            "per_position_acceptance": greedy["per_position_acceptance"], "drafts": greedy["drafts"],
-           "speculative_config": server["speculative_config"], "startup_s": server["startup_s"],
+           "speculative_config": servers[name]["speculative_config"], "startup_s": servers[name]["startup_s"],
            "tokens_per_s": {"speculative": greedy["tokens_per_s"]}, "phases": {}}
-    for phase, figures in server.items():
-        if isinstance(figures, dict) and "tokens_per_s" in figures and phase != "greedy":
-            row = {k: figures[k] for k in ("concurrency", "temperature", "tokens_per_s", "mean_acceptance_length",
-                                           "per_position_acceptance")}
-            if plain and phase in plain:
-                row["plain_tokens_per_s"] = plain[phase]["tokens_per_s"]
-                row["speedup"] = figures["tokens_per_s"] / max(plain[phase]["tokens_per_s"], 1e-9)
-            out["phases"][phase] = row
+    for phase, figures in phases.items():
+        if phase == "greedy":
+            continue
+        row = {k: figures[k] for k in ("concurrency", "temperature", "tokens_per_s", "mean_acceptance_length",
+                                       "per_position_acceptance")}
+        if plain and phase in plain:
+            row["plain_tokens_per_s"] = plain[phase]["tokens_per_s"]
+            row["speedup"] = figures["tokens_per_s"] / max(plain[phase]["tokens_per_s"], 1e-9)
+        out["phases"][phase] = row
     if plain:
         out["tokens_per_s"]["plain"] = plain["greedy"]["tokens_per_s"]
         out["speedup"] = greedy["tokens_per_s"] / max(plain["greedy"]["tokens_per_s"], 1e-9)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from medusa_train.config.check import ConfigError
 from medusa_train.engine import EngineError, VllmServer
 
 pytestmark = pytest.mark.slow
@@ -104,7 +105,7 @@ def test_distillation_through_the_server_survives_its_kill_and_writes_the_in_pro
     stats = json.loads(output.with_name("served.stats.json").read_text())
     assert stats["complete"] is False and stats["record_settings"]["engine"] == "openai"
 
-    with pytest.raises(Exception, match="engine: 'openai' -> 'vllm'"):  # a resume never mixes engines
+    with pytest.raises(ConfigError, match="engine: 'openai' -> 'vllm'"):  # a resume never mixes engines
         distill(_distill_cfg(output, engine="vllm"))
 
     with VllmServer(model_folder, dtype="float32", log_path=tmp_path / "vllm-b.log") as client:

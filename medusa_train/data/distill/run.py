@@ -110,9 +110,10 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
         if cfg.engine and model is not None:
             raise ValueError(f"engine={cfg.engine}: the server generates; pass no model (only the tokenizer loads)")
         if cfg.engine:
-            from medusa_train.data.distill.served import tokenizer_only
+            from medusa_train.backbone.load import load_without_weights
 
-            tokenizer, eos_ids, limit, model_path = tokenizer_only(cfg)
+            tokenizer, eos_ids, limit, model_path = load_without_weights(cfg.model.name_or_path,
+                                                                         cfg.model.trust_remote_code)
         else:
             if model is None:
                 model, tokenizer = _load(cfg)
@@ -136,8 +137,7 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
             from medusa_train.data.distill.served import distill_served, engine_clients
 
             clients = stack.enter_context(engine_clients(cfg, model_path)) if todo else []
-            server = getattr(clients[0], "server", None) if clients else None
-            startup = server.startup_seconds if server is not None else None
+            startup = clients[0].server.startup_seconds if clients and clients[0].server else None
             outcomes = ([o] for o in distill_served(clients, tokenizer, todo, cfg, eos_ids))
         else:
             startup = None

@@ -21,7 +21,6 @@ import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-from types import SimpleNamespace
 
 from medusa_train.config.distill import DistillConfig
 from medusa_train.data.distill.generate import Reply
@@ -43,31 +42,12 @@ def engine_clients(cfg: DistillConfig, model_path: str) -> Iterator[list[EngineC
         print(f"[medusa_train] starting vLLM for distillation ({model_path}, dtype {cfg.model.dtype}; "
               f"log {server.log_path}) ...", flush=True)
         with server as client:
-            client.server = server
             print(f"[medusa_train] vLLM answered /health after {server.startup_seconds:.0f} s", flush=True)
             client.timeout = s.request_timeout
             yield [client]
     else:
         urls = [cfg.url] if isinstance(cfg.url, str) else list(cfg.url or [])
         yield [attach(url, timeout=s.request_timeout) for url in urls]
-
-
-def tokenizer_only(cfg: DistillConfig):
-    """``(tokenizer, eos ids, context length, the folder the engine loads)`` without loading the weights."""
-    from transformers import AutoConfig, GenerationConfig
-
-    from medusa_train.backbone.generation import eos_token_ids
-    from medusa_train.backbone.load import load_tokenizer, resolve_model_path
-
-    path, _ = resolve_model_path(cfg.model.name_or_path)
-    tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    try:
-        generation = GenerationConfig.from_pretrained(path)
-    except OSError:  # no generation_config.json: the model config names the eos
-        generation = None
-    eos = eos_token_ids(SimpleNamespace(generation_config=generation, config=config), tokenizer)
-    return tokenizer, eos, getattr(config, "max_position_embeddings", None), path
 
 
 def served_replies(client: EngineClient, tokenizer, cfg: DistillConfig, eos_ids: Sequence[int], seed: int):
@@ -133,6 +113,8 @@ def distill_served(clients: Sequence[EngineClient], tokenizer, prompts: Sequence
 
 
 def _loop_start(tokens: Sequence[int], ngram: int, window: int) -> int | None:
+    # where the in-process LoopTracker would have stopped generating (repetition.loop_start asks another
+    # question: whether the whole reply *ends* in a loop)
     tracker = LoopTracker(ngram, window)
     for token in tokens:
         if tracker.push(token):
