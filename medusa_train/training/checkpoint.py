@@ -69,8 +69,29 @@ def save_checkpoint(output_dir: str | Path, step: int, trainable: dict[str, torc
     return final
 
 
+def parameter_device(optimizer) -> torch.device:
+    """The device of the parameters ``optimizer`` updates (this process's), where their state belongs."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            return param.device
+    return torch.device("cpu")
+
+
+def onto(device: torch.device):
+    """A ``torch.load`` ``map_location`` putting what was saved from an accelerator on ``device`` (unmapped, every
+    rank would put the saving rank's state on that rank's device, cuda:0); what was saved from the CPU (AdamW's
+    ``step`` counters) stays there."""
+    def restore(storage, location: str):
+        return torch.serialization.default_restore_location(storage, "cpu" if location == "cpu" else str(device))
+    return restore
+
+
 def load_checkpoint(path: str | Path, parameters: dict[str, torch.nn.Parameter], optimizer, scheduler) -> tuple[dict, list]:
-    """Restore weights, optimizer and scheduler in place; return ``(state, rng_by_rank)``."""
+    """Restore weights, optimizer and scheduler in place; return ``(state, rng_by_rank)``.
+
+    The optimizer state is read straight onto the device of this process's parameters, whichever device
+    the saving process had.
+    """
     path = Path(path)
     tensors = load_file(str(path / "trainable.safetensors"))
     missing, unexpected = sorted(set(parameters) - set(tensors)), sorted(set(tensors) - set(parameters))
@@ -81,8 +102,8 @@ def load_checkpoint(path: str | Path, parameters: dict[str, torch.nn.Parameter],
     with torch.no_grad():
         for name, param in parameters.items():
             param.copy_(tensors[name])
-    states = torch.load(path / "optimizer.pt", weights_only=False)
+    states = torch.load(path / "optimizer.pt", map_location=onto(parameter_device(optimizer)), weights_only=False)
     optimizer.load_state_dict(states["optimizer"])
     scheduler.load_state_dict(states["scheduler"])
-    rng = torch.load(path / "rng.pt", weights_only=False)
+    rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)  # RNG states are CPU byte tensors
     return json.loads((path / "state.json").read_text()), rng
