@@ -3,8 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # A CPU build of torch is installed FIRST and pinned: an unpinned torch pulls a multi-GB CUDA build.
-# On a GPU machine override it, e.g. `make setup TORCH_SPEC="torch==2.13.0 --index-url <cuda index>"`.
+# TORCH_SPEC is one requirement; TORCH_INDEX_URL (empty: pip's own index) is where torch comes from. On a
+# GPU machine: `make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128` (your CUDA version).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+TORCH_INSTALL = "$(TORCH_SPEC)"$(if $(strip $(TORCH_INDEX_URL)), --index-url $(strip $(TORCH_INDEX_URL)))$(if \
+  $(findstring --,$(TORCH_SPEC)),$(error TORCH_SPEC="$(TORCH_SPEC)" must be one requirement: give pip options \
+  such as the index as TORCH_INDEX_URL=<url>))
 # The serving engine lives in an environment of its own (it pins another transformers than ours); the toolkit
 # starts it as a process and talks HTTP. The CPU build from the registry here; on a GPU machine use
 # `make setup VLLM_SPEC=vllm==<version>` (or skip it with VLLM_SPEC= and point url= at your own server).
@@ -22,7 +27,7 @@ setup: $(VENV)/.installed $(if $(VLLM_SPEC),$(VLLM_VENV)/.installed)  ## create 
 $(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_INSTALL)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	$(PY) -m ipykernel install --user --name medusa-train --display-name "medusa-train" >/dev/null 2>&1 || true
 	touch $@
@@ -31,7 +36,7 @@ $(VENV)/.installed: pyproject.toml setup.py constraints.txt
 # (`operator torchvision::nms does not exist`); text models need none of them.
 $(VLLM_VENV)/.installed: Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check $(TORCH_INSTALL)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check $(VLLM_SPEC)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VLLM_VENV)/bin/python -c "import vllm; print('engine environment: vllm', vllm.__version__)"
