@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from medusa_train.config.check import Problems
-from medusa_train.config.evaluate import EvalModelConfig
+from medusa_train.config.evaluate import EvalModelConfig, check_decoder_attention
 
 
 @dataclass
@@ -57,4 +57,5 @@ def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
     p.need(c.calibration != c.exclude and "mt-bench" not in c.calibration, "calibration", c.calibration,
            "MT-Bench is the evaluation set; calibrate on other prompts (default packaged:sharegpt-v3)")
     p.need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null")
+    p += check_decoder_attention(c.model)
     return p

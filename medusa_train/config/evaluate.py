@@ -19,7 +19,8 @@ from medusa_train.config.engine import ServedConfig, ServerConfig, check_server
 class EvalModelConfig:
     name_or_path: str | None = None  #: backbone; default: the one named in the heads' config.json
     dtype: str = "float32"  #: float32 | bfloat16 | float16 (float32: greedy parity without near-ties)
-    attn_implementation: str | None = "sdpa"  #: sdpa | eager | null (transformers' default)
+    #: sdpa | eager | null (transformers' default); not flash attention: the tree's verify pass needs a 4D mask
+    attn_implementation: str | None = "sdpa"
     trust_remote_code: bool = False
     form: str = "merged"  #: Medusa-2 exports: merged (plain transformers) | adapter (4-bit base + LoRA; peft, bitsandbytes)
 
@@ -81,13 +82,25 @@ def default_output_dir(heads: str | None) -> str:
     return str(Path("outputs") / "eval" / name)
 
 
+def check_decoder_attention(m: EvalModelConfig) -> list[str]:
+    """``model.attn_implementation`` of a command that runs the tree decoder (evaluate, build-tree)."""
+    value = m.attn_implementation
+    if value in (None, "sdpa", "eager"):
+        return []
+    if "flash" in str(value):
+        why = ("the tree decoder's verify pass attends through a 4D tree mask, which flash attention does not take "
+               "(training, distillation and capture can use it): use model.attn_implementation=sdpa (or eager)")
+    else:
+        why = "must be sdpa, eager or null"
+    return [f"model.attn_implementation={value!r}: {why}"]
+
+
 def check_eval_config(c: EvalConfig) -> list[str]:
     """Range checks of an ``EvalConfig`` that need only its values; returns every problem found."""
     p = Problems()
     if not c.heads:
         p.append("heads: required; pass heads=<folder of exported heads>")
-    p.need(c.model.attn_implementation in (None, "sdpa", "eager"), "model.attn_implementation",
-           c.model.attn_implementation, "must be sdpa, eager or null")
+    p += check_decoder_attention(c.model)
     p.need(c.model.form in ("merged", "adapter"), "model.form", c.model.form, "must be merged or adapter")
     p.need(c.drift.max_new_tokens >= 1, "drift.max_new_tokens", c.drift.max_new_tokens, "must be >= 1")
     p.need(c.drift.limit is None or c.drift.limit >= 1, "drift.limit", c.drift.limit, "must be >= 1 or null (all)")

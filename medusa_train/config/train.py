@@ -20,7 +20,8 @@ class ModelConfig:
     dtype: str = "bfloat16"  #: backbone weight dtype: bfloat16 | float32 | float16
     quantization: str | None = None  #: null | nf4 | int8 (bitsandbytes; the medusa2 recipe uses nf4)
     trust_remote_code: bool = False  #: allow custom modeling code shipped with the model
-    attn_implementation: str | None = "sdpa"  #: sdpa | eager | null (transformers' default)
+    #: sdpa | eager | flash_attention_2 | flash_attention_3 (installed, CUDA, bf16/fp16) | null (transformers' default)
+    attn_implementation: str | None = "sdpa"
     bnb_compute_dtype: str | None = None  #: compute dtype of 4-bit layers (default: dtype)
     bnb_double_quant: bool = True  #: double-quantise the 4-bit scales
     #: null (one device per process) | auto (accelerate's big-model placement over every GPU, then CPU and
@@ -141,9 +142,27 @@ def check_model(m: ModelConfig) -> list[str]:
     rules = [(bool(m.name_or_path), "name_or_path", m.name_or_path, "must name a model"),
              (m.dtype in ("bfloat16", "float32", "float16"), "dtype", m.dtype, "must be bfloat16, float32 or float16"),
              (m.quantization in (None, "nf4", "int8"), "quantization", m.quantization, "must be null, nf4 or int8"),
-             (m.attn_implementation in (None, "sdpa", "eager"), "attn_implementation", m.attn_implementation,
-              "must be sdpa, eager or null")]
+             (m.attn_implementation in (None, "sdpa", "eager", *FLASH_ATTENTION), "attn_implementation",
+              m.attn_implementation, f"must be sdpa, eager, {', '.join(FLASH_ATTENTION)} or null")]
+    if m.attn_implementation in FLASH_ATTENTION:
+        rules += [(m.dtype != "float32", "attn_implementation", m.attn_implementation,
+                   "runs in bfloat16 or float16 only: set model.dtype=bfloat16, or use model.attn_implementation=sdpa"),
+                  (flash_attention_available(m.attn_implementation), "attn_implementation", m.attn_implementation,
+                   f"not available here: it needs CUDA and {FLASH_ATTENTION[m.attn_implementation]}, "
+                   "or use model.attn_implementation=sdpa")]
     return [f"model.{key}={value!r}: {rule}" for ok, key, value, rule in rules if not ok]
+
+
+#: attention kernels training, distillation and capture may use, and what each needs installed
+FLASH_ATTENTION = {"flash_attention_2": "the flash-attn package: pip install flash-attn --no-build-isolation",
+                   "flash_attention_3": "FlashAttention-3: install flash_attn_interface from flash-attention's hopper/"}
+
+
+def flash_attention_available(name: str) -> bool:
+    """Whether transformers can run ``name`` (``flash_attention_2`` / ``_3``) here: package installed, CUDA present."""
+    from transformers import utils
+
+    return utils.is_flash_attn_3_available() if name == "flash_attention_3" else utils.is_flash_attn_2_available()
 
 
 def fsdp_problems(c: TrainConfig, fsdp: bool | None = None) -> list[str]:
