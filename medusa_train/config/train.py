@@ -43,7 +43,9 @@ class DataConfig:
     seed: int = 0  #: train/eval split and shuffling seed
     cache_hidden_states: bool = False  #: medusa1 only: run the frozen backbone once, train heads from cached states
     cache_dir: str | None = None  #: where hidden-state caches go (default: $MEDUSA_TRAIN_CACHE/hidden)
-    shard_tokens: int = 1048576  #: tokens per hidden-state shard (scripts/capture.py; each process writes whole shards)
+    #: bytes of hidden states + labels per capture shard (scripts/capture.py; each process holds one whole shard
+    #: in host memory while writing it): 2**30 = 1 GiB, about 131k tokens at hidden 4096 in bf16
+    shard_bytes: int = 1073741824
 
 
 @dataclass
@@ -211,7 +213,7 @@ def check(c: TrainConfig) -> list[str]:
            True, "needs a frozen backbone: use it with +recipe=medusa1 (or medusa2 stage=1)")
     p.need(c.model.device_map in (None, "auto"), "model.device_map", c.model.device_map, "must be null or auto")
     p += fsdp_problems(c)
-    p.need(c.data.shard_tokens >= 1, "data.shard_tokens", c.data.shard_tokens, "must be >= 1")
+    p.need(c.data.shard_bytes >= 1, "data.shard_bytes", c.data.shard_bytes, "must be >= 1")
     p.need(0.0 < c.loss.head_decay <= 1.0, "loss.head_decay", c.loss.head_decay, "must be in (0, 1]")
     p.need(c.loss.chunk_size is None or c.loss.chunk_size >= 1, "loss.chunk_size", c.loss.chunk_size,
            "must be >= 1 or null")

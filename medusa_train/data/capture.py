@@ -14,8 +14,10 @@ model section, data, max_length, tokenizer, split)::
                          shard-00000.json          its manifest: key, example ids, tokens, bytes
                          index.json                written last: key, settings, shards, bytes per token
 
-The shard plan is fixed by the examples alone (length-sorted, ``shard_tokens`` tokens each), not by
-the number of processes: process ``r`` of ``n`` writes shards ``r, r + n, ...``, and a run resumed
+Shards are sized in bytes (``data.shard_bytes``): a shard holds ``shard_bytes // (hidden x bytes per
+element + 8)`` tokens of states and labels, so a 4096-wide backbone's shards are as large on disk and in
+host memory (a shard is held whole before it is written) as a 576-wide one's. The shard plan is fixed
+by the examples and that size alone (length-sorted), not by the number of processes: process ``r`` of ``n`` writes shards ``r, r + n, ...``, and a run resumed
 with another ``n`` keeps every finished shard. A shard is written to a ``.partial`` name and renamed,
 then its manifest; a shard without its manifest, or whose size differs from it, is torn: it is redone,
 never read. A manifest or index with another settings key is refused with both keys.
@@ -41,7 +43,7 @@ from medusa_train.backbone import assets
 from medusa_train.data.tokenize import IGNORE_INDEX
 
 CAPTURE_FORMAT = 2
-SHARD_TOKENS = 1 << 20  # ~1.1 GiB of bf16 states at hidden 576; keeps shards a manageable size
+SHARD_BYTES = 1 << 30  # 1 GiB of states and labels per shard: each process holds one whole shard before writing it
 LABEL_BYTES = 8  # int64 label per token
 
 HiddenFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, attention_mask) -> (B, T, H)
@@ -68,11 +70,32 @@ def default_cache_root() -> Path:
     return assets.cache_dir() / "hidden"
 
 
-def plan_shards(lengths: Sequence[int], shard_tokens: int = SHARD_TOKENS) -> list[list[int]]:
+def bytes_per_token(hidden_size: int, dtype: torch.dtype) -> int:
+    """What one captured token stores: its hidden state in ``dtype`` and its int64 label."""
+    return hidden_size * torch.empty((), dtype=dtype).element_size() + LABEL_BYTES
+
+
+def tokens_per_shard(shard_bytes: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Tokens a shard of ``shard_bytes`` holds (at least 1; safetensors' header comes on top)."""
+    if shard_bytes < 1:
+        raise ValueError(f"data.shard_bytes={shard_bytes}: must be >= 1")
+    return max(1, shard_bytes // bytes_per_token(hidden_size, dtype))
+
+
+@torch.no_grad()
+def probe_tokens_per_shard(hidden_fn: HiddenFn, shard_bytes: int, device: torch.device | str = "cpu") -> int:
+    """``tokens_per_shard`` for the states ``hidden_fn`` returns (its width and dtype, autocast included),
+    from a one-token forward."""
+    one = torch.ones(1, 1, dtype=torch.long, device=device)
+    hidden = hidden_fn(one, one)
+    return tokens_per_shard(shard_bytes, hidden.shape[-1], hidden.dtype)
+
+
+def plan_shards(lengths: Sequence[int], shard_tokens: int) -> list[list[int]]:
     """Example ids per shard: length-sorted (little padding), at most ``shard_tokens`` tokens per shard
     (an example longer than that is a shard of its own)."""
     if shard_tokens < 1:
-        raise ValueError(f"data.shard_tokens={shard_tokens}: must be >= 1")
+        raise ValueError(f"shard_tokens={shard_tokens}: must be >= 1 (raise data.shard_bytes)")
     shards, current, tokens = [], [], 0
     for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
         if current and tokens + lengths[i] > shard_tokens:
@@ -90,7 +113,7 @@ def shard_name(number: int) -> str:
 @torch.no_grad()
 def capture_split(hidden_fn: HiddenFn, examples: Sequence[dict], folder: str | os.PathLike, key: str,
                   batch_size: int = 8, device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
-                  shard_tokens: int = SHARD_TOKENS, desc: str = "capture") -> dict:
+                  shard_bytes: int = SHARD_BYTES, desc: str = "capture") -> dict:
     """Write this process's shards of ``examples`` into ``folder`` (finished ones are kept).
 
     Args:
@@ -99,14 +122,17 @@ def capture_split(hidden_fn: HiddenFn, examples: Sequence[dict], folder: str | o
         folder: The split's folder.
         key: The settings key; stored in every manifest, and a stored one that differs is refused.
         rank, world: This process writes shards ``rank, rank + world, ...``.
+        shard_bytes: Bytes of states and labels per shard (``data.shard_bytes``).
 
     Returns:
-        ``{"shards": written here, "kept": found finished, "tokens": captured here, "seconds": ...}``.
+        ``{"shards": written here, "kept": found finished, "tokens": captured here, "seconds": ...,
+        "shard_tokens": tokens per shard, the plan's unit (pass it to ``write_index``)}``.
     """
     from tqdm.auto import tqdm
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    shard_tokens = probe_tokens_per_shard(hidden_fn, shard_bytes, device)
     plan = plan_shards([len(e["input_ids"]) for e in examples], shard_tokens)
     mine = [s for s in range(len(plan)) if s % world == rank]
     todo = [s for s in mine if not shard_finished(folder, s, plan[s], key)]
@@ -119,7 +145,7 @@ def capture_split(hidden_fn: HiddenFn, examples: Sequence[dict], folder: str | o
         bar.set_postfix(bytes_per_tok=f"{written / max(bar.n, 1):.0f}")
     bar.close()
     return {"shards": len(todo), "kept": len(mine) - len(todo), "tokens": tokens,
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started, "shard_tokens": shard_tokens}
 
 
 def _capture_shard(hidden_fn: HiddenFn, examples: Sequence[dict], ids: list[int], folder: Path, number: int,
@@ -170,9 +196,9 @@ def shard_finished(folder: Path, number: int, ids: list[int], key: str) -> bool:
 
 
 def write_index(folder: str | os.PathLike, examples: Sequence[dict], key: str, settings: dict,
-                shard_tokens: int = SHARD_TOKENS) -> dict:
-    """Check every shard of the plan is finished, then write ``index.json`` (call once, after every
-    process's ``capture_split``). Returns the index."""
+                shard_tokens: int) -> dict:
+    """Check every shard of the plan (``shard_tokens``: ``capture_split``'s) is finished, then write
+    ``index.json`` (call once, after every process's ``capture_split``). Returns the index."""
     folder = Path(folder)
     plan = plan_shards([len(e["input_ids"]) for e in examples], shard_tokens)
     missing = [s for s in range(len(plan)) if not shard_finished(folder, s, plan[s], key)]

@@ -248,10 +248,10 @@ def capture_hidden_states(cfg: TrainConfig, tokenizer, hidden_fn, accelerator, t
                 done = capture.capture_split(
                     hidden_fn, examples, folder, key,
                     cfg.data.batch_size * 2, accelerator.device, accelerator.process_index,
-                    accelerator.num_processes, cfg.data.shard_tokens, desc=f"capture {split}")
+                    accelerator.num_processes, cfg.data.shard_bytes, desc=f"capture {split}")
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                capture.write_index(folder, examples, key, {**settings, "split": split}, cfg.data.shard_tokens)
+                capture.write_index(folder, examples, key, {**settings, "split": split}, done["shard_tokens"])
             accelerator.wait_for_everyone()
             say(accelerator, f"captured {split} hidden states: {done['shards']} shard(s) written, {done['kept']} kept "
                              f"(process 0), in {folder}")

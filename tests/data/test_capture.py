@@ -39,12 +39,16 @@ def hidden_fn(model):
     return lambda ids, mask: model(ids, attention_mask=mask).hidden_states
 
 
-def capture_all(model, examples, folder, key="k1", shard_tokens=400, world=1):
+SHARD_BYTES = 400 * (64 * 4 + 8)  # 400 tokens of the tiny backbone's float32 states (hidden 64) and labels
+
+
+def capture_all(model, examples, folder, key="k1", shard_bytes=SHARD_BYTES, world=1):
     """Every rank's share, one after the other (as ``world`` processes would write them), then the index."""
     for rank in range(world):
-        capture_split(hidden_fn(model), examples, folder, key, batch_size=5, rank=rank, world=world,
-                      shard_tokens=shard_tokens)
-    write_index(folder, examples, key, {"test": True}, shard_tokens)
+        done = capture_split(hidden_fn(model), examples, folder, key, batch_size=5, rank=rank, world=world,
+                             shard_bytes=shard_bytes)
+    assert done["shard_tokens"] == 400 or shard_bytes != SHARD_BYTES
+    write_index(folder, examples, key, {"test": True}, done["shard_tokens"])
     return folder
 
 
@@ -73,7 +77,7 @@ def test_each_process_writes_its_share_and_together_they_equal_one_process(setup
     for name in shards:  # the plan does not depend on the number of processes: same bytes
         assert (one / name).read_bytes() == (two / name).read_bytes()
     part = root / "part"
-    capture_split(hidden_fn(model), train, part, "k1", batch_size=5, rank=1, world=2, shard_tokens=400)
+    capture_split(hidden_fn(model), train, part, "k1", batch_size=5, rank=1, world=2, shard_bytes=SHARD_BYTES)
     assert sorted(p.name for p in part.glob("shard-*.safetensors")) == shards[1::2]
     with pytest.raises(RuntimeError, match="not finished"):
         write_index(part, train, "k1", {}, 400)
@@ -90,7 +94,7 @@ def test_a_torn_shard_is_redone_and_finished_ones_are_kept(setup):
     assert read_index(folder, "k1") is None  # the index no longer vouches for the folder
     with pytest.raises(FileNotFoundError, match="no complete hidden-state capture"):
         load_captured(folder, "k1")  # never read
-    done = capture_split(hidden_fn(model), train, folder, "k1", batch_size=5, shard_tokens=400)
+    done = capture_split(hidden_fn(model), train, folder, "k1", batch_size=5, shard_bytes=SHARD_BYTES)
     assert done["shards"] == 2 and done["kept"] == len(reference) - 2
     write_index(folder, train, "k1", {}, 400)
     assert {p.name: p.read_bytes() for p in folder.glob("shard-*.safetensors")} == reference
@@ -107,7 +111,7 @@ def test_states_captured_with_other_settings_are_refused_with_both_keys(setup):
         load_captured(folder, "bbbb")
     (folder / "index.json").unlink()
     with pytest.raises(CaptureMismatch, match="settings key aaaa, not bbbb"):
-        capture_split(hidden_fn(model), train, folder, "bbbb", shard_tokens=400)
+        capture_split(hidden_fn(model), train, folder, "bbbb", shard_bytes=SHARD_BYTES)
 
 
 def _loss_and_grads(model, hidden, labels):

@@ -65,7 +65,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, capt
         common["data.eval_size"] = 6
     if captured:
         common.update({"data.cache_hidden_states": "true", "data.cache_dir": tmp_path / "states",
-                       "data.shard_tokens": 300})
+                       "data.shard_bytes": 300 * (64 * 4 + 8)})  # 300 tokens of hidden 64 in float32
         out = launch("scripts/capture.py", train_overrides(model_dir, data, tmp_path / "capture", **common), 2)
         assert "capture done" in out.stdout
         assert len(list((tmp_path / "states").glob("*-train/shard-*.safetensors"))) > 4
