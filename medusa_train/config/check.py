@@ -112,3 +112,30 @@ def _coerce(kind, value, key: str, problems: list[str]):
     return _INVALID
 
 
+
+
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
+
+
+def looks_like_path(source: str) -> bool:
+    """True unless ``source`` could be a hub id (``name`` or ``owner/name``, no file suffix)."""
+    import os.path
+
+    return (source.startswith((".", "/", "~")) or source.count("/") > 1 or "\\" in source
+            or os.path.splitext(source)[1].lower() in DATA_SUFFIXES)
+
+
+def data_source_problem(key: str, source: str | None) -> str | None:
+    """Why ``source`` (a conversation source) cannot be read, checked before anything loads; ``None`` if it can
+    (or if only loading can tell: a ``packaged:`` name, a hub dataset id)."""
+    import os
+
+    if not source or source.startswith("packaged:") or not looks_like_path(source):
+        return None
+    path = os.path.expanduser(source)
+    fix = "point it at a .json/.jsonl file of ShareGPT or messages records (or a folder / .parquet / .csv of them)"
+    if not os.path.exists(path):
+        return f"{key}={source!r}: no such file or directory ({os.path.abspath(path)}): {fix}"
+    if not os.access(path, os.R_OK) or (os.path.isdir(path) and not os.access(path, os.X_OK)):
+        return f"{key}={source!r}: not readable by this user ({os.path.abspath(path)}): fix its permissions"
+    return None

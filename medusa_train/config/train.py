@@ -11,7 +11,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from medusa_train.config.check import ConfigError, Problems, parse_config  # noqa: F401  (ConfigError: re-exported)
+from medusa_train.config.check import (  # noqa: F401  (ConfigError: re-exported)
+    ConfigError,
+    Problems,
+    data_source_problem,
+    parse_config,
+)
 
 
 @dataclass
@@ -35,8 +40,11 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "packaged:sharegpt-v3"  #: json/jsonl file (ShareGPT or messages records), hub id, or packaged:NAME
-    max_samples: int | None = 2000  #: conversations to read (null = all)
-    max_length: int = 512  #: tokens per example after the chat template (longer ones are truncated)
+    max_samples: int | None = None  #: use the first N conversations (null = all; data=sharegpt: 2000)
+    max_length: int = 2048  #: tokens per example after the chat template (longer ones are cut; data=sharegpt: 512)
+    #: Jinja chat template (its text, or a file holding it) used instead of the tokenizer's; null: the tokenizer's
+    chat_template: str | None = None
+    num_proc: int | None = None  #: processes tokenising (null: the CPUs, at most 8); the result is cached on disk
     eval_size: int = 64  #: held-out conversations for periodic eval
     batch_size: int = 4  #: examples per device per micro-batch
     eval_batch_size: int | None = None  #: default: batch_size
@@ -203,6 +211,12 @@ def check(c: TrainConfig) -> list[str]:
     p.need(not c.heads.path_input or c.heads.next_token_input, "heads.path_input", True,
            "the path starts with the next token: needs heads.next_token_input=true")
     p.need(c.data.max_length >= 8, "data.max_length", c.data.max_length, "must be >= 8")
+    if problem := data_source_problem("data.source", c.data.source):
+        p.append(problem)
+    template = c.data.chat_template
+    p.need(not template or "{{" in template or "{%" in template or os.path.isfile(os.path.expanduser(template)),
+           "data.chat_template", template, "must be a Jinja template's text or a file holding one")
+    p.need(c.data.num_proc is None or c.data.num_proc >= 1, "data.num_proc", c.data.num_proc, "must be >= 1 or null")
     p.need(c.data.max_samples is None or c.data.max_samples >= 1, "data.max_samples", c.data.max_samples,
            "must be >= 1 or null (all)")
     p.need(c.data.eval_size >= 0, "data.eval_size", c.data.eval_size, "must be >= 0")

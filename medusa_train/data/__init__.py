@@ -4,6 +4,7 @@ from medusa_train.data.batching import (
     LengthGroupedBatchSampler,
     MedusaCollator,
     build_datasets,
+    example_lengths,
     split_indices,
     tokenize_conversations,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "SkipStats",
     "assistant_spans",
     "build_datasets",
+    "example_lengths",
     "load_conversations",
     "normalise_record",
     "split_indices",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from medusa_train.data.sources import Conversation, SkipStats, load_conversations
-from medusa_train.data.tokenize import IGNORE_INDEX, assistant_spans, encode_rendered, labelled_example
+from medusa_train.data.tokenize import IGNORE_INDEX, template_support, tokenize_batch
 
 Example = dict[str, list[int]]
 
@@ -115,6 +115,13 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler[list[int]]):
         return iter(batches)
 
 
+def example_lengths(examples: Sequence[dict]) -> list[int]:
+    """Tokens per example: a cached split's ``length`` column, or the lengths of in-memory examples."""
+    if "length" in (getattr(examples, "column_names", None) or ()):
+        return list(examples["length"])
+    return [len(e["input_ids"]) for e in examples]
+
+
 def split_indices(n: int, eval_size: int | float, seed: int) -> tuple[list[int], list[int]]:
     """Deterministic train/eval split of ``range(n)``.
 
@@ -147,35 +154,28 @@ def tokenize_conversations(
     desc: str = "tokenizing",
     chunk_size: int = 256,
 ) -> list[Example]:
-    """Tokenize many conversations with a progress bar, counting the ones that leave no label.
+    """Tokenize many conversations in memory with a progress bar, counting the ones that are skipped.
 
-    Renders each conversation, then tokenizes ``chunk_size`` texts per call to the fast
-    tokenizer. A conversation the chat template refuses is counted as ``template_error``;
-    one with no assistant token within ``max_length`` as ``no_assistant_after_truncation``.
-    ``stats.kept`` is lowered by one for each of them.
+    ``chunk_size`` conversations per call of :func:`~medusa_train.data.tokenize.tokenize_batch`; each skip
+    (``template_error``, ``no_assistant_after_truncation``, unsupported tool turns) lowers ``stats.kept`` by
+    one and is counted by reason; examples cut at ``max_length`` are counted in ``stats.truncated``.
+    Training reads the same examples through the on-disk cache (``cache.py``).
     """
-    from jinja2.exceptions import TemplateError
     from tqdm.auto import tqdm
 
+    support = template_support(tokenizer)
     examples: list[Example] = []
     with tqdm(total=len(conversations), desc=desc, unit="conv") as bar:
         for begin in range(0, len(conversations), chunk_size):
-            rendered = []
-            for messages in conversations[begin : begin + chunk_size]:
-                try:
-                    rendered.append(assistant_spans(tokenizer, messages))
-                except TemplateError:
-                    stats.skip("template_error")
-                    stats.kept -= 1
-            encoded = encode_rendered(tokenizer, [text for text, _ in rendered], max_length) if rendered else []
-            for (_, spans), (input_ids, offsets) in zip(rendered, encoded):
-                example = labelled_example(input_ids, offsets, spans)
-                if example is None:
-                    stats.skip("no_assistant_after_truncation")
+            chunk = list(conversations[begin : begin + chunk_size])
+            for result in tokenize_batch(tokenizer, chunk, max_length, support):
+                if isinstance(result, str):
+                    stats.skip(result)
                     stats.kept -= 1
                 else:
-                    examples.append(example)
-            bar.update(min(chunk_size, len(conversations) - begin))
+                    stats.truncated += result.pop("truncated")
+                    examples.append(result)
+            bar.update(len(chunk))
     return examples
 
 

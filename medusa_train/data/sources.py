@@ -1,7 +1,8 @@
 """Reading conversation records: ShareGPT and messages layouts, local files, hub ids, packaged data.
 
 Every source ends up as a list of conversations, each a list of
-``{"role": "system" | "user" | "assistant", "content": str}``, plus a :class:`SkipStats`
+``{"role": "system" | "user" | "assistant" | "tool", "content": str}`` (tool calls and tool names kept where
+given), plus a :class:`SkipStats`
 that says how many records were kept and why the others were dropped.
 
 ``packaged:sharegpt-v3`` is a top-level JSON array cut off mid-string, so ``json.load``
@@ -21,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.backbone.assets import is_packaged, packaged_data_file
+from medusa_train.config.check import looks_like_path
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role, content (str); tool_calls, name, tool_call_id where given
 Conversation = list[Message]
 
 # ShareGPT names seen in the wild -> the roles chat templates expect.
@@ -36,30 +38,36 @@ ROLE_ALIASES: dict[str, str] = {
     "bing": "assistant",
     "bard": "assistant",
 }
+# Tool / function results (OpenAI "tool" and older "function", glaive's "observation", Llama's "ipython").
+TOOL_ROLES = ("tool", "function", "observation", "ipython")
 
 # Packaged sources that hold conversations (packaged:mt-bench holds questions, not conversations).
 CONVERSATION_PACKAGES = ("packaged:sharegpt-v3",)
 
 # Bump when the normalisation rules change, so stale converted files are not reused.
-NORMALISED_FORMAT_VERSION = 1
+NORMALISED_FORMAT_VERSION = 2
 
 _SEPARATOR = re.compile(r"[\s,]*")  # whitespace and the commas between array items
 
 
 @dataclass
 class SkipStats:
-    """Counts of records kept and skipped, by reason.
+    """Counts of records kept, left out by ``max_samples`` and skipped, by reason.
 
     Reasons used: ``malformed`` (not JSON, or not a conversation record), ``empty`` (no turn
-    with text), ``unknown_role``, ``no_assistant`` (no assistant turn with text),
-    ``truncated_source`` (a partial record at the end of a cut-off file),
-    ``no_assistant_after_truncation`` (no assistant token left within ``max_length``) and
-    ``template_error`` (the chat template refused the conversation).
-    Invariant: ``kept + total_skipped`` is the number of records read.
+    with text), ``unknown_role``, ``non_text_content`` (an image, audio or file part), ``no_assistant``
+    (no assistant turn with text), ``truncated_source`` (a partial record at the end of a cut-off file),
+    ``no_assistant_after_truncation`` (no assistant token left within ``max_length``),
+    ``template_error`` (the chat template refused the conversation) and ``tool_turns_unsupported`` /
+    ``tool_calls_unsupported`` (the chat template does not render tool results / tool calls).
+    Invariant: ``kept + capped + total_skipped`` is the number of records read; ``truncated`` counts kept
+    examples cut at ``max_length`` tokens.
     """
 
     kept: int = 0
     skipped: Counter = field(default_factory=Counter)
+    capped: int = 0  #: usable conversations left out by ``max_samples``
+    truncated: int = 0  #: kept examples cut at ``max_length`` tokens
 
     def skip(self, reason: str, count: int = 1) -> None:
         """Record ``count`` records dropped for ``reason``."""
@@ -78,6 +86,13 @@ class SkipStats:
             line += f" ({reasons})"
         return line
 
+    def to_dict(self) -> dict:
+        return {"kept": self.kept, "skipped": dict(self.skipped), "capped": self.capped, "truncated": self.truncated}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SkipStats:
+        return cls(d["kept"], Counter(d["skipped"]), d.get("capped", 0), d.get("truncated", 0))
+
 
 class _Skip(ValueError):
     """Raised by :func:`normalise_record`; ``reason`` is the :class:`SkipStats` key."""
@@ -87,18 +102,66 @@ class _Skip(ValueError):
         self.reason = reason
 
 
+def _text(content: Any) -> str:
+    """A turn's text: a string as it is, an OpenAI content-part list flattened to its text parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise _Skip("malformed")
+    texts = []
+    for part in content:
+        kind = part.get("type", "text")
+        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("text", "input_text", "output_text"):
+            raise _Skip("malformed")
+        else:  # an image, audio or file: the text alone would misstate the turn
+            raise _Skip("non_text_content")
+    return "\n".join(texts)  # as vLLM and OpenAI's chat endpoint join text parts
+
+
+def _tool_calls(turn: dict) -> list[dict] | None:
+    """An assistant turn's tool calls in the form chat templates read (``arguments`` as a mapping when it is
+    JSON text), from ``tool_calls`` or the older single ``function_call``; ``None`` when it makes none."""
+    calls = turn.get("tool_calls")
+    if calls is None and isinstance(turn.get("function_call"), dict):
+        calls = [{"type": "function", "function": turn["function_call"]}]
+    if calls is None:
+        return None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              and isinstance(c["function"].get("name"), str) for c in calls):
+        raise _Skip("malformed")
+    normalised = []
+    for call in calls:
+        function = dict(call["function"])
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass  # not JSON: the template gets the text as it was written
+        normalised.append({k: v for k, v in {**call, "type": call.get("type") or "function",
+                                             "function": function}.items() if v is not None})
+    return normalised or None
+
+
 def normalise_record(record: Any) -> Conversation:
     """Turn one ShareGPT or messages record into a list of role/content messages.
+
+    Content may be a string or an OpenAI content-part list (its text parts are joined with newlines).
+    Tool and function results become ``{"role": "tool", "content", ...}`` turns (with their ``name`` and
+    ``tool_call_id`` when given); an assistant turn's ``tool_calls`` (or ``function_call``) are kept, its
+    ``content`` may then be empty or null. Whether a chat template can render tool turns is the
+    tokenizer's business (``tokenize.py``), not the reader's.
 
     Args:
         record: ``{"conversations": [{"from", "value"}, ...]}`` or ``{"messages": [{"role", "content"}, ...]}``.
 
     Returns:
-        The conversation as ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
+        The conversation as ``[{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...]``.
 
     Raises:
         ValueError: the record is dropped; its ``reason`` attribute is ``malformed``, ``empty``,
-            ``unknown_role`` or ``no_assistant``.
+            ``unknown_role``, ``non_text_content`` or ``no_assistant``.
     """
     if not isinstance(record, dict):
         raise _Skip("malformed")
@@ -114,12 +177,20 @@ def normalise_record(record: Any) -> Conversation:
         # Either key pair; datasets fills absent struct keys with None, so test for None.
         role = turn.get("from") if turn.get("from") is not None else turn.get("role")
         content = turn.get("value") if turn.get("value") is not None else turn.get("content")
-        if not isinstance(role, str) or not isinstance(content, str):
+        if not isinstance(role, str):
             raise _Skip("malformed")
-        if role.strip().lower() not in ROLE_ALIASES:
+        role = role.strip().lower()
+        if role not in ROLE_ALIASES and role not in TOOL_ROLES:
             raise _Skip("unknown_role")
-        conversation.append({"role": ROLE_ALIASES[role.strip().lower()], "content": content})
-    if not any(m["content"].strip() for m in conversation):
+        role = ROLE_ALIASES.get(role, "tool")
+        calls = _tool_calls(turn) if role == "assistant" else None
+        message: dict[str, Any] = {"role": role, "content": "" if content is None and calls else _text(content)}
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message.update({k: turn[k] for k in ("name", "tool_call_id") if isinstance(turn.get(k), str)})
+        conversation.append(message)
+    if not any(m["content"].strip() or m.get("tool_calls") for m in conversation):
         raise _Skip("empty")
     if not any(m["role"] == "assistant" and m["content"].strip() for m in conversation):
         raise _Skip("no_assistant")
@@ -127,19 +198,20 @@ def normalise_record(record: Any) -> Conversation:
 
 
 def _collect(records: Iterable[Any], stats: SkipStats, max_samples: int | None) -> list[Conversation]:
-    """Normalise ``records`` into conversations, counting skips; stop after ``max_samples`` kept."""
+    """Normalise ``records`` into conversations, counting skips; keep the first ``max_samples`` and count the
+    rest as ``capped`` (they are read, so the log can say how many were left out)."""
     conversations: list[Conversation] = []
-    if max_samples is not None and max_samples <= 0:
-        return conversations
     for record in records:
         try:
-            conversations.append(normalise_record(record))
+            conversation = normalise_record(record)
         except _Skip as skip:
             stats.skip(skip.reason)
             continue
-        stats.kept += 1
         if max_samples is not None and len(conversations) >= max_samples:
-            break
+            stats.capped += 1
+            continue
+        conversations.append(conversation)
+        stats.kept += 1
     return conversations
 
 
@@ -211,16 +283,6 @@ def _is_offline() -> bool:
     return any(os.environ.get(k, "").strip().lower() in truthy for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-def _looks_like_path(source: str) -> bool:
-    """True unless ``source`` could be a hub id (``name`` or ``owner/name``, no file suffix)."""
-    return (
-        source.startswith((".", "/", "~"))
-        or source.count("/") > 1
-        or "\\" in source
-        or Path(source).suffix.lower() in {".json", ".jsonl", ".parquet", ".csv", ".arrow"}
-    )
-
-
 def _load_with_datasets(source: str, local: bool) -> Iterator[Any]:
     """Records of a local directory / parquet / csv file, or of a hub dataset id, via ``datasets``."""
     import datasets  # heavy import: only when needed
@@ -286,18 +348,15 @@ def convert_to_normalised_jsonl(source_file: Path, target: Path) -> SkipStats:
 
 def _read_normalised(path: Path, stats: SkipStats, max_samples: int | None) -> list[Conversation]:
     conversations: list[Conversation] = []
-    if max_samples is not None and max_samples <= 0:
-        return conversations
     with open(path, encoding="utf-8") as f:
         for line in f:
-            record = json.loads(line)
-            if "skipped" in record:
-                stats.skip(record["skipped"])
-                continue
-            conversations.append(record["messages"])
-            stats.kept += 1
-            if max_samples is not None and len(conversations) >= max_samples:
-                break
+            if line.startswith('{"skipped"'):
+                stats.skip(json.loads(line)["skipped"])
+            elif max_samples is not None and len(conversations) >= max_samples:
+                stats.capped += 1  # counted, not parsed
+            else:
+                conversations.append(json.loads(line)["messages"])
+                stats.kept += 1
     return conversations
 
 
@@ -327,7 +386,8 @@ def load_conversations(
 
     Args:
         source: a path, a hub dataset id (online only), or ``packaged:sharegpt-v3``.
-        max_samples: keep at most this many conversations (the first ones, in file order).
+        max_samples: keep at most this many conversations (the first ones, in file order); the rest are
+            still read and counted in ``stats.capped``.
 
     Returns:
         ``(conversations, stats)``; each conversation is a list of
@@ -348,7 +408,7 @@ def load_conversations(
         records = _iter_json_file(path)
     elif path.exists():
         records = _load_with_datasets(str(path), local=True)
-    elif _looks_like_path(str(source)):
+    elif looks_like_path(str(source)):
         raise FileNotFoundError(
             f"data.source={str(source)!r}: no such file or directory: {path.resolve()}. "
             "Set data.source to a .json/.jsonl file of ShareGPT or messages records, or packaged:sharegpt-v3."

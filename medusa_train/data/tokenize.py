@@ -8,6 +8,10 @@ first special token after its content (the end-of-turn token, e.g. ``<|im_end|>`
 model must learn to emit; whatever follows it, e.g. a newline, stays unlabelled). The text is
 then tokenized once with offsets, and a token is labelled when it starts inside a reply span.
 Nothing depends on the model's name.
+
+Tool results and tool calls are rendered by the template when it renders them (``template_support``
+probes it once per tokenizer) and are never labelled; a conversation holding what the template would
+drop is skipped and counted, never trained on half-rendered.
 """
 
 from __future__ import annotations
@@ -78,8 +82,8 @@ def assistant_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[Spa
     spans: list[Span] = []
     cursor = 0
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+        if message["role"] != "assistant" or not message["content"].strip():
+            continue  # only assistant text is labelled (a turn that only calls a tool is context)
         try:
             before = _render(tokenizer, messages[:i], add_generation_prompt=True)
             through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
@@ -96,6 +100,10 @@ def assistant_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[Spa
                 continue  # cannot place this reply safely: leave it unlabelled rather than guess
             start, limit = found, len(text)
         end = _reply_end(text, start, limit, message["content"], specials)
+        if message.get("tool_calls"):  # the turn goes on with its calls: label the text, not the call
+            stripped = message["content"].strip()
+            found = text.find(stripped, start, limit)
+            end = found + len(stripped) if found >= 0 else start
         if end > start:
             spans.append((start, end))
             cursor = end
@@ -142,7 +150,7 @@ def _cut_after_special(text: str, at_least: int, specials: list[str]) -> int:
     return cut
 
 
-def encode_rendered(tokenizer: Any, texts: list[str], max_length: int) -> list[tuple[list[int], list[Span]]]:
+def encode_rendered(tokenizer: Any, texts: list[str], max_length: int) -> list[tuple[list[int], list[Span], bool]]:
     """Tokenize rendered conversations (no special tokens added) and keep the first ``max_length`` tokens.
 
     Long texts are cut after a special token well past ``max_length`` tokens' worth of text, so
@@ -150,7 +158,7 @@ def encode_rendered(tokenizer: Any, texts: list[str], max_length: int) -> list[t
     tokenizing the whole text and truncating (a text whose cut holds too few tokens is redone whole).
 
     Returns:
-        One ``(input_ids, offsets)`` per text.
+        One ``(input_ids, offsets, truncated)`` per text; ``truncated``: tokens were left out.
     """
     specials = _special_strings(tokenizer)
     cuts = [_cut_after_special(text, max_length * CHARS_PER_TOKEN_BOUND, specials) for text in texts]
@@ -158,7 +166,9 @@ def encode_rendered(tokenizer: Any, texts: list[str], max_length: int) -> list[t
     for text, cut, (ids, offsets) in zip(texts, cuts, _encode(tokenizer, [t[:c] for t, c in zip(texts, cuts)])):
         if len(ids) < max_length and cut < len(text):
             [(ids, offsets)] = _encode(tokenizer, [text])
-        results.append((list(ids[:max_length]), list(offsets[:max_length])))
+            cut = len(text)
+        truncated = len(ids) > max_length or (cut < len(text) and bool(text[cut:].strip()))
+        results.append((list(ids[:max_length]), list(offsets[:max_length]), truncated))
     return results
 
 
@@ -204,5 +214,67 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int)
     if max_length < 1:
         raise ValueError(f"data.max_length={max_length}: must be >= 1")
     text, spans = assistant_spans(tokenizer, messages)
-    [(input_ids, offsets)] = encode_rendered(tokenizer, [text], max_length)
+    [(input_ids, offsets, _)] = encode_rendered(tokenizer, [text], max_length)
     return labelled_example(input_ids, offsets, spans)
+
+
+# Skip reasons of tokenising (the others are the reader's): a conversation read but not usable.
+TOKENIZE_SKIPS = ("template_error", "tool_turns_unsupported", "tool_calls_unsupported", "no_assistant_after_truncation")
+
+PROBE_TOOL = "medusa_probe_result_7f3a"  # marker texts no template writes by itself
+PROBE_CALL = "medusa_probe_call_7f3a"
+
+
+def template_support(tokenizer: Any) -> dict[str, bool]:
+    """Whether the chat template renders tool results (``tool``) and assistant tool calls (``tool_calls``).
+
+    Rendered once on a probe conversation holding marker texts: a template that drops a role or a field
+    (or refuses the conversation) does not support it.
+    """
+    _require_chat_template(tokenizer)
+    call = {"type": "function", "id": "call_0", "function": {"name": PROBE_CALL, "arguments": {"q": 1}}}
+    probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "content": PROBE_TOOL, "name": PROBE_CALL, "tool_call_id": "call_0"},
+             {"role": "assistant", "content": "a"}]
+    try:
+        text = _render(tokenizer, probe, add_generation_prompt=False)
+    except Exception:  # a template that refuses tool turns or calls altogether
+        text = ""
+    return {"tool": PROBE_TOOL in text, "tool_calls": PROBE_CALL in text}
+
+
+def unsupported_turns(messages: list[dict], support: dict[str, bool]) -> str | None:
+    """The skip reason of a conversation whose tool turns the template would not render, else ``None``."""
+    if not support["tool"] and any(m["role"] == "tool" for m in messages):
+        return "tool_turns_unsupported"
+    if not support["tool_calls"] and any(m.get("tool_calls") for m in messages):
+        return "tool_calls_unsupported"
+    return None
+
+
+def tokenize_batch(tokenizer: Any, conversations: list[list[dict]], max_length: int,
+                   support: dict[str, bool]) -> list[dict | str]:
+    """Render and tokenize conversations with assistant-only labels, one fast-tokenizer call for all.
+
+    Returns:
+        Per conversation ``{"input_ids", "labels", "truncated"}``, or the skip reason (a :class:`SkipStats`
+        key): ``template_error``, ``tool_turns_unsupported``, ``tool_calls_unsupported``,
+        ``no_assistant_after_truncation``.
+    """
+    from jinja2.exceptions import TemplateError
+
+    results: list[dict | str] = []
+    rendered: list[tuple[int, str, list[Span]]] = []
+    for row, messages in enumerate(conversations):
+        reason = unsupported_turns(messages, support)
+        if reason is None:
+            try:
+                rendered.append((row, *assistant_spans(tokenizer, messages)))
+            except TemplateError:
+                reason = "template_error"
+        results.append(reason or "")
+    encoded = encode_rendered(tokenizer, [text for _, text, _ in rendered], max_length) if rendered else []
+    for (row, _, spans), (input_ids, offsets, truncated) in zip(rendered, encoded):
+        example = labelled_example(input_ids, offsets, spans)
+        results[row] = "no_assistant_after_truncation" if example is None else {**example, "truncated": truncated}
+    return results

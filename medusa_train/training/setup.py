@@ -173,32 +173,64 @@ class TrainData:
     steps_per_epoch: int
 
 
-def load_examples(cfg: TrainConfig, tokenizer, accelerator) -> tuple[list[dict], list[dict]]:
-    """The tokenised train and held-out examples of ``data.source`` (the first process fills the data caches)."""
-    from medusa_train.data import build_datasets
+def load_examples(cfg: TrainConfig, tokenizer, accelerator):
+    """The tokenised train and held-out examples of ``data.source`` (``datasets.Dataset``s read from the on-disk
+    cache: the first process makes it, the others and every later run read it), with ``data.chat_template``
+    set on ``tokenizer`` first. Says how many conversations were used, and what was left out and why."""
+    from medusa_train.data.cache import tokenized_splits
 
     d = cfg.data
+    if d.chat_template:
+        tokenizer.chat_template = read_chat_template(d.chat_template)
     with accelerator.main_process_first():
-        train, evals, stats = build_datasets(tokenizer, d.source, d.max_length, d.max_samples, d.eval_size, d.seed)
-    say(accelerator, f"data: {stats.summary()}")
-    if not train:
-        raise ValueError(f"data.source={d.source}: no usable training conversation ({stats.summary()})")
-    return train, evals
+        data = tokenized_splits(tokenizer, d.source, d.max_length, d.max_samples, d.eval_size, d.seed, d.num_proc)
+    for line in data_lines(cfg, data):
+        say(accelerator, line)
+    if not len(data.train):
+        raise ValueError(f"data.source={d.source}: no usable training conversation ({data.stats.summary()})")
+    return data.train, data.evals
+
+
+def read_chat_template(value: str) -> str:
+    """``data.chat_template``: the template's text (it holds ``{{`` or ``{%``), or a file that holds it."""
+    if "{{" in value or "{%" in value:
+        return value
+    return Path(value).expanduser().read_text(encoding="utf-8")
+
+
+def data_lines(cfg: TrainConfig, data) -> list[str]:
+    """What the log says about the data: used of available, what was left out (capped, cut, skipped), from where."""
+    from medusa_train.data.tokenize import TOKENIZE_SKIPS
+
+    d, st = cfg.data, data.stats
+    selected = st.kept + sum(st.skipped[reason] for reason in TOKENIZE_SKIPS)
+    used = f"data: {selected:,} of {selected + st.capped:,} conversations selected"
+    if st.capped:
+        used += f" (capped by data.max_samples={d.max_samples}; null reads them all)"
+    lines = [f"{used}; {st.kept:,} usable after tokenising: {len(data.train):,} train, {len(data.evals):,} held out "
+             "for evaluation (data.eval_size)"]
+    if st.skipped:
+        lines.append(f"data: skipped {st.total_skipped:,} records: "
+                     + ", ".join(f"{reason} {n:,}" for reason, n in sorted(st.skipped.items())))
+    if st.truncated:
+        lines.append(f"data: {st.truncated:,} conversations cut at data.max_length={d.max_length} tokens")
+    how = "read the tokenised cache" if data.from_cache else "tokenised and cached"
+    lines.append(f"data: {how} {data.folder} in {data.seconds:.1f} s")
+    return lines
 
 
 def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict], evals: list[dict]) -> TrainData:
     """Length-grouped batches of the tokenised examples (``load_examples``); with ``data.cache_hidden_states``
     of the frozen backbone's states instead."""
-    from medusa_train.data import LengthGroupedBatchSampler, MedusaCollator
+    from medusa_train.data import LengthGroupedBatchSampler, MedusaCollator, example_lengths
 
     d = cfg.data
     collator = MedusaCollator(tokenizer.pad_token_id)
     if d.cache_hidden_states:
         train, evals, collator = capture_hidden_states(
             cfg, tokenizer, lambda ids, mask: model(ids, attention_mask=mask).hidden_states, accelerator, train, evals)
-    train_sampler = LengthGroupedBatchSampler([len(e["input_ids"]) for e in train], d.batch_size, seed=d.seed,
-                                              shuffle=True)
-    eval_sampler = LengthGroupedBatchSampler([len(e["input_ids"]) for e in evals], d.eval_batch_size or d.batch_size,
+    train_sampler = LengthGroupedBatchSampler(example_lengths(train), d.batch_size, seed=d.seed, shuffle=True)
+    eval_sampler = LengthGroupedBatchSampler(example_lengths(evals), d.eval_batch_size or d.batch_size,
                                              seed=d.seed, shuffle=False)
     world = accelerator.num_processes
     per_rank = len(train_sampler) // world

@@ -157,9 +157,10 @@ def test_packaged_source_is_converted_once(tmp_path, monkeypatch):
     monkeypatch.setattr(sources_module, "_iter_json_file", fail)
     again, again_stats = load_conversations("packaged:sharegpt-v3")
     assert again == conversations and again_stats == stats
-    # A partial read reports exact counts for the part it read.
+    # A capped read still counts the whole source: what was left out, and every skip.
     first_two, partial_stats = load_conversations("packaged:sharegpt-v3", max_samples=2)
-    assert len(first_two) == 2 and partial_stats.kept == 2 and dict(partial_stats.skipped) == {"no_assistant": 1}
+    assert first_two == conversations[:2] and partial_stats.kept == 2 and partial_stats.capped == 2
+    assert dict(partial_stats.skipped) == {"no_assistant": 1, "truncated_source": 1}
 
 
 @pytest.mark.slow

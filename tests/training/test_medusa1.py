@@ -39,6 +39,20 @@ def test_every_invalid_value_is_reported_at_once_with_its_key():
                                   "trainer.mixed_precision='fp8': must be no, bf16 or fp16"]
 
 
+def test_a_missing_or_unreadable_data_source_is_reported_with_the_other_problems(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        compose_config([f"data.source={tmp_path}/chats.jsonl", "heads.num_heads=0", "data.chat_template=nope.jinja"])
+    assert err.value.problems[1].startswith(f"data.source='{tmp_path}/chats.jsonl': no such file or directory")
+    assert "data.chat_template='nope.jinja': must be a Jinja template's text or a file holding one" in err.value.problems
+    assert "heads.num_heads=0: must be >= 1" in err.value.problems
+    if os.geteuid() != 0:  # root reads everything
+        locked = tmp_path / "locked.jsonl"
+        locked.write_text("{}\n")
+        locked.chmod(0)
+        with pytest.raises(ConfigError, match="data.source=.*not readable by this user"):
+            compose_config([f"data.source={locked}"])
+
+
 def test_cli_rejects_bad_values_before_loading_anything():
     result = subprocess.run([sys.executable, "train.py", "+recipe=medusa1", "heads.num_heads=0", "optim.lr=-1",
                              "model.name_or_path=/nonexistent"], cwd=ROOT, capture_output=True, text=True, timeout=120)
