@@ -111,10 +111,12 @@ class Medusa2Recipe:
         self.peft_model = None
         if self.joint:
             p = cfg.peft
-            backbone = self.peft_model = add_lora(backbone, p.r, p.alpha, p.dropout, p.target_modules)
+            backbone = self.peft_model = add_lora(backbone, p.r, p.alpha, p.dropout, p.target_modules,
+                                                  gradient_checkpointing=p.gradient_checkpointing)
             n_lora = sum(t.numel() for t in backbone.parameters() if t.requires_grad)
             loop.say(acc, f"LoRA r={p.r} alpha={p.alpha} on {p.target_modules}: {n_lora / 1e6:.2f} M parameters "
-                          f"on a {m.quantization or m.dtype} backbone")
+                          f"on a {m.quantization or m.dtype} backbone; gradient checkpointing "
+                          f"{'on' if p.gradient_checkpointing else 'off'} (peft.gradient_checkpointing)")
         train, evals = setup.load_examples(cfg, self.tokenizer, acc)
         self.model = setup.build_heads(cfg, backbone, acc.device, train)
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
