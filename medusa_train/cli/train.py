@@ -17,6 +17,18 @@ def recipe_class(method: str):
     return Medusa1Recipe
 
 
+def build(raw) -> TrainConfig:
+    """The checked config; a run in ``trainer.output_dir`` with other settings is a config problem too (it would
+    be resumed and mixed with this one), reported before anything loads."""
+    from medusa_train.config.check import ConfigError
+    from medusa_train.training.resume import resume_problems
+
+    cfg = build_config(raw)
+    if problems := resume_problems(cfg):
+        raise ConfigError(problems)
+    return cfg
+
+
 def run(cfg: TrainConfig) -> dict:
     """setup -> train -> save_checkpoint -> cleanup of the recipe ``cfg.method`` names; the last eval record."""
     recipe = recipe_class(cfg.method)(cfg)
@@ -35,4 +47,4 @@ def main() -> None:
     from medusa_train.cli.launch import relaunch_cpu_processes_if_asked
 
     relaunch_cpu_processes_if_asked()
-    run_command("train", build_config, run, config_dir=CONFIG_DIR)
+    run_command("train", build, run, config_dir=CONFIG_DIR)

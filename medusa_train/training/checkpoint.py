@@ -55,14 +55,17 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, trainable: dict[str, torch.Tensor], optimizer, scheduler,
-                    position: dict, rng_by_rank: list[dict], keep_last: int) -> Path:
-    """Write one checkpoint atomically and prune all but the newest ``keep_last``."""
+                    position: dict, rng_by_rank: list[dict], keep_last: int, config: dict | None = None) -> Path:
+    """Write one checkpoint atomically and prune all but the newest ``keep_last``; ``config``: the training config
+    that wrote it (``config.json``, read by ``resume.py`` so that runs never mix)."""
     final = checkpoints_dir(output_dir) / f"step-{step:07d}"
     tmp = assets.atomic_dir(final)
     save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     torch.save(rng_by_rank, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **position}, indent=2) + "\n")
+    if config is not None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     assets.replace_dir(tmp, final)
     for old in list_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)

@@ -357,7 +357,7 @@ def save_checkpoint(run: Run) -> None:
         path = checkpoint.save_checkpoint(run.output_dir, run.step, dict(run.parameters), run.optimizer, run.scheduler,
                                           {"epoch": run.epoch, "micro_in_epoch": run.micro_in_epoch,
                                            "num_processes": acc.num_processes}, rng,
-                                          run.cfg.trainer.keep_last)
+                                          run.cfg.trainer.keep_last, config=to_dict(run.cfg))
         say(acc, f"checkpoint: {path}")
     acc.wait_for_everyone()
 
