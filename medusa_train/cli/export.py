@@ -34,31 +34,27 @@ def run(cfg: ExportConfig) -> None:
         sys.exit(2)
     print(f"wrote {cfg.format} heads from {cfg.heads} to {path}")
     if cfg.format == "vllm":
-        print(serve_command(path))
+        print(serve_command(path, heads=cfg.heads))
 
 
 SERVING_NAME = "serving.json"  # written into a vllm export by `scripts/benchmark.py vllm_k` (the measured K)
 
 
-def serve_command(path) -> str:
-    """How to serve a vllm export: ``vllm serve`` with the base model's folder (``packaged:`` names resolved),
-    the export's dtype and ``--speculative-config``; K is the fastest measured by ``benchmark.py vllm_k``
-    when it ran (``serving.json``), else 1 (vLLM's own per-step cost makes more a loss until measured)."""
+def serve_command(path, heads=None) -> str:
+    """How to serve a vllm export: ``vllm serve`` with the base model's folder (``packaged:`` names resolved,
+    a folder as its absolute path), the export's dtype and ``--speculative-config``; K is the fastest measured
+    by ``benchmark.py vllm_k`` when it ran (``serving.json``), else 1 (vLLM's own per-step cost makes more a
+    loss until measured). ``heads``: the folder the export was made from, where a Medusa-2 export's base
+    (``merged``, relative to it) lies."""
     import json
     from pathlib import Path
 
-    from medusa_train.backbone.load import resolve_model_path
-
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    heads = config.get("num_heads") or config.get("medusa_num_heads")
+    heads_count = config.get("num_heads") or config.get("medusa_num_heads")
     measured = json.loads((path / SERVING_NAME).read_text()) if (path / SERVING_NAME).is_file() else None
     k = (measured or {}).get("recommended_num_speculative_tokens")
-    base = config.get("base_model_name_or_path")
-    try:
-        base = resolve_model_path(base)[0] if base else "<base model>"
-    except (OSError, ValueError):
-        pass
+    base = served_base(config.get("base_model_name_or_path"), [d for d in (heads, path) if d is not None])
     # the dtype K was measured in (the heads' own dtype until then)
     dtype = (measured or {}).get("settings", {}).get("dtype") or config.get("torch_dtype", "auto")
     lines = []
@@ -67,17 +63,41 @@ def serve_command(path) -> str:
                      "on that machine; the fastest K is shown")
         k = measured["fastest_num_speculative_tokens"]
     elif measured:
-        lines.append(f"K={k}: the fastest of K=1..{heads} measured on {measured.get('device', 'this machine')} "
+        lines.append(f"K={k}: the fastest of K=1..{heads_count} measured on {measured.get('device', 'this machine')} "
                      f"({path / SERVING_NAME})")
     else:
         k = 1
-        lines.append(f"K=1 until measured: choose K in 1..{heads} with `python scripts/benchmark.py vllm_k "
+        lines.append(f"K=1 until measured: choose K in 1..{heads_count} with `python scripts/benchmark.py vllm_k "
                      f"heads={path}` (one server per K; it writes {SERVING_NAME} here)")
     spec = json.dumps({"method": "medusa", "model": str(path.resolve()), "num_speculative_tokens": k})
     lines.append(f"vllm serve {base} --dtype {dtype} --speculative-config '{spec}'")
     lines.append(f"  (vLLM's CPU build, whose `vllm` script is broken: python -m vllm.entrypoints.openai.api_server "
                  f"--model {base} --dtype {dtype} --enforce-eager --speculative-config '{spec}')")
     return "serve it with vLLM:\n" + "\n".join(lines)
+
+
+def served_base(base: str | None, folders: list) -> str:
+    """The base model as vLLM must be given it: a folder (``packaged:`` converted, or relative to one of
+    ``folders``, as Medusa-2's ``merged`` is to its heads) as an absolute path; a hub id as it is."""
+    from pathlib import Path
+
+    from medusa_train.backbone.load import resolve_model_path
+    from medusa_train.model.layouts import resolve_base_model
+    from medusa_train.model.medusa2_export import MERGED_DIR
+
+    if not base:
+        return "<base model>"
+    for folder in folders:
+        found = resolve_base_model(folder, base)
+        if found != base:
+            return str(Path(found).resolve())
+    if base == MERGED_DIR:  # Medusa-2's folder beside heads that are not here: no hub id by that name
+        return f"<the {MERGED_DIR}/ folder of the Medusa-2 export these heads came from>"
+    try:
+        resolved = resolve_model_path(base)[0]
+    except (OSError, ValueError):
+        return f"<{base}: not found here; the base model's folder>"
+    return str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
 
 
 def main() -> None:

@@ -48,8 +48,9 @@ class DecodeConfig:
 class DriftConfig:
     """How far the evaluated backbone is from an original one (Medusa-2), on the benchmark's first turns."""
 
-    #: null (skip) | auto (Medusa-2 export: the 4-bit base it started from, rebuilt without peft or
-    #: bitsandbytes) | a model name or path (e.g. packaged:smollm2-135m-instruct, the unquantized original)
+    #: null (skip) | auto (Medusa-2 export: the original model, unquantized; for an export merged with
+    #: trainer.merge_into=dequantized, the 4-bit base it started from, rebuilt without peft or bitsandbytes)
+    #: | a model name or path
     original: str | None = None
     max_new_tokens: int = 64  #: length of the original's greedy answer to each prompt
     limit: int | None = None  #: prompts compared (null = every evaluated prompt)

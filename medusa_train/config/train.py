@@ -109,7 +109,10 @@ class TrainerConfig:
     mixed_precision: str = "bf16"  #: no | bf16 | fp16 (autocast)
     seed: int = 42
     export: bool = True  #: write <output_dir>/export at the end
-    merge_export: bool = False  #: medusa2: also write export/merged, the backbone dequantized with LoRA merged
+    merge_export: bool = False  #: medusa2: also write export/merged, a standalone backbone with the LoRA merged
+    #: medusa2, merged/: original (the LoRA added to the unquantized weights of model.name_or_path) | dequantized
+    #: (added to the 4-bit weights dequantized: exactly the model that trained, with its quantization loss)
+    merge_into: str = "original"
 
 
 @dataclass
@@ -266,6 +269,8 @@ def check(c: TrainConfig) -> list[str]:
     p.need(c.trainer.mixed_precision in ("no", "bf16", "fp16"), "trainer.mixed_precision", c.trainer.mixed_precision,
            "must be no, bf16 or fp16")
     p.need(bool(c.trainer.output_dir), "trainer.output_dir", c.trainer.output_dir, "must be set")
+    p.need(c.trainer.merge_into in ("original", "dequantized"), "trainer.merge_into", c.trainer.merge_into,
+           "must be original or dequantized")
     p.need(c.peft.r >= 1, "peft.r", c.peft.r, "must be >= 1")
     p.need(0 <= c.peft.dropout < 1, "peft.dropout", c.peft.dropout, "must be in [0, 1)")
     p.need(c.heads.init_from is None or os.path.isdir(c.heads.init_from), "heads.init_from", c.heads.init_from,

@@ -2,13 +2,16 @@
 
 ``<output_dir>/export`` of a medusa2 run holds the heads, ``backbone.json`` (what the backbone was
 loaded from and how), ``adapter/`` (peft's LoRA adapter) and, with ``trainer.merge_export=true``,
-``merged/``: the 4-bit weights dequantized with the LoRA update merged in, loadable by plain
-transformers. Nothing here imports peft or bitsandbytes unless the adapter form is asked for.
+``merged/``: the LoRA update merged into the original, unquantized weights (``trainer.merge_into=original``,
+the default: the user's model plus what training learnt, nothing lost to quantization), or into the 4-bit
+weights dequantized (``dequantized``: exactly the model that trained), loadable by plain transformers.
+Nothing here imports peft or bitsandbytes unless the adapter form is asked for.
 
 - ``merge_backbone``: write-side, builds ``merged/`` from the trained model;
 - ``load_medusa2_export``: ``(MedusaModel, tokenizer)`` from either form;
-- ``original_backbone``: the model training started from (the dequantized 4-bit base, no adapter),
-  rebuilt from ``merged/`` minus the LoRA update, with plain torch;
+- ``original_backbone``: the model a drift is measured against: the original model (loaded unquantized),
+  or for a ``dequantized`` merge the 4-bit base it started from, rebuilt from ``merged/`` minus the LoRA
+  update, with plain torch;
 - ``backbone_drift``: mean KL and greedy agreement between an original and an adapted backbone.
 """
 
@@ -24,6 +27,7 @@ import torch
 ADAPTER_DIR = "adapter"
 MERGED_DIR = "merged"
 BACKBONE_INFO = "backbone.json"
+MERGE_INTO = ("original", "dequantized")  #: what ``merged/`` adds the LoRA update to (``trainer.merge_into``)
 
 
 # ------------------------------------------------------------------------------------ merge and load
@@ -59,24 +63,30 @@ def dequantize_into(quantized: torch.nn.Module, dense: torch.nn.Module) -> int:
 
 
 def merge_backbone(trained, adapter_dir: str | os.PathLike | None, base_name_or_path: str,
-                   dtype: str = "bfloat16", **load_kwargs):
-    """A standalone backbone: the trained model's quantized weights dequantized, the adapter merged.
+                   dtype: str = "bfloat16", into: str = "original", **load_kwargs):
+    """A standalone backbone: the adapter merged into the original weights (or the dequantized 4-bit ones).
 
-    The original model is loaded unquantized in ``dtype``, each quantized layer's weight is replaced
-    by the dequantized weight the adapter was trained against, then the saved adapter is applied and
-    merged (``merge_and_unload``). The result needs neither peft nor bitsandbytes.
+    The original model is loaded unquantized in ``dtype``; with ``into="dequantized"`` each quantized
+    layer's weight is first replaced by the dequantized weight the adapter was trained against. The saved
+    adapter is then applied and merged (``merge_and_unload``): ``W + scale * B @ A``. The result needs
+    neither peft nor bitsandbytes.
 
     Args:
         trained: The trained backbone (a peft model or a plain, possibly quantized, model).
         adapter_dir: The adapter saved by peft's ``save_pretrained``; ``None`` to merge nothing.
         base_name_or_path: What the trained backbone was loaded from (``model.name_or_path``).
-        dtype: Weight dtype of the result (the 4-bit weights' own dtype, ``model.dtype``).
+        dtype: Weight dtype of the result (``model.dtype``).
+        into: ``original`` (the unquantized weights of ``base_name_or_path``) or ``dequantized``
+            (``trainer.merge_into``).
         **load_kwargs: Passed to ``load_backbone`` (``trust_remote_code``, ``attn_implementation``).
     """
     from medusa_train.backbone.load import load_backbone
 
+    if into not in MERGE_INTO:
+        raise ValueError(f"trainer.merge_into={into!r}: must be original or dequantized")
     dense, _ = load_backbone(base_name_or_path, dtype=dtype, **load_kwargs)
-    dequantize_into(trained.get_base_model() if hasattr(trained, "get_base_model") else trained, dense)
+    if into == "dequantized":
+        dequantize_into(trained.get_base_model() if hasattr(trained, "get_base_model") else trained, dense)
     if adapter_dir is not None:
         from peft import PeftModel
 
@@ -134,13 +144,32 @@ def load_medusa2_export(directory: str | os.PathLike, form: str = "merged", dtyp
     return model.eval().requires_grad_(False), tokenizer
 
 
-def original_backbone(directory: str | os.PathLike, dtype: str | None = None, attn_implementation: str | None = None):
-    """The backbone a Medusa-2 run started from, rebuilt from its export without peft or bitsandbytes.
+def merged_from(info: dict) -> str:
+    """What an export's ``merged/`` adds the LoRA update to (``trainer.merge_into``); exports written before
+    the choice existed merged into the dequantized weights."""
+    return info.get("merged_from") or ("dequantized" if info.get("merged") else "original")
 
-    That is the 4-bit base dequantized, with no adapter: the "original" of ``loss.base=distill``.
-    It is ``merged/`` minus the LoRA update ``scale * B @ A`` of every adapted layer, read from
-    ``adapter/`` with safetensors. ``merged/`` was stored in the training dtype, so the result
-    equals the dequantized base up to that dtype's rounding of ``W + scale * B @ A``.
+
+def describe_original(directory: str | os.PathLike) -> str:
+    """What ``original_backbone(directory)`` is, for a report."""
+    info = read_backbone_info(directory)
+    if merged_from(info) == "original":
+        return f"the original model {info['base_model_name_or_path']} (unquantized, without the adapter)"
+    return "the Medusa-2 export's 4-bit base (dequantized, without the adapter)"
+
+
+def original_backbone(directory: str | os.PathLike, dtype: str | None = None, attn_implementation: str | None = None,
+                      trust_remote_code: bool = False):
+    """The model a Medusa-2 export's drift is measured against (``drift.original=auto``), without peft or
+    bitsandbytes.
+
+    With ``merged/`` merged into the original weights (``trainer.merge_into=original``, the default), or
+    without ``merged/``: the original model, ``base_model_name_or_path`` of ``backbone.json`` loaded
+    unquantized, so the drift includes what quantization and training together changed. With a
+    ``dequantized`` merge: the 4-bit base dequantized, with no adapter (the "original" of
+    ``loss.base=distill``), rebuilt as ``merged/`` minus the LoRA update ``scale * B @ A`` of every adapted
+    layer, read from ``adapter/`` with safetensors; ``merged/`` was stored in the training dtype, so that
+    equals the dequantized base up to the dtype's rounding of ``W + scale * B @ A``.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -151,6 +180,10 @@ def original_backbone(directory: str | os.PathLike, dtype: str | None = None, at
 
     directory = Path(directory)
     info = read_backbone_info(directory)
+    if merged_from(info) == "original":
+        model, tokenizer = load_backbone(info["base_model_name_or_path"], dtype=dtype or info["dtype"],
+                                         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        return model.eval().requires_grad_(False), tokenizer
     if not info.get("merged"):
         raise ValueError(f"{directory} holds no merged backbone (train with trainer.merge_export=true)")
     model, tokenizer = load_backbone(directory / info["merged"], dtype=dtype or info["dtype"],

@@ -20,8 +20,9 @@ loss and then each head backpropagate into that leaf chunk by chunk, and one
 
 The export (``<output_dir>/export``) holds the heads (native layout), the LoRA adapter
 (``adapter/``, peft), ``backbone.json`` (how to rebuild the backbone), and with
-``trainer.merge_export=true`` a standalone backbone (``merged/``: the 4-bit weights dequantized,
-LoRA merged, plus the tokenizer) that needs neither peft nor bitsandbytes; the heads' config then
+``trainer.merge_export=true`` a standalone backbone (``merged/``: the LoRA merged into the original weights,
+or with ``trainer.merge_into=dequantized`` into the 4-bit weights dequantized, plus the tokenizer) that needs
+neither peft nor bitsandbytes; the heads' config then
 names it (``"merged"``, relative to the heads folder). ``medusa2_export`` loads either form and
 measures how far the backbone moved from the original model.
 
@@ -246,15 +247,16 @@ class Medusa2Recipe:
                 self.peft_model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False)
             if merge:
                 merged = merge_backbone(self.model.backbone, tmp / ADAPTER_DIR if self.joint else None,
-                                        m.name_or_path, dtype=m.dtype, trust_remote_code=m.trust_remote_code,
-                                        attn_implementation=m.attn_implementation)
+                                        m.name_or_path, dtype=m.dtype, into=cfg.trainer.merge_into,
+                                        trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
                 merged.save_pretrained(tmp / MERGED_DIR, safe_serialization=True)
                 self.tokenizer.save_pretrained(tmp / MERGED_DIR)
                 del merged
             info = {"base_model_name_or_path": str(m.name_or_path), "quantization": m.quantization,
                     "dtype": m.dtype, "bnb_compute_dtype": m.bnb_compute_dtype,
                     "bnb_double_quant": m.bnb_double_quant, "adapter": ADAPTER_DIR if self.joint else None,
-                    "merged": MERGED_DIR if merge else None, "stage": cfg.stage}
+                    "merged": MERGED_DIR if merge else None, "merged_from": cfg.trainer.merge_into if merge else None,
+                    "stage": cfg.stage}
             (tmp / BACKBONE_INFO).write_text(json.dumps(info, indent=2) + "\n")
             loop.write_training_config(cfg, tmp)
             assets.replace_dir(tmp, target)

@@ -317,7 +317,8 @@ def test_stage_1_trains_heads_only_then_stage_2_starts_from_them_and_merges(tiny
     assert json.loads((stage1 / "export/config.json").read_text())["base_model_name_or_path"] == str(model_dir)
 
     run(compose_config(tiny_overrides(model_dir, data, stage2, stage=2, **{
-        "heads.init_from": stage1 / "export", "trainer.max_steps": 3, "trainer.merge_export": "true"})))
+        "heads.init_from": stage1 / "export", "trainer.max_steps": 3, "trainer.merge_export": "true",
+        "trainer.merge_into": "dequantized"})))  # the model that trained, so the adapter form equals it
     last_stage1 = [m for m in read_metrics(stage1) if m["split"] == "eval"][-1]
     first_stage2 = [m for m in read_metrics(stage2) if m["split"] == "eval"][0]
     assert first_stage2["step"] == 0 and first_stage2["base/kl"] == 0.0
@@ -358,9 +359,11 @@ def test_scripts_evaluate_reads_a_merged_export_without_peft_or_bitsandbytes_and
     model_dir, data = tiny_setup
     out = tmp_path / "run"
     run(compose_config(tiny_overrides(model_dir, data, out, **{"trainer.max_steps": 3, "trainer.merge_export": "true",
-                                                               "optim.lr": 5e-3})))
+                                                               "trainer.merge_into": "dequantized", "optim.lr": 5e-3})))
     export = out / "export"
-    # the original a drift is measured against: merged/ minus the LoRA update equals the adapter-disabled model
+    # merged into the dequantized weights, the original a drift is measured against is the 4-bit base:
+    # merged/ minus the LoRA update equals the adapter-disabled model (the default, merge_into=original:
+    # tests/model/test_cuda_path_merge.py)
     from medusa_train.model.medusa2_export import original_backbone
 
     original, _ = original_backbone(export, dtype="float32")
@@ -428,7 +431,8 @@ def test_smoke_run_through_accelerate_launch_exports_a_merged_backbone_that_need
     cmd = [accelerate, "launch", "train.py", "+recipe=medusa2", "trainer=smoke",
            *train_overrides(model_dir, data, tmp_path, **{"model.dtype": "bfloat16", "trainer.max_steps": 4,
                                                           "trainer.eval_every": 0, "peft.r": 4, "peft.alpha": 8,
-                                                          "loss.head_warmup_steps": 2})]
+                                                          "loss.head_warmup_steps": 2,
+                                                          "trainer.merge_into": "dequantized"})]
     env = dict(os.environ, OMP_NUM_THREADS="2")
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
