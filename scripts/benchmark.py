@@ -7,6 +7,7 @@
     python scripts/benchmark.py rounding  # how often a multi-token bf16 pass picks another greedy token
     python scripts/benchmark.py loop heads=... tree=...  # the real decode loop against the timed verify step
     python scripts/benchmark.py vllm_k heads=...  # vLLM's num_speculative_tokens swept 0..heads, the fastest kept
+    python scripts/benchmark.py tokenize  # the data's tokenisation: first run, cached run, peak memory
 
 Extra ``key=value`` arguments are passed to the chosen benchmark.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
               "rounding": "bench_rounding", "loop": "bench_loop",
-              "vllm_k": "bench_vllm_k"}
+              "vllm_k": "bench_vllm_k", "tokenize": "bench_tokenize"}
 
 
 def main(argv: list[str]) -> int:

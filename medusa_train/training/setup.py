@@ -246,9 +246,14 @@ def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict
 
 def capture_settings(cfg: TrainConfig, tokenizer, n_train: int, n_eval: int) -> dict:
     """Everything that changes the captured hidden states (the model section but its placement: quantization
-    and its settings change them as much as the weights do)."""
+    and its settings change them as much as the weights do), and the examples' identity as the tokenised cache
+    keys it (tokenizer and chat template, the source files' size and time, lengths and split)."""
+    from medusa_train.data.cache import cache_key
+
     d, m = cfg.data, cfg.model
-    return {"model": m.name_or_path, "model_section": json.dumps({k: v for k, v in asdict(m).items() if k not in ("device_map", "fsdp")}, sort_keys=True), "source": d.source,
+    model_section = {k: v for k, v in asdict(m).items() if k not in ("device_map", "fsdp")}
+    return {"examples": cache_key(tokenizer, d.source, d.max_length, d.max_samples, d.eval_size, d.seed),
+            "model": m.name_or_path, "model_section": json.dumps(model_section, sort_keys=True), "source": d.source,
             "max_samples": d.max_samples, "max_length": d.max_length, "eval_size": d.eval_size, "seed": d.seed,
             "tokenizer": tokenizer.name_or_path, "n_train": n_train, "n_eval": n_eval}
 
