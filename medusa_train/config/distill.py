@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from medusa_train.config.check import Problems, parse_config
+from medusa_train.config.check import Problems, data_source_problem, parse_config
 from medusa_train.config.engine import ServerConfig, check_server
 from medusa_train.config.train import ModelConfig, check_model
 
@@ -70,6 +70,8 @@ def check_distill_config(c: DistillConfig) -> list[str]:
     """Range checks; returns every problem found, each naming its key."""
     p = Problems(check_model(c.model))
     p.need(bool(c.source), "source", c.source, "must name a conversation source")
+    if problem := data_source_problem("source", c.source):
+        p.append(problem)
     p.need(c.num_prompts is None or c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1 or null (all)")
     p.need(c.max_turns >= 1, "max_turns", c.max_turns, "must be >= 1")
     p.need(c.max_prompt_tokens >= 8, "max_prompt_tokens", c.max_prompt_tokens, "must be >= 8")

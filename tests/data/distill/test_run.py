@@ -116,9 +116,12 @@ def test_the_yaml_composes_and_every_invalid_value_is_reported_at_once():
         assert cfg.exclude_benchmark == "packaged:mt-bench" and cfg.filters.skip_truncated
         assert default_output(cfg) == Path("outputs/distill/smollm2-135m-instruct-400.jsonl")
         with pytest.raises(ConfigError) as err:
-            build_distill_config(compose("distill", overrides=["batch_size=0", "generation.top_p=0", "max_turns=x"]))
-    assert err.value.problems == ["max_turns='x': expected int", "batch_size=0: must be >= 1",
-                                  "generation.top_p=0.0: must be in (0, 1]"]
+            build_distill_config(compose("distill", overrides=["batch_size=0", "generation.top_p=0", "max_turns=x",
+                                                               "source=/nonexistent/chats.jsonl"]))
+    problems = err.value.problems
+    assert [p for p in problems if not p.startswith("source=")] == [
+        "max_turns='x': expected int", "batch_size=0: must be >= 1", "generation.top_p=0.0: must be in (0, 1]"]
+    assert any(p.startswith("source='/nonexistent/chats.jsonl': no such file or directory") for p in problems)
 
 
 def test_engine_settings_are_checked_before_anything_starts():
