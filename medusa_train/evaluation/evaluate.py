@@ -317,12 +317,13 @@ def measure_drift(backbone, tokenizer, prompts: Sequence[BenchPrompt], drift: Dr
         ``prompts`` and ``max_new_tokens``.
     """
     from medusa_train.backbone.load import load_backbone
-    from medusa_train.model.medusa2_export import backbone_drift, original_backbone
+    from medusa_train.model.medusa2_export import backbone_drift, describe_original, original_backbone
 
     model = model or EvalModelConfig()
     if drift.original == "auto":
-        original, _ = original_backbone(heads_dir, dtype=model.dtype, attn_implementation=model.attn_implementation)
-        described = "the Medusa-2 export's 4-bit base (dequantized, without the adapter)"
+        original, _ = original_backbone(heads_dir, dtype=model.dtype, attn_implementation=model.attn_implementation,
+                                        trust_remote_code=model.trust_remote_code)
+        described = describe_original(heads_dir)
     else:
         original, _ = load_backbone(drift.original, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
                                     attn_implementation=model.attn_implementation)

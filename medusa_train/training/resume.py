@@ -17,11 +17,12 @@ from medusa_train.training import checkpoint
 CONFIG_FILE = "config.json"  # in each checkpoint folder: the training config that wrote it
 
 # Keys a resumed run may change: how long it runs, how often it logs, evaluates and saves, what it writes at the
-# end, where it logs, and how its data is tokenised or where its captured states live (the examples are the same).
+# end, where it logs, how its data is tokenised or where its captured states live (the examples are the same), and
+# whether activations are recomputed (the same gradients).
 MAY_CHANGE_ON_RESUME = ("trainer.max_steps", "trainer.epochs", "trainer.save_every", "trainer.keep_last",
                         "trainer.eval_every", "trainer.log_every", "trainer.export", "trainer.merge_export",
                         "trainer.merge_into", "trainer.resume", "trainer.output_dir", "logger", "data.num_proc",
-                        "data.cache_dir", "model.device_map")
+                        "data.cache_dir", "model.device_map", "peft.gradient_checkpointing")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, object]:

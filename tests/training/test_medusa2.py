@@ -392,6 +392,7 @@ def test_scripts_evaluate_reads_a_merged_export_without_peft_or_bitsandbytes_and
     report = json.loads((report_dir / "report.json").read_text())
     assert report["mismatches"] == 0 and report["settings"]["model"].endswith("merged")
     drift = report["drift"]
+    assert drift["original"] == "the Medusa-2 export's 4-bit base (dequantized, without the adapter)"
     assert drift["prompts"] == 2 and 2 <= drift["num_tokens"] <= 24
     assert drift["mean_kl"] > 0 and 0 <= drift["greedy_agreement"] <= 1
     assert "## Backbone drift" in (report_dir / "report.md").read_text()
