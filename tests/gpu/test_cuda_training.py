@@ -62,6 +62,7 @@ def test_medusa1_bf16_killed_and_rerun_resumes_on_the_gpu(chats, tmp_path):
     reference = subprocess.run(_train_cmd(chats, tmp_path / "ref"), cwd=ROOT, env=env, capture_output=True,
                                text=True, timeout=900)
     assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "train: peak GPU memory" in reference.stdout  # every command says what it held on the GPU
 
     crashed = tmp_path / "crashed"
     proc = subprocess.Popen(_train_cmd(chats, crashed), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
