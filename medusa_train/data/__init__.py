@@ -8,7 +8,8 @@ from medusa_train.data.batching import (
     split_indices,
     tokenize_conversations,
 )
-from medusa_train.data.sources import SkipStats, load_conversations, normalise_record
+from medusa_train.data.records import normalise_record
+from medusa_train.data.sources import SkipStats, load_conversations
 from medusa_train.data.tokenize import IGNORE_INDEX, assistant_spans, tokenize_conversation
 
 __all__ = [

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from medusa_train.data.sources import Conversation, SkipStats, load_conversations
+from medusa_train.data.records import Conversation
+from medusa_train.data.sources import SkipStats, load_conversations
 from medusa_train.data.tokenize import IGNORE_INDEX, template_support, tokenize_batch
 
 Example = dict[str, list[int]]

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.backbone.assets import is_packaged, packaged_data_file
-from medusa_train.data.sources import ROLE_ALIASES, SkipStats
+from medusa_train.data.records import ROLE_ALIASES
+from medusa_train.data.sources import SkipStats
 
 DEFAULT_BENCHMARK = "packaged:mt-bench"
 BENCHMARK_PACKAGES = ("packaged:mt-bench",)

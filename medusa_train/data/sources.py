@@ -23,23 +23,7 @@ from typing import Any
 
 from medusa_train.backbone.assets import is_packaged, packaged_data_file
 from medusa_train.config.check import looks_like_path
-
-Message = dict[str, Any]  # role, content (str); tool_calls, name, tool_call_id where given
-Conversation = list[Message]
-
-# ShareGPT names seen in the wild -> the roles chat templates expect.
-ROLE_ALIASES: dict[str, str] = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-}
-# Tool / function results (OpenAI "tool" and older "function", glaive's "observation", Llama's "ipython").
-TOOL_ROLES = ("tool", "function", "observation", "ipython")
+from medusa_train.data.records import Conversation, Skip, normalise_record
 
 # Packaged sources that hold conversations (packaged:mt-bench holds questions, not conversations).
 CONVERSATION_PACKAGES = ("packaged:sharegpt-v3",)
@@ -94,109 +78,6 @@ class SkipStats:
         return cls(d["kept"], Counter(d["skipped"]), d.get("capped", 0), d.get("truncated", 0))
 
 
-class _Skip(ValueError):
-    """Raised by :func:`normalise_record`; ``reason`` is the :class:`SkipStats` key."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _text(content: Any) -> str:
-    """A turn's text: a string as it is, an OpenAI content-part list flattened to its text parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
-        raise _Skip("malformed")
-    texts = []
-    for part in content:
-        kind = part.get("type", "text")
-        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("text", "input_text", "output_text"):
-            raise _Skip("malformed")
-        else:  # an image, audio or file: the text alone would misstate the turn
-            raise _Skip("non_text_content")
-    return "\n".join(texts)  # as vLLM and OpenAI's chat endpoint join text parts
-
-
-def _tool_calls(turn: dict) -> list[dict] | None:
-    """An assistant turn's tool calls in the form chat templates read (``arguments`` as a mapping when it is
-    JSON text), from ``tool_calls`` or the older single ``function_call``; ``None`` when it makes none."""
-    calls = turn.get("tool_calls")
-    if calls is None and isinstance(turn.get("function_call"), dict):
-        calls = [{"type": "function", "function": turn["function_call"]}]
-    if calls is None:
-        return None
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                              and isinstance(c["function"].get("name"), str) for c in calls):
-        raise _Skip("malformed")
-    normalised = []
-    for call in calls:
-        function = dict(call["function"])
-        if isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except json.JSONDecodeError:
-                pass  # not JSON: the template gets the text as it was written
-        normalised.append({k: v for k, v in {**call, "type": call.get("type") or "function",
-                                             "function": function}.items() if v is not None})
-    return normalised or None
-
-
-def normalise_record(record: Any) -> Conversation:
-    """Turn one ShareGPT or messages record into a list of role/content messages.
-
-    Content may be a string or an OpenAI content-part list (its text parts are joined with newlines).
-    Tool and function results become ``{"role": "tool", "content", ...}`` turns (with their ``name`` and
-    ``tool_call_id`` when given); an assistant turn's ``tool_calls`` (or ``function_call``) are kept, its
-    ``content`` may then be empty or null. Whether a chat template can render tool turns is the
-    tokenizer's business (``tokenize.py``), not the reader's.
-
-    Args:
-        record: ``{"conversations": [{"from", "value"}, ...]}`` or ``{"messages": [{"role", "content"}, ...]}``.
-
-    Returns:
-        The conversation as ``[{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...]``.
-
-    Raises:
-        ValueError: the record is dropped; its ``reason`` attribute is ``malformed``, ``empty``,
-            ``unknown_role``, ``non_text_content`` or ``no_assistant``.
-    """
-    if not isinstance(record, dict):
-        raise _Skip("malformed")
-    turns = record.get("conversations")
-    if turns is None:
-        turns = record.get("messages")
-    if not isinstance(turns, list):
-        raise _Skip("malformed")
-    conversation: Conversation = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            raise _Skip("malformed")
-        # Either key pair; datasets fills absent struct keys with None, so test for None.
-        role = turn.get("from") if turn.get("from") is not None else turn.get("role")
-        content = turn.get("value") if turn.get("value") is not None else turn.get("content")
-        if not isinstance(role, str):
-            raise _Skip("malformed")
-        role = role.strip().lower()
-        if role not in ROLE_ALIASES and role not in TOOL_ROLES:
-            raise _Skip("unknown_role")
-        role = ROLE_ALIASES.get(role, "tool")
-        calls = _tool_calls(turn) if role == "assistant" else None
-        message: dict[str, Any] = {"role": role, "content": "" if content is None and calls else _text(content)}
-        if calls:
-            message["tool_calls"] = calls
-        if role == "tool":
-            message.update({k: turn[k] for k in ("name", "tool_call_id") if isinstance(turn.get(k), str)})
-        conversation.append(message)
-    if not any(m["content"].strip() or m.get("tool_calls") for m in conversation):
-        raise _Skip("empty")
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in conversation):
-        raise _Skip("no_assistant")
-    return conversation
-
-
 def _collect(records: Iterable[Any], stats: SkipStats, max_samples: int | None) -> list[Conversation]:
     """Normalise ``records`` into conversations, counting skips; keep the first ``max_samples`` and count the
     rest as ``capped`` (they are read, so the log can say how many were left out)."""
@@ -204,7 +85,7 @@ def _collect(records: Iterable[Any], stats: SkipStats, max_samples: int | None) 
     for record in records:
         try:
             conversation = normalise_record(record)
-        except _Skip as skip:
+        except Skip as skip:
             stats.skip(skip.reason)
             continue
         if max_samples is not None and len(conversations) >= max_samples:
@@ -333,10 +214,10 @@ def convert_to_normalised_jsonl(source_file: Path, target: Path) -> SkipStats:
             for record in _iter_json_file(source_file):
                 try:
                     if isinstance(record, _Broken):
-                        raise _Skip(record.reason)
+                        raise Skip(record.reason)
                     line = {"messages": normalise_record(record)}
                     stats.kept += 1
-                except _Skip as skip:
+                except Skip as skip:
                     line = {"skipped": skip.reason}
                     stats.skip(skip.reason)
                 out.write(json.dumps(line, ensure_ascii=False) + "\n")

@@ -205,8 +205,8 @@ def test_greedy_replies_equal_model_generate_although_finished_rows_leave_the_ba
 
 def test_loops_stop_generation_early_and_keep_exactly_the_text_before_the_loop(tiny, tmp_path):
     model_dir, (model, tokenizer) = tiny
-    cfg = build_distill_config(tiny_config(model_dir, tmp_path / "x.jsonl", tmp_path / "o.jsonl",
-                                           generation={"max_new_tokens": 96}))
+    source = make_multiturn_jsonl(tmp_path / "x.jsonl", 1)  # (the config's source must exist; unused here)
+    cfg = build_distill_config(tiny_config(model_dir, source, tmp_path / "o.jsonl", generation={"max_new_tokens": 96}))
     contexts = [[{"role": "user", "content": " ".join(WORDS[i:i + 3 + i % 4])}] for i in range(8)]
     eos = eos_token_ids(model, tokenizer)
     full = generate_replies(model, tokenizer, contexts, cfg.generation, eos, FilterConfig(loop_window=None))
