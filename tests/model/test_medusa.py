@@ -109,3 +109,14 @@ def test_packaged_round_trip_and_vocab_mismatch(tmp_path, packaged_backbone):
     assert all(torch.equal(a, b) for a, b in zip(model.heads.state_dict().values(), loaded.heads.state_dict().values()))
     with pytest.raises(ValueError, match="vocab size: heads 49152, backbone 256"):
         MedusaModel.from_pretrained(tmp_path, backbone=make_tiny_backbone("llama", hidden_size=576))
+
+
+def test_a_kv_cache_is_built_only_when_asked_for(tiny_backbone):
+    """Training and capture forwards hold no K/V of every layer; decoding asks for them (``use_cache=True``)."""
+    assert tiny_backbone.config.use_cache  # transformers' default would build one on every forward
+    model = MedusaModel.from_backbone(tiny_backbone, num_heads=2)
+    ids = torch.randint(0, tiny_backbone.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert model(ids).past_key_values is None
+        cache = model(ids, use_cache=True).past_key_values
+    assert cache is not None and cache.get_seq_length() == 12
