@@ -141,6 +141,7 @@ def load_backbone(
     bnb_compute_dtype: str | None = None,
     bnb_double_quant: bool = True,
     offload_folder: str | os.PathLike | None = None,
+    bnb_quant_storage: str | torch.dtype | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
@@ -155,6 +156,9 @@ def load_backbone(
         bnb_compute_dtype: Compute dtype of 4-bit layers (defaults to ``dtype``).
         bnb_double_quant: Double quantisation of the 4-bit scales.
         offload_folder: Where ``device_map="auto"`` puts the layers that fit neither GPU nor CPU memory.
+        bnb_quant_storage: The element type the packed 4-bit weights are stored as (``bnb_4bit_quant_storage``;
+            ``None``: bytes). The same bits either way; FSDP shards a 4-bit layer with its other weights when
+            they are stored as the compute dtype (FSDP-QLoRA, ``training/shard.py``).
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode, the tokenizer with a pad token.
@@ -167,7 +171,8 @@ def load_backbone(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if quantization is not None:
-        kwargs["quantization_config"] = _bnb_config(quantization, bnb_compute_dtype or torch_dtype, bnb_double_quant)
+        kwargs["quantization_config"] = _bnb_config(quantization, bnb_compute_dtype or torch_dtype, bnb_double_quant,
+                                                    bnb_quant_storage)
         kwargs["device_map"] = device_map or ("auto" if torch.cuda.is_available() else "cpu")
     elif device_map is not None:
         kwargs["device_map"] = device_map
@@ -191,14 +196,15 @@ def load_backbone(
     return model, tokenizer
 
 
-def _bnb_config(quantization: str, compute_dtype, double_quant: bool):
+def _bnb_config(quantization: str, compute_dtype, double_quant: bool, quant_storage=None):
     from transformers import BitsAndBytesConfig
 
     if quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
+    storage = {} if quant_storage is None else {"bnb_4bit_quant_storage": resolve_dtype(quant_storage)}
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                               bnb_4bit_compute_dtype=resolve_dtype(compute_dtype),
-                              bnb_4bit_use_double_quant=double_quant)
+                              bnb_4bit_use_double_quant=double_quant, **storage)
 
 
 def disable_bnb_cpu_inference_repack(model: torch.nn.Module) -> int:

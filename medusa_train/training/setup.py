@@ -64,22 +64,28 @@ def under_fsdp(accelerator) -> bool:
 
 
 def shards_backbone(cfg: TrainConfig, accelerator) -> bool:
-    """Whether the frozen backbone's layers are sharded over the processes (``shard.py``): ``model.fsdp=true``
-    or a launch under accelerate's FSDP, with more than one process."""
+    """Whether the backbone's layers are sharded over the processes (``shard.py``; Medusa-2: the 4-bit layers
+    with their LoRA): ``model.fsdp=true`` or a launch under accelerate's FSDP, with more than one process."""
     return (cfg.model.fsdp or under_fsdp(accelerator)) and accelerator.num_processes > 1
 
 
-def load_backbone_for(cfg: TrainConfig, device: torch.device):
-    """``(backbone, tokenizer)`` as ``cfg.model`` says, on ``device`` (a quantized one is placed at load time)."""
+def load_backbone_for(cfg: TrainConfig, device: torch.device, sharded: bool = False):
+    """``(backbone, tokenizer)`` as ``cfg.model`` says, on ``device`` (a quantized one is placed at load time).
+
+    ``sharded``: its layers will be sharded over the processes (FSDP-QLoRA, ``shard.shard_backbone``), so 4-bit
+    weights are stored as the compute dtype (``bnb_4bit_quant_storage``: the same bits, in elements FSDP shards
+    with the layer's other weights)."""
     from medusa_train.backbone import assets
     from medusa_train.backbone.load import load_backbone
 
     m = cfg.model
     placement = "auto" if m.device_map == "auto" else ({"": device} if m.quantization else None)
+    storage = (m.bnb_compute_dtype or m.dtype) if sharded and m.quantization == "nf4" else None
     backbone, tokenizer = load_backbone(
         m.name_or_path, dtype=m.dtype, quantization=m.quantization, trust_remote_code=m.trust_remote_code,
         attn_implementation=m.attn_implementation, bnb_compute_dtype=m.bnb_compute_dtype,
-        bnb_double_quant=m.bnb_double_quant, device_map=placement, offload_folder=assets.cache_dir() / "offload")
+        bnb_double_quant=m.bnb_double_quant, device_map=placement, offload_folder=assets.cache_dir() / "offload",
+        bnb_quant_storage=storage)
     if placement is None:
         backbone.to(device)
     return backbone, tokenizer
