@@ -4,6 +4,11 @@ Only parameters that train are saved (the frozen backbone is reloaded from its s
 checkpoint of the packaged model's heads is tens of MB, not the whole model. Each checkpoint is
 written to a temporary folder and renamed into ``<output_dir>/checkpoints/step-NNNNNNN``, so a
 crash (even ``kill -9``) leaves either the previous checkpoints or the new one, never half of one.
+
+Parameters sharded over the processes (Medusa-2's LoRA under FSDP, ``shard.py``) are saved whole, gathered
+from every process, and so is their optimizer state (``full_state``): a sharded run's checkpoint has the
+same files and names as an unsharded one's. On resume every process reads the (small) trainable weights and
+optimizer state and keeps its own shard of each (``load_checkpoint``).
 """
 
 from __future__ import annotations
@@ -55,13 +60,16 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, trainable: dict[str, torch.Tensor], optimizer, scheduler,
-                    position: dict, rng_by_rank: list[dict], keep_last: int, config: dict | None = None) -> Path:
+                    position: dict, rng_by_rank: list[dict], keep_last: int, config: dict | None = None,
+                    optimizer_state: dict | None = None) -> Path:
     """Write one checkpoint atomically and prune all but the newest ``keep_last``; ``config``: the training config
-    that wrote it (``config.json``, read by ``resume.py`` so that runs never mix)."""
+    that wrote it (``config.json``, read by ``resume.py`` so that runs never mix); ``optimizer_state``: what to
+    save for ``optimizer`` (default its ``state_dict()``; gathered whole when it is sharded: ``full_state``)."""
     final = checkpoints_dir(output_dir) / f"step-{step:07d}"
     tmp = assets.atomic_dir(final)
     save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     torch.save(rng_by_rank, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **position}, indent=2) + "\n")
     if config is not None:
@@ -89,11 +97,38 @@ def onto(device: torch.device):
     return restore
 
 
+def _is_sharded(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def full_state(parameters: dict[str, torch.nn.Parameter], optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(trainable weights, optimizer state dict)`` whole, on the CPU: sharded parameters and their optimizer
+    state gathered from every process, one tensor at a time. A collective: every process calls it."""
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        return (tensor.full_tensor() if _is_sharded(tensor) else tensor).detach().cpu()
+
+    weights = {name: whole(param) for name, param in parameters.items()}
+    state = optimizer.state_dict()
+    state["state"] = {index: {k: whole(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+                      for index, values in sorted(state["state"].items())}
+    return weights, state
+
+
+def _shard_like(full: torch.Tensor, param) -> torch.Tensor:
+    """This process's shard of ``full`` as ``param`` (a DTensor) is sharded; every process holds ``full``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
 def load_checkpoint(path: str | Path, parameters: dict[str, torch.nn.Parameter], optimizer, scheduler) -> tuple[dict, list]:
     """Restore weights, optimizer and scheduler in place; return ``(state, rng_by_rank)``.
 
     The optimizer state is read straight onto the device of this process's parameters, whichever device
-    the saving process had.
+    the saving process had. Sharded parameters (DTensors) and their optimizer state keep this process's shard of
+    the whole tensors saved.
     """
     path = Path(path)
     tensors = load_file(str(path / "trainable.safetensors"))
@@ -104,8 +139,15 @@ def load_checkpoint(path: str | Path, parameters: dict[str, torch.nn.Parameter],
                          "or another trainer.output_dir to start afresh")
     with torch.no_grad():
         for name, param in parameters.items():
-            param.copy_(tensors[name])
+            param.copy_(_shard_like(tensors[name], param) if _is_sharded(param) else tensors[name])
     states = torch.load(path / "optimizer.pt", map_location=onto(parameter_device(optimizer)), weights_only=False)
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]  # the state dict's indices
+    for index, values in states["optimizer"]["state"].items():
+        param = ordered[index] if index < len(ordered) else None
+        if param is not None and _is_sharded(param):
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:  # (AdamW's step is a scalar)
+                    values[key] = _shard_like(value, param)
     optimizer.load_state_dict(states["optimizer"])
     scheduler.load_state_dict(states["scheduler"])
     rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)  # RNG states are CPU byte tensors

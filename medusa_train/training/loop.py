@@ -31,6 +31,7 @@ from medusa_train.training import checkpoint
 from medusa_train.training.losses import LossResult, head_weights, medusa_loss_backward
 from medusa_train.training.one_backward import OneBackward
 from medusa_train.training.setup import TrainData, say
+from medusa_train.training.shard import clip_gradients
 from medusa_train.training.targets import HeadTargets, inputs_and_targets
 
 R = TypeVar("R")
@@ -120,7 +121,7 @@ def start_run(cfg: TrainConfig, accelerator, model, data: TrainData, param_group
 
 def wrap(model, accelerator, sharded: bool = False) -> torch.nn.Module | None:
     """``OneBackward(model)`` through ``accelerator.prepare`` (DDP) when there are several processes; with a
-    sharded backbone in a DDP of its own (the heads stay replicated)."""
+    sharded backbone in a DDP of its own (the heads stay replicated; sharded LoRA weights are FSDP's)."""
     if accelerator.num_processes == 1:
         return None
     if sharded:  # under accelerate's FSDP, prepare would shard the heads too; the sharded layers are DTensors DDP ignores
@@ -130,7 +131,7 @@ def wrap(model, accelerator, sharded: bool = False) -> torch.nn.Module | None:
     if not str(accelerator.distributed_type.value).startswith("MULTI_"):  # MULTI_GPU, _CPU, _XPU, ...: DDP
         raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by the training recipes yet: "
                          "launch with data parallelism (accelerate launch --config_file configs/accelerate/ddp.yaml), "
-                         "and for Medusa-1 shard the backbone with configs/accelerate/fsdp.yaml")
+                         "and shard the backbone with configs/accelerate/fsdp.yaml (model.fsdp=true)")
     # placed already (and a backbone loaded without its layers keeps them on the meta device, which .to() refuses)
     return accelerator.prepare_model(OneBackward(model), device_placement=False)
 
@@ -260,7 +261,7 @@ def optimizer_step(run: Run) -> None:
     """Clip, step, schedule, zero (DDP averaged the gradients in the last micro-batch's backward)."""
     params = list(run.parameters.values())
     if run.cfg.optim.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(params, run.cfg.optim.max_grad_norm)
+        clip_gradients(params, run.cfg.optim.max_grad_norm)  # (sharded LoRA gradients counted whole)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -338,7 +339,9 @@ def check_ranks_agree(run: Run) -> None:
     acc = run.accelerator
     if acc.num_processes == 1:
         return
-    checksum = torch.stack([p.detach().double().sum() for p in run.parameters.values()]).sum().view(1)
+    from medusa_train.training.shard import full
+
+    checksum = torch.stack([full(p.detach()).double().sum() for p in run.parameters.values()]).sum().view(1)
     sums = acc.gather(checksum.to(acc.device)).cpu()
     if not torch.allclose(sums, sums[0].expand_as(sums), rtol=1e-9, atol=0):
         raise RuntimeError(f"trainable weights diverged across processes: {sums.tolist()}")
@@ -346,18 +349,25 @@ def check_ranks_agree(run: Run) -> None:
 
 
 def save_checkpoint(run: Run) -> None:
-    """Trainable weights, optimizer, schedule, every rank's RNG and the data position, atomically."""
+    """Trainable weights, optimizer, schedule, every rank's RNG and the data position, atomically; sharded weights
+    and their optimizer state gathered whole first (every process takes part; process 0 writes)."""
+    from medusa_train.training.shard import is_sharded
+
     acc = run.accelerator
+    weights, optimizer_state = dict(run.parameters), None
+    if any(is_sharded(p) for p in run.parameters.values()):
+        weights, optimizer_state = checkpoint.full_state(run.parameters, run.optimizer)
     rng = [checkpoint.rng_state()]
     if acc.num_processes > 1:
         from accelerate.utils import gather_object
 
         rng = gather_object(rng)
     if acc.is_main_process:
-        path = checkpoint.save_checkpoint(run.output_dir, run.step, dict(run.parameters), run.optimizer, run.scheduler,
+        path = checkpoint.save_checkpoint(run.output_dir, run.step, weights, run.optimizer, run.scheduler,
                                           {"epoch": run.epoch, "micro_in_epoch": run.micro_in_epoch,
                                            "num_processes": acc.num_processes}, rng,
-                                          run.cfg.trainer.keep_last, config=to_dict(run.cfg))
+                                          run.cfg.trainer.keep_last, config=to_dict(run.cfg),
+                                          optimizer_state=optimizer_state)
         say(acc, f"checkpoint: {path}")
     acc.wait_for_everyone()
 

@@ -26,6 +26,11 @@ neither peft nor bitsandbytes; the heads' config then
 names it (``"merged"``, relative to the heads folder). ``medusa2_export`` loads either form and
 measures how far the backbone moved from the original model.
 
+With several processes and ``model.fsdp=true`` (or accelerate's FSDP) the 4-bit backbone's decoder layers,
+LoRA included, are sharded over the processes (FSDP-QLoRA, ``shard.py``): every process loads the 4-bit
+backbone itself, keeps 1/N of each layer, and the heads stay whole, averaged by DDP as without sharding.
+Checkpoints and the adapter export hold the LoRA weights whole, gathered from every process.
+
 setup -> train -> save_checkpoint -> cleanup; shared parts are free functions in ``loop.py`` (this
 recipe inherits from none).
 """
@@ -56,6 +61,7 @@ from medusa_train.model.medusa2_export import (  # noqa: F401  (re-exported: the
 from medusa_train.training import loop, setup
 from medusa_train.training.backbone_loss import BaseMetrics, base_loss_backward, base_record, base_term
 from medusa_train.training.losses import LossResult
+from medusa_train.training.shard import full, is_sharded, shard_backbone
 
 
 def head_weight_at(step: int, head_weight: float, warmup_steps: int, schedule: str = "linear") -> float:
@@ -108,7 +114,8 @@ class Medusa2Recipe:
     def setup(self) -> None:
         cfg, m = self.cfg, self.cfg.model
         self.accelerator = acc = setup.make_accelerator(cfg)
-        backbone, self.tokenizer = setup.load_backbone_for(cfg, acc.device)
+        sharded = setup.shards_backbone(cfg, acc)  # 4-bit weights stored as the compute dtype, to shard
+        backbone, self.tokenizer = setup.load_backbone_for(cfg, acc.device, sharded=sharded)
         self.peft_model = None
         if self.joint:
             p = cfg.peft
@@ -118,6 +125,9 @@ class Medusa2Recipe:
             loop.say(acc, f"LoRA r={p.r} alpha={p.alpha} on {p.target_modules}: {n_lora / 1e6:.2f} M parameters "
                           f"on a {m.quantization or m.dtype} backbone; gradient checkpointing "
                           f"{'on' if p.gradient_checkpointing else 'off'} (peft.gradient_checkpointing)")
+        if sharded:  # every process loaded it (with the same LoRA initialisation): each keeps its shards
+            loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes, loaded_everywhere=True)
+                     .summary(acc.num_processes))
         train, evals = setup.load_examples(cfg, self.tokenizer, acc)
         self.model = setup.build_heads(cfg, backbone, acc.device, train)
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
@@ -127,7 +137,7 @@ class Medusa2Recipe:
         groups = [{"params": lora, "lr": cfg.optim.lr, "name": "lora"}] if lora else []  # first: its LR is logged
         groups.append({"params": heads, "lr": cfg.optim.lr * cfg.optim.head_lr_multiplier, "name": "heads"})
         metrics = loop.MetricsLog(Path(cfg.trainer.output_dir), acc, extra=lambda: self.step_metrics)
-        self.run = loop.start_run(cfg, acc, self.model, data, groups, metrics)
+        self.run = loop.start_run(cfg, acc, self.model, data, groups, metrics, sharded)
         if self.joint and cfg.loss.base is None:
             loop.say(acc, "warning: loss.base=null: the backbone trains on the heads' loss alone and may drift freely")
 
@@ -231,6 +241,7 @@ class Medusa2Recipe:
             return None
         cfg, m = self.cfg, self.cfg.model
         target = Path(cfg.trainer.output_dir) / "export"
+        adapter = self.whole_adapter() if self.joint else None  # every process takes part in gathering it
         if self.accelerator.is_main_process:
             merge = cfg.trainer.merge_export
             tmp = assets.atomic_dir(target)
@@ -244,7 +255,7 @@ class Medusa2Recipe:
                 self.model.config.base_model_name_or_path = reference
             if self.joint:
                 # embeddings are never adapted; "auto" would look the base model up on the hub
-                self.peft_model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False)
+                self.peft_model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False, state_dict=adapter)
             if merge:
                 merged = merge_backbone(self.model.backbone, tmp / ADAPTER_DIR if self.joint else None,
                                         m.name_or_path, dtype=m.dtype, into=cfg.trainer.merge_into,
@@ -264,6 +275,14 @@ class Medusa2Recipe:
                                        f"{', merged backbone' if merge else ''} to {target}")
         self.accelerator.wait_for_everyone()
         return target
+
+    def whole_adapter(self) -> dict[str, torch.Tensor] | None:
+        """The LoRA weights whole, gathered from every process, when they are sharded (``None`` when they are not:
+        peft reads them from the model). A collective: every process calls it."""
+        named = [(n, p) for n, p in self.peft_model.named_parameters() if p.requires_grad]
+        if not any(is_sharded(p) for _, p in named):
+            return None
+        return {n: full(p.detach()).cpu() for n, p in named}
 
     def cleanup(self) -> None:
         loop.finish(self.run)

@@ -12,6 +12,9 @@ leaves it local under ``accelerator.no_sync``, for all but the last micro-batch 
 The micro-step's own backward passes run while DDP expects none (its hooks ignore them), so they
 accumulate locally as in a single process; parameters a micro-step does not reach get ``g = 0``, so
 every process's backward reaches every parameter and DDP needs no unused-parameter search.
+
+Trainable parameters sharded by FSDP (Medusa-2's LoRA inside sharded layers, ``shard.py``) are left to FSDP:
+DDP ignores them, their gradients are reduce-scattered in the micro-step's own backward and accumulate there.
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ class OneBackward(torch.nn.Module):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
-        # frozen weights (4-bit ones too) and buffers are the same everywhere: DDP need not broadcast them
+        # frozen weights (4-bit ones too) and buffers are the same everywhere: DDP need not broadcast them;
+        # sharded ones (DTensors) are FSDP's
         self._ddp_params_and_buffers_to_ignore = (
-            [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad]
+            [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad or _sharded(p)]
             + [f"model.{n}" for n, _ in model.named_buffers()])
 
     def forward(self, step: Callable[[], R]) -> tuple[torch.Tensor, R]:
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self.model.parameters() if p.requires_grad and not _sharded(p)]
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -49,3 +53,9 @@ class OneBackward(torch.nn.Module):
                 p.grad = g
         surrogate = torch.stack([(p * g).sum() for p, g in zip(params, grads)]).sum()
         return surrogate, result
+
+
+def _sharded(param: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
