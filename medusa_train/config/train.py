@@ -32,8 +32,9 @@ class ModelConfig:
     #: null (one device per process) | auto (accelerate's big-model placement over every GPU, then CPU and
     #: disk: for a backbone larger than one device, in scripts/capture.py with one process)
     device_map: str | None = None
-    #: medusa1 with several processes: shard the frozen backbone's decoder layers over them (FSDP2), each process
-    #: holding 1/N of them; the heads stay whole on every process. Implied by accelerate's FSDP (configs/accelerate/fsdp.yaml)
+    #: with several processes: shard the backbone's decoder layers over them (FSDP2), each process holding 1/N of
+    #: them (medusa1: the frozen backbone; medusa2: the NF4 layers with their LoRA, FSDP-QLoRA); the heads stay
+    #: whole on every process. Implied by accelerate's FSDP (configs/accelerate/fsdp.yaml)
     fsdp: bool = False
 
 
@@ -182,20 +183,33 @@ def flash_attention_available(name: str) -> bool:
 
 
 def fsdp_problems(c: TrainConfig, fsdp: bool | None = None) -> list[str]:
-    """What ``model.fsdp`` (or accelerate's FSDP, ``fsdp=True``) cannot run with, each naming the key to change."""
+    """What ``model.fsdp`` (or accelerate's FSDP, ``fsdp=True``) cannot run with, each naming the key to change.
+
+    Medusa-1 shards a frozen unquantized backbone; Medusa-2 (FSDP-QLoRA) a 4-bit NF4 one with its LoRA."""
     if not (c.model.fsdp if fsdp is None else fsdp):
         return []
     name = "model.fsdp=true" if fsdp is None else "accelerate's FSDP"
-    rules = [(c.method == "medusa1", f"+recipe={c.method}", "Medusa-2 under FSDP (FSDP-QLoRA) is not supported yet: "
-              "launch it with data parallelism (configs/accelerate/ddp.yaml)"),
-             (c.model.quantization is None, f"model.quantization={c.model.quantization}",
-              "a quantized backbone is not sharded: drop model.quantization"),
-             (c.model.device_map is None, f"model.device_map={c.model.device_map}",
-              "FSDP places the layers itself: drop model.device_map"),
-             (not c.data.cache_hidden_states, "data.cache_hidden_states=true",
-              "training on captured states never runs the backbone, so there is nothing to shard: capture a "
-              "backbone larger than one device with one process and model.device_map=auto (scripts/capture.py), "
-              "then train without FSDP")]
+    q = c.model.quantization
+    if c.method == "medusa2":
+        rules = [(q == "nf4", f"model.quantization={q}",
+                  "Medusa-2 shards a 4-bit NF4 backbone (FSDP-QLoRA: its packed weights stored as the compute "
+                  "dtype); 8-bit weights and an unquantized backbone are not sharded: set model.quantization=nf4, "
+                  "or drop model.fsdp (each process then holds the whole backbone, configs/accelerate/ddp.yaml)"),
+                 (not (c.trainer.merge_export and c.trainer.merge_into == "dequantized"),
+                  "trainer.merge_into=dequantized",
+                  "the 4-bit weights are sharded over the processes, so none holds them whole to dequantize: "
+                  "use trainer.merge_into=original (the LoRA merged into the original weights), or "
+                  "trainer.merge_export=false")]
+    else:
+        rules = [(q is None, f"model.quantization={q}",
+                  "Medusa-1 shards an unquantized frozen backbone: drop model.quantization "
+                  "(a 4-bit backbone is sharded by +recipe=medusa2)")]
+    rules += [(c.model.device_map is None, f"model.device_map={c.model.device_map}",
+               "FSDP places the layers itself: drop model.device_map"),
+              (not c.data.cache_hidden_states, "data.cache_hidden_states=true",
+               "training on captured states never runs the backbone, so there is nothing to shard: capture a "
+               "backbone larger than one device with one process and model.device_map=auto (scripts/capture.py), "
+               "then train without FSDP")]
     return [f"{name} with {key}: {why}" for ok, key, why in rules if not ok]
 
 
