@@ -196,9 +196,16 @@ class Medusa2Recipe:
         window, self.window = self.window, []
         self.step_metrics = {"lr_heads": self.run.scheduler.get_last_lr()[-1]}
         if window:
-            self.step_metrics.update(heads_loss=sum(r.heads_loss for r in window) / len(window),
-                                     head_weight=window[-1].head_weight,
-                                     **base_record([r.base for r in window if r.base is not None]))
+            names = ("ce", "kl", "top1", "agreement")
+            bases = [r.base for r in window if r.base is not None]
+            sums = torch.tensor([sum(r.heads_loss for r in window), len(window), sum(b.count for b in bases)]
+                                + [sum(getattr(b, k) * b.count for b in bases) for k in names], dtype=torch.float64)
+            acc = self.accelerator
+            if acc.num_processes > 1:  # every process's micro-batches, as the step's loss is
+                sums = acc.reduce(sums.to(acc.device), reduction="sum").cpu()
+            heads_loss, micro, n, *totals = sums.tolist()
+            self.step_metrics.update(heads_loss=heads_loss / micro, head_weight=window[-1].head_weight,
+                                     **({f"base/{k}": t / n for k, t in zip(names, totals)} if n else {}))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
