@@ -158,8 +158,7 @@ class MedusaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
                 return_base_logits: bool = False, **kwargs) -> MedusaOutput:
-        """Run the backbone's decoder; base logits only when asked for, a KV cache only with ``use_cache=True``
-        (transformers' default would fill one on every training forward: ~1 GiB at 4 x 2048 tokens on an 8B)."""
+        """The backbone's decoder; base logits only when asked for, a KV cache only with ``use_cache=True``."""
         out = self.backbone.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache, **kwargs)
