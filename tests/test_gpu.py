@@ -15,7 +15,7 @@ from helpers.backbones import PACKAGED_MODEL
 
 from medusa_train import MedusaModel, load_backbone, load_tokenizer
 from medusa_train.decoding import MedusaTree, medusa_generate
-from medusa_train.evaluation.evaluate import first_difference, mismatch_detail
+from medusa_train.evaluation.compare import first_difference, mismatch_detail
 
 pytestmark = pytest.mark.gpu
 

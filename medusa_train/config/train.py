@@ -11,8 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from medusa_train.config.check import (  # noqa: F401  (ConfigError: re-exported)
-    ConfigError,
+from medusa_train.config.check import (
     Problems,
     data_source_problem,
     parse_config,

@@ -36,7 +36,7 @@ from medusa_train.config.paths import TREE_DIR
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.tree import tree_from_config
-from medusa_train.evaluation.compare import first_difference, mismatch_detail, rounding_tolerance  # noqa: F401
+from medusa_train.evaluation.compare import first_difference, mismatch_detail
 from medusa_train.evaluation.engines import engine_rows
 from medusa_train.model.layouts import resolve_base_model
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from medusa_train.model.config import FORMAT_VERSION, MedusaConfig  # noqa: F401  (FORMAT_VERSION: re-exported)
+from medusa_train.model.config import MedusaConfig
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"

@@ -46,18 +46,10 @@ from pathlib import Path
 import torch
 
 from medusa_train.backbone import assets
-from medusa_train.backbone.lora import add_lora  # noqa: F401  (re-exported: the recipe's LoRA step)
+from medusa_train.backbone.lora import add_lora
 from medusa_train.config.train import TrainConfig
 from medusa_train.model.layouts import MEDUSA_PARAMETERS
-from medusa_train.model.medusa2_export import (  # noqa: F401  (re-exported: the export side of this recipe)
-    ADAPTER_DIR,
-    BACKBONE_INFO,
-    MERGED_DIR,
-    backbone_drift,
-    load_medusa2_export,
-    merge_backbone,
-    read_backbone_info,
-)
+from medusa_train.model.medusa2_export import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR, merge_backbone
 from medusa_train.training import loop, setup
 from medusa_train.training.backbone_loss import BaseMetrics, base_loss_backward, base_record, base_term
 from medusa_train.training.losses import LossResult

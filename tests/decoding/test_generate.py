@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from medusa_train import MedusaModel
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.generate import compact_cache, verify_tree
-from medusa_train.evaluation.evaluate import mismatch_detail
+from medusa_train.evaluation.compare import mismatch_detail
 
 ARCHS = ["llama", "qwen2", "gpt_neox"]
 ATTNS = ["sdpa", "eager"]

@@ -14,7 +14,7 @@ from helpers.training import make_model_dir
 
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.cli.build_tree import build_build_tree_config, run
-from medusa_train.config.train import ConfigError
+from medusa_train.config.check import ConfigError
 from medusa_train.data.benchmarks import normalise_prompt
 from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.fit_tree import expected_accept_length

@@ -16,19 +16,12 @@ from helpers.training import make_model_dir
 
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.cli.evaluate import build_eval_config, run
+from medusa_train.config.check import ConfigError
 from medusa_train.config.evaluate import default_output_dir
-from medusa_train.config.train import ConfigError
 from medusa_train.data.benchmarks import BenchPrompt
 from medusa_train.decoding import MedusaTree, medusa_generate
-from medusa_train.evaluation.evaluate import (
-    encode_chat,
-    evaluate,
-    first_difference,
-    mismatch_detail,
-    plain_generate,
-    resolve_tree,
-    rounding_tolerance,
-)
+from medusa_train.evaluation.compare import first_difference, mismatch_detail, rounding_tolerance
+from medusa_train.evaluation.evaluate import encode_chat, evaluate, plain_generate, resolve_tree
 from medusa_train.evaluation.report import render_markdown
 
 REQUIRED_KEYS = {"mean_accepted_length", "speedup", "mismatches", "per_head_acceptance", "per_category",

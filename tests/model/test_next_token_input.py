@@ -11,7 +11,8 @@ from helpers.backbones import make_tiny_backbone
 from helpers.heads import randomise
 
 from medusa_train import MedusaModel
-from medusa_train.config.train import ConfigError, build_config
+from medusa_train.config.check import ConfigError
+from medusa_train.config.train import build_config
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.generate import candidate_tokens

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from helpers.heads import randomise
 
 from medusa_train import MedusaModel
-from medusa_train.config.train import ConfigError, build_config
+from medusa_train.config.check import ConfigError
+from medusa_train.config.train import build_config
 from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.generate import candidate_tokens
 from medusa_train.model.export import export_heads

@@ -167,7 +167,7 @@ def test_engines_the_recipes_do_not_support_yet_stop_with_what_to_launch_instead
 def test_a_sharded_backbone_is_refused_where_it_cannot_run_naming_the_key():
     from helpers.training import compose_config
 
-    from medusa_train.config.train import ConfigError
+    from medusa_train.config.check import ConfigError
 
     with pytest.raises(ConfigError) as err:
         compose_config(["model.fsdp=true", "data.cache_hidden_states=true", "model.quantization=nf4"])

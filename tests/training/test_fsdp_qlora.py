@@ -103,7 +103,7 @@ def test_a_sharded_checkpoint_resumes_to_the_uninterrupted_runs_export(runs, tmp
 
 
 def test_what_fsdp_qlora_does_not_shard_is_refused_naming_the_key():
-    from medusa_train.config.train import ConfigError
+    from medusa_train.config.check import ConfigError
 
     compose_config(["model.fsdp=true"], recipe="medusa2")  # NF4, the recipe's default: sharded
     with pytest.raises(ConfigError) as err:

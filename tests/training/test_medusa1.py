@@ -15,7 +15,7 @@ from helpers.training import compose_config, make_chat_jsonl, make_model_dir, re
 
 from medusa_train import MedusaModel
 from medusa_train.cli.train import run
-from medusa_train.config.train import ConfigError
+from medusa_train.config.check import ConfigError
 
 
 @pytest.fixture(scope="module")

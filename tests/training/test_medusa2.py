@@ -17,18 +17,13 @@ from helpers.training import make_chat_jsonl, make_model_dir, read_metrics, trai
 from torch.utils.data import DataLoader
 
 from medusa_train.backbone.load import load_backbone
+from medusa_train.backbone.lora import add_lora
 from medusa_train.cli.train import run
-from medusa_train.config.train import ConfigError
+from medusa_train.config.check import ConfigError
 from medusa_train.data.tokenize import IGNORE_INDEX
+from medusa_train.model.medusa2_export import backbone_drift, load_medusa2_export, read_backbone_info
 from medusa_train.training.losses import medusa_loss_naive
-from medusa_train.training.medusa2 import (
-    Medusa2Recipe,
-    add_lora,
-    backbone_drift,
-    head_weight_at,
-    load_medusa2_export,
-    read_backbone_info,
-)
+from medusa_train.training.medusa2 import Medusa2Recipe, head_weight_at
 from medusa_train.training.targets import (
     Teacher,
     teacher_targets,
@@ -397,8 +392,6 @@ def test_scripts_evaluate_reads_a_merged_export_without_peft_or_bitsandbytes_and
     assert drift["mean_kl"] > 0 and 0 <= drift["greedy_agreement"] <= 1
     assert "## Backbone drift" in (report_dir / "report.md").read_text()
     # the same figures from the library, with the model rebuilt here
-    from medusa_train.model.medusa2_export import backbone_drift
-
     merged, tokenizer = load_medusa2_export(export, "merged")
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=False) for t in ("Name three colours.", "What is two plus two?")]

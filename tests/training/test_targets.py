@@ -7,7 +7,8 @@ import pytest
 import torch
 from helpers.backbones import make_tiny_backbone
 
-from medusa_train.config.train import ConfigError, build_config
+from medusa_train.config.check import ConfigError
+from medusa_train.config.train import build_config
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.training.targets import greedy_tokens, text_tokens
 

@@ -13,7 +13,8 @@ from helpers.losses import (
     zero_grads,
 )
 
-from medusa_train.config.train import ConfigError, build_config
+from medusa_train.config.check import ConfigError
+from medusa_train.config.train import build_config
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.training import losses
 from medusa_train.training.losses import medusa_loss_backward, medusa_loss_naive

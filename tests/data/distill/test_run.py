@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.backbone.load import load_backbone
 from medusa_train.cli.entry import COMMANDS_DIR
-from medusa_train.config.train import ConfigError
+from medusa_train.config.check import ConfigError
 from medusa_train.data import build_datasets, load_conversations
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
 from medusa_train.data.distill import (
