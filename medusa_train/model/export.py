@@ -1,5 +1,5 @@
 """Write Medusa heads in another layout: ``native``, ``medusa_v1`` (original Medusa / TensorRT-LLM)
-or ``vllm``. The layouts are defined, and read back, in ``formats.py``.
+or ``vllm``. The layouts are defined, and read back, in ``model/layouts.py``.
 
     python scripts/export.py heads=out/run/export format=vllm output=out/heads-vllm
 

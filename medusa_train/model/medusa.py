@@ -325,7 +325,7 @@ class MedusaModel(nn.Module):
         """Load heads saved by ``save_pretrained`` or ``export_heads`` (native, medusa_v1 or vllm).
 
         Args:
-            directory: A heads folder; its layout is read from ``config.json`` (see ``formats.py``).
+            directory: A heads folder; its layout is read from ``config.json`` (see ``model/layouts.py``).
             backbone: The backbone to attach to; when ``None`` the one named in ``config.json`` is
                 loaded with ``load_backbone(**backbone_kwargs)``.
 

@@ -1,7 +1,7 @@
 """Heads that read their whole tree path (``heads.path_input``): head k reads the k + 1 tokens between
 its position and its target. The formula, the zero start, the round trip and refusals, and that
 candidates are read from each node's parent path. Decoding and calibration with oracle path heads
-are the ``path_input=True`` cases in tests/test_next_token_input.py."""
+are the ``path_input=True`` cases in tests/model/test_next_token_input.py."""
 
 from __future__ import annotations
 

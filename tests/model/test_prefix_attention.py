@@ -1,6 +1,6 @@
 """Heads that read through a prefix attention layer (``heads.prefix_attention``): the layer's formula,
 its zero start, causality, its decode cache, the round trip, and the layouts that cannot hold it.
-Decoding, calibration and training with it are in test_next_token_input.py and test_hidden_cache.py."""
+Decoding, calibration and training with it are in test_next_token_input.py and tests/data/test_capture.py."""
 
 from __future__ import annotations
 
