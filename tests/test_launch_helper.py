@@ -1,7 +1,6 @@
 """The test harness's launcher (tests/helpers/launch.py): a run past its limit ends with every process it
 started, ranks in sessions of their own included, and the failure shows where each one waited."""
 
-import subprocess
 import sys
 import textwrap
 
@@ -37,6 +36,6 @@ def test_a_run_past_its_limit_is_killed_whole_and_fails_with_every_process_stack
 
 
 def test_a_run_within_its_limit_returns_its_output_and_exit_code(tmp_path):
-    result = run_launched([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], timeout=60, cwd=tmp_path)
-    assert (result.returncode, result.stdout) == (3, "out\n")
-    assert isinstance(result, subprocess.CompletedProcess)
+    code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    result = run_launched([sys.executable, "-c", code], timeout=60, cwd=tmp_path)
+    assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")  # the streams kept apart
