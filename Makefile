@@ -52,7 +52,7 @@ gpu-tier: setup  ## on a CUDA machine: pytest -m gpu, the demo on the GPU, the v
 	PY=$(PY) bash scripts/gpu_tier.sh
 
 demo: setup  ## distill -> train (medusa1, cached) -> export -> evaluate on MT-Bench, packaged model
-	$(PY) scripts/demo.py
+	$(PY) -m medusa_train demo
 
 lint: setup  ## ruff
 	$(VENV)/bin/ruff check .

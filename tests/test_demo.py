@@ -1,11 +1,11 @@
-"""scripts/demo.py: settings checked before anything runs, folder keys that find finished runs, and a larger
-distillation that reuses a finished smaller one instead of starting over."""
+"""The demo (``medusa-train demo``): settings checked before anything runs, folders keyed by the settings of their
+stage and the stages before it, and a larger distillation that reuses a finished smaller one instead of starting over."""
 
 import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,20 +14,17 @@ from helpers.training import make_model_dir
 from hydra import compose, initialize_config_dir
 
 from medusa_train.backbone.load import load_backbone
+from medusa_train.cli import demo
 from medusa_train.cli.entry import COMMANDS_DIR
 from medusa_train.config.check import ConfigError, parse_config
 from medusa_train.config.demo import DemoConfig, build_demo_config
 from medusa_train.data.distill import build_distill_config, distill
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import demo  # noqa: E402
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def demo_config(*overrides: str) -> DemoConfig:
-    """configs/commands/demo.yaml with command-line overrides, read as scripts/demo.py reads it (its run()
+    """configs/commands/demo.yaml with command-line overrides, read as the demo reads it (its run()
     then turns dtype=auto into this machine's fast dtype)."""
     with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
         return build_demo_config(compose("demo", list(overrides)))
@@ -93,7 +90,7 @@ def test_an_impossible_demo_setting_stops_before_anything_runs_and_names_the_key
 
 def test_the_command_line_reports_every_problem_and_runs_nothing(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "recipe=medusa3", "train.dtype=float16",
+    done = subprocess.run([sys.executable, "-m", "medusa_train", "demo", "recipe=medusa3", "train.dtype=float16",
                            f"output_dir={tmp_path / 'out'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2, done.stderr
@@ -101,45 +98,32 @@ def test_the_command_line_reports_every_problem_and_runs_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no stage ran, and Hydra wrote nothing of its own
 
 
-def test_medusa2_and_float32_runs_get_their_own_folders_and_a_default_run_keeps_its_old_one():
-    cfg = demo_config("train.dtype=bfloat16", "train.vocab_size=null")
-    demo_config("recipe=medusa2", "medusa2.stage1_epochs=0")  # valid: joint from the start
-    before_dtype = {k: v for k, v in asdict(cfg.train).items() if k not in ("dtype", "vocab_size")}
-    assert demo._key(demo._train_key(cfg.train)) == demo._key(before_dtype)  # train.dtype=bfloat16: the old key
-    as_float32 = replace(cfg.train, dtype="float32")
-    assert demo._key(demo._train_key(as_float32)) != demo._key(before_dtype)
-    before_vocab = {k: v for k, v in asdict(as_float32).items() if k != "vocab_size"}
-    assert demo._key(demo._train_key(as_float32)) == demo._key(before_vocab)  # vocab_size=null: the old key
-    draft = demo_config("train.dtype=float32", "train.vocab_size=4096")
-    assert demo._key(demo._train_key(draft.train)) != demo._key(before_vocab)
+STAGES = ("data", "run", "tree", "report")
 
 
-# the demo's data and epochs before replies were capped at 128 tokens (issue 21): its finished runs keep their folders
-OLD_DATA = ("distill.num_prompts=400", "distill.max_new_tokens=256", "distill.batch_size=16", "train.epochs=6",
-            "medusa2.stage1_epochs=5", "train.targets=text")
+def changed(before: dict, after: dict) -> set[str]:
+    return {stage for stage in STAGES if before[stage] != after[stage]}
 
 
-def test_the_default_settings_keep_the_folders_of_finished_runs():
-    """Folder keys of configs/commands/demo.yaml as they were computed before the demo's config was typed
-    (from OmegaConf sections): a finished run must still be found, not started again."""
-    # the dtypes before dtype=auto (float32 evaluation), as auto resolves them where bf16 is native
-    bf16 = ("distill.dtype=bfloat16", "train.dtype=bfloat16", "eval.dtype=float32", "train.vocab_size=null",
-            *OLD_DATA)
-    names = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16)).items()}
-    # tree.nodes became auto (issue 21): the tree and the evaluation run afresh; data and heads are found.
-    # (An auto tree is timed at the evaluation's mean context since: tree-4b0f202a became tree-2138700f.)
-    assert names == {"data": "distill-400-be6e59f2.jsonl", "run": "train-a6bc37ee", "export": "export",
-                     "stage1": "medusa2-stage1-2ebe2b1b", "tree": "tree-2138700f.yaml", "report": "eval-144bfe30"}
-    sixty_four = {stage: path.name for stage, path in demo.stage_paths(demo_config(*bf16, "tree.nodes=64")).items()}
-    assert (sixty_four["tree"], sixty_four["report"]) == ("tree-3c283f98.yaml", "eval-40187ec9")
-    bf16_timed = demo.stage_paths(demo_config(*bf16[:2], "eval.dtype=bfloat16", *bf16[3:]))["tree"].name
-    assert bf16_timed != names["tree"]  # an auto tree is sized in the evaluation's dtype: another one, another tree
-    longer = demo.stage_paths(demo_config(*bf16, "eval.max_new_tokens=256"))["tree"].name
-    assert longer != names["tree"]  # ... and at its answers' mean context: longer answers, another tree
-    # train.vocab_size=4096 became the default (issue 21): the same distilled data, new heads
-    draft = demo.stage_paths(demo_config(*bf16[:3], *OLD_DATA))
-    assert draft["data"].name == names["data"] and draft["run"].name != names["run"]
-    assert demo.stage_paths(demo_config(*bf16, "recipe=medusa2"))["run"].name == "medusa2-495b46b3"
+@pytest.mark.parametrize("override, redone", [
+    ("distill.max_new_tokens=64", {"data", "run", "tree", "report"}),  # new data: everything after it again
+    ("model=/models/other", {"data", "run", "tree", "report"}),
+    ("train.epochs=3", {"run", "tree", "report"}),  # the same data, new heads
+    ("train.dtype=float32", {"run", "tree", "report"}),
+    ("train.vocab_size=null", {"run", "tree", "report"}),
+    ("recipe=medusa2", {"run", "tree", "report"}),
+    ("tree.nodes=64", {"tree", "report"}),  # the same heads, another tree
+    ("eval.dtype=float32", {"tree", "report"}),  # an auto tree is sized in the evaluation's dtype...
+    ("eval.max_new_tokens=256", {"tree", "report"}),  # ... at its answers' mean context
+    ("eval.limit=8", {"report"}),
+])
+def test_a_setting_redoes_its_stage_and_the_stages_after_it_only(override, redone):
+    base = {stage: path for stage, path in demo.stage_paths(demo_config("train.dtype=bfloat16",
+                                                                          "eval.dtype=bfloat16")).items()}
+    other = {stage: path for stage, path in demo.stage_paths(demo_config("train.dtype=bfloat16", "eval.dtype=bfloat16",
+                                                                           override)).items()}
+    assert changed(base, other) == redone
+    assert base["run"].name.startswith("medusa1-") and other["run"].name.startswith(demo_config(override).recipe)
 
 
 def test_auto_dtype_is_bfloat16_only_where_it_runs_natively_and_keys_folders_as_the_dtype_it_becomes():

@@ -1,5 +1,7 @@
 """The package's layout, read from its source (AST, nothing imported): modules stay small, imports run
-one way along the data flow and never in a circle, and the head variants' knobs stay inside model/.
+one way along the data flow and never in a circle, and the head variants' knobs stay inside model/. The
+package imports nothing of the checkout around it (benchmarks/, scripts/, tests/: a wheel has none of them),
+and no code of the repository edits ``sys.path`` (modules are found as packages, never by path).
 
 Stages: config (0) < backbone (1) < model (2) < engine (3) < data (4) < training (5) = decoding (5)
 < evaluation (6) < cli (7). A module imports only from its own stage folder or an earlier stage (training and decoding
@@ -21,6 +23,8 @@ STAGES = {"config": 0, "backbone": 1, "model": 2, "engine": 3, "data": 4, "train
           "evaluation": 6, "cli": 7}
 HEAD_VARIANT_WORDS = ("path_input", "prefix_attention", "next_token_input")
 HEAD_VARIANT_HOMES = ("config/", "model/")  # model/export.py and model/layouts.py are in model/
+CHECKOUT_ONLY = ("benchmarks", "scripts", "tests", "helpers", "train")  # top-level names a wheel lacks
+SYS_PATH_FREE = ("medusa_train", "scripts", "benchmarks", "tests")
 
 
 # ------------------------------------------------------------------------------------ reading the source
@@ -83,6 +87,8 @@ def imports(name: str) -> list[tuple[str, int, bool]]:
 
 def stage_of(name: str) -> str | None:
     parts = name.split(".")
+    if parts[1:] == ["__main__"]:
+        return "cli"  # python -m medusa_train: the command, as cli/main.py
     return parts[1] if len(parts) > 1 else None  # None: the top-level package itself
 
 
@@ -193,6 +199,30 @@ def head_variant_leaks() -> list[str]:
     return [f"{where(name, line)}: {', '.join(sorted(words))}" for (name, line), words in sorted(hits.items())]
 
 
+def imports_from_the_checkout() -> list[str]:
+    """Imports by the package of the repository's folders outside it (``CHECKOUT_ONLY``)."""
+    offenders = []
+    for name in modules():
+        for node in ast.walk(tree(name)):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{where(name, node.lineno)}: imports {t}" for t in targets
+                          if t.split(".")[0] in CHECKOUT_ONLY]
+    return offenders
+
+
+def sys_path_edits() -> list[str]:
+    """Every ``sys.path`` (read or written) in the repository's Python code, by file and line."""
+    files = [f for folder in SYS_PATH_FREE for f in sorted((ROOT / folder).rglob("*.py"))
+             if "__pycache__" not in f.parts]
+    return [f"{f.relative_to(ROOT)}:{node.lineno}" for f in files for node in ast.walk(ast.parse(f.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr == "path" and ast.unparse(node.value) == "sys"]
+
+
 def report(title: str, offenders: list[str]) -> str:
     text = f"{title}: {len(offenders)} offender(s)" + "".join(f"\n  {o}" for o in offenders)
     print(text)
@@ -225,3 +255,14 @@ def test_no_import_cycle_between_modules():
 def test_head_variants_are_named_only_in_model_and_config():
     offenders = head_variant_leaks()
     assert not offenders, report(f"{', '.join(HEAD_VARIANT_WORDS)} outside model/ and config/", offenders)
+
+
+def test_the_package_imports_nothing_of_the_checkout_around_it():
+    offenders = imports_from_the_checkout()
+    assert not offenders, report(f"imports of {', '.join(CHECKOUT_ONLY)} from medusa_train", offenders)
+
+
+def test_no_code_edits_sys_path():
+    assert (ROOT / "benchmarks" / "__main__.py").is_file()  # the folders below are where they are looked for
+    offenders = sys_path_edits()
+    assert not offenders, report(f"sys.path in {', '.join(SYS_PATH_FREE)} (import by package name instead)", offenders)

@@ -82,3 +82,18 @@ def test_the_wheel_carries_configs_and_trees_and_works_without_the_checkout(tmp_
                          capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert "installed medusa_train works from" in ran.stdout
+
+    # the wheel's console command: every stage listed, and a training preset composed from the wheel's configs
+    command = site / "bin" / "medusa-train"
+    assert command.is_file(), sorted(p.name for p in (site / "bin").iterdir()) if (site / "bin").is_dir() else site
+    run_env = {**env, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
+    listed = subprocess.run([str(command), "--help"], cwd=elsewhere, env=run_env, capture_output=True, text=True,
+                            timeout=120)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    for name in ("distill", "capture", "train", "build-tree", "evaluate", "export", "demo"):
+        assert f"\n  {name} " in listed.stdout, listed.stdout
+    composed = subprocess.run([str(command), "train", "experiment=demo", "--cfg", "job"], cwd=elsewhere, env=run_env,
+                              capture_output=True, text=True, timeout=120)
+    assert composed.returncode == 0, composed.stderr[-3000:]
+    assert "vocab_size: 4096" in composed.stdout and "prefix_attention: true" in composed.stdout
+    assert not list(elsewhere.iterdir())  # --cfg job writes nothing

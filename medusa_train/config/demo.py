@@ -1,7 +1,7 @@
-"""Typed configuration of ``scripts/demo.py`` (``make demo``; ``configs/commands/demo.yaml``) and its checks.
+"""Typed configuration of the demo (``medusa_train/cli/demo.py``, ``make demo``; ``configs/commands/demo.yaml``) and its checks.
 
 Each section holds the settings of one pipeline stage. The demo keys its output folders by hashing
-whole sections (``scripts/demo.py: _key``), so a section's fields must stay exactly the YAML's keys,
+whole sections (``cli/demo.py: _key``), so a section's fields must stay exactly the YAML's keys,
 with the YAML's types: adding, renaming or retyping one moves every finished run's folder.
 """
 
@@ -41,6 +41,24 @@ class TrainStage:
     eval_size: int = 8  #: held-out conversations for the training-time eval
     dtype: str = "auto"  #: auto | bfloat16 | float32 (backbone weights and autocast; auto as distill.dtype)
     vocab_size: int | None = 4096  #: heads score only the K most frequent training targets (heads.vocab_size; null = all)
+
+
+# train section key -> the training key it sets (epochs and lr go to the recipes' own stages)
+TRAINING_KEYS = {"max_length": "data.max_length", "batch_size": "data.batch_size", "eval_size": "data.eval_size",
+                 "num_heads": "heads.num_heads", "num_layers": "heads.num_layers",
+                 "share_lm_head": "heads.share_lm_head", "next_token_input": "heads.next_token_input",
+                 "path_input": "heads.path_input", "prefix_attention": "heads.prefix_attention",
+                 "head_decay": "loss.head_decay", "targets": "loss.targets", "dtype": "model.dtype",
+                 "vocab_size": "heads.vocab_size"}
+
+
+def training_flags(t: TrainStage) -> list[str]:
+    """The training command's overrides for the demo's train section (a resolved ``dtype``)."""
+    def yaml(value) -> str:
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    return [f"{key}={yaml(getattr(t, name))}" for name, key in TRAINING_KEYS.items()] + [
+        f"trainer.mixed_precision={'bf16' if t.dtype == 'bfloat16' else 'no'}"]
 
 
 @dataclass

@@ -1,0 +1,233 @@
+"""The whole pipeline on the packaged model, as ``make demo`` runs it (``medusa-train demo``).
+
+    medusa-train demo                                   # defaults: configs/commands/demo.yaml
+    medusa-train demo distill.num_prompts=2500 distill.max_new_tokens=256 distill.batch_size=16 \
+        train.epochs=4 train.targets=teacher tree.nodes=128 output_dir=outputs/scale   # the README's largest run:
+        # 2.25 tokens/step, ~85 min on 2 cores (float32 then: add the dtypes of docs/results.md to repeat it exactly)
+    medusa-train demo recipe=medusa2   # Medusa-2 on the same data, epochs and (teacher) targets
+
+Stages (each prints the command it runs, which you can run yourself; each stage is ``python -m medusa_train
+<command>``, the installed package's own commands, so the demo runs from a wheel outside the checkout too):
+  1. self-distill ShareGPT prompts with the backbone  -> <output_dir>/distill-<n>-<key>.jsonl
+  2. train Medusa-1 heads on it (hidden states cached) -> <output_dir>/medusa1-<key>/export
+     (recipe=medusa2: heads on the frozen 4-bit backbone    -> <output_dir>/medusa2-stage1-<key>/export,
+      then LoRA and heads jointly from them                 -> <output_dir>/medusa2-<key>/export, merged/ included;
+      stages 3 and 4 then work in <output_dir>/medusa2-<key>/ and the report adds the backbone's drift)
+  3. fit a tree to the heads' measured accuracies      -> <output_dir>/medusa1-<key>/tree-<key>.yaml
+  4. evaluate on MT-Bench against plain decoding       -> <output_dir>/medusa1-<key>/eval-<key>/report.{json,md,png}
+Each <key> hashes the settings of its stage and the stages before it, so changing a setting starts
+that stage afresh (earlier results are kept), and a stage whose output is complete is skipped.
+Ends with ``mean accepted length: X.XX`` and ``speedup: Y.YYx``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, is_dataclass, replace
+from pathlib import Path
+
+from medusa_train.config.demo import DemoConfig, build_demo_config, resolve_dtypes, training_flags
+from medusa_train.evaluation.report import mismatch_summary
+
+ENV = dict(os.environ)
+
+
+def stage(title: str, cmd: list[str], done: bool) -> float:
+    """Run one stage's command (or say why it is skipped); returns its wall time."""
+    shown = " ".join(str(c) for c in cmd).replace(f"{sys.executable} -m medusa_train", "medusa-train")
+    if done:
+        print(f"\n== {title}: already done, skipped\n   ({shown})", flush=True)
+        return 0.0
+    print(f"\n== {title}\n$ {shown}", flush=True)
+    started = time.perf_counter()
+    result = subprocess.run([str(c) for c in cmd], env=ENV)
+    if result.returncode != 0:
+        sys.exit(f"demo: stage '{title}' failed (exit {result.returncode}); fix the error above and re-run: "
+                 "finished stages are kept")
+    return time.perf_counter() - started
+
+
+def newer(output: Path, *inputs: Path) -> bool:
+    return output.exists() and all(output.stat().st_mtime >= i.stat().st_mtime for i in inputs if i.exists())
+
+
+def main() -> None:
+    """Entry point: ``configs/commands/demo.yaml`` with the command line's ``key=value`` overrides."""
+    from medusa_train.cli.entry import run_command
+
+    run_command("demo", build_demo_config, run)
+
+
+def stage_paths(cfg: DemoConfig) -> dict[str, Path]:
+    """Where each stage of ``cfg`` writes. Folders are keyed by their settings (and those of the stages
+    before them): changing one starts that stage afresh, keeping the old results."""
+    out = Path(cfg.output_dir)
+    # an auto-sized tree is timed in the evaluation's dtype, at its mean context (its answers' length):
+    # another dtype or answer length sizes it afresh
+    tree_key = (_key(cfg.tree, cfg.eval.dtype, cfg.eval.max_new_tokens) if cfg.tree.nodes == "auto"
+                else _key(cfg.tree))
+    medusa2 = cfg.medusa2 if cfg.recipe == "medusa2" else None
+    run_dir = out / f"{cfg.recipe}-{_key(cfg.model, cfg.distill, cfg.train, medusa2)}"
+    return {"data": distill_path(out, cfg, cfg.distill.num_prompts), "run": run_dir, "export": run_dir / "export",
+            "stage1": out / f"medusa2-stage1-{_key(cfg.model, cfg.distill, cfg.train, cfg.medusa2.stage1_epochs)}",
+            "tree": run_dir / f"tree-{tree_key}.yaml", "report": run_dir / f"eval-{_key(cfg.tree, cfg.eval)}"}
+
+
+def run(cfg: DemoConfig) -> None:
+    """Run every stage that is not done yet, then print where everything went and the headline numbers."""
+    from medusa_train.backbone.load import native_bf16
+
+    resolve_dtypes(cfg, native_bf16())  # before any folder is keyed
+    out = Path(cfg.output_dir)
+    if cfg.threads:
+        ENV["OMP_NUM_THREADS"] = str(cfg.threads)
+    py = [sys.executable, "-m", "medusa_train"]  # the package's own commands (medusa-train <command>)
+    d, t, tr, e = cfg.distill, cfg.train, cfg.tree, cfg.eval
+    print(f"dtypes: distill {d.dtype}, train {t.dtype}, evaluate {e.dtype} (auto: bfloat16 where it runs natively, "
+          "float32 on CPUs without AVX512-BF16 or AMX)", flush=True)
+    paths = stage_paths(cfg)
+    data, run_dir, export, tree, report = (paths[k] for k in ("data", "run", "export", "tree", "report"))
+    times = {}
+
+    distilled = _complete(data)
+    if not distilled and (seed := seed_distillation(out, cfg)) is not None:
+        print(f"\n== the first {seed[0]:,} prompts' replies are taken from {seed[1]} (same settings); "
+              f"distilling only the rest", flush=True)
+    times["distill"] = stage("1/4 self-distill", [
+        *py, "distill", f"model.name_or_path={cfg.model}", f"model.dtype={d.dtype}",
+        f"num_prompts={d.num_prompts}", f"max_prompt_tokens={d.max_prompt_tokens}", f"max_turns={d.max_turns}", f"generation.max_new_tokens={d.max_new_tokens}",
+        f"batch_size={d.batch_size}", f"filters.skip_truncated={str(not d.keep_truncated).lower()}",
+        f"filters.trim_loops={str(d.trim_loops).lower()}",
+        f"output={data}"], done=distilled)
+
+    heads_flags = ["data=jsonl", f"model.name_or_path={cfg.model}", f"data.source={data}", *training_flags(t),
+                   "trainer.save_every=20",  # ~10 min of a CPU's joint (medusa2) steps: a killed demo resumes there
+                   "trainer.eval_every=100"]
+    if cfg.recipe == "medusa1":
+        times["train"] = stage("2/4 train heads (medusa1)", [
+            *py, "train", "+recipe=medusa1", *heads_flags, "data.cache_hidden_states=true",
+            f"trainer.epochs={t.epochs}", f"optim.lr={t.lr}", f"trainer.output_dir={run_dir}"],
+            done=newer(export / "training_config.json", data))
+    else:
+        times["train"] = train_medusa2(cfg, py, heads_flags, data, run_dir, paths["stage1"])
+
+    times["tree"] = stage("3/4 fit a tree to the heads", [
+        *py, "build-tree", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
+        f"model.dtype={e.dtype}", f"answer_tokens={e.max_new_tokens}", f"output={tree}"],
+        done=newer(tree, export / "model.safetensors"))
+
+    times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
+        *py, "evaluate", f"heads={export}", f"tree={tree}", f"bench.limit={e.limit}",
+        f"bench.turns={e.turns}", f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
+        f"output_dir={report}", *(["drift.original=auto"] if cfg.recipe == "medusa2" else [])], done=newer(report / "report.json", tree, export / "model.safetensors"))
+
+    record_times(run_dir, times)
+    result = json.loads((report / "report.json").read_text())
+    print("\n== done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items() if v))
+    print(f"distilled data   {data}\nheads (native)   {export}\ntree             {tree}\n"
+          f"report           {report / 'report.md'}  (+ report.json, report.png)\n"
+          f"metrics          {run_dir / 'metrics.jsonl'}")
+    print(f"greedy mismatches vs plain decoding: {mismatch_summary(result)}")
+    fitted = tree_facts(tree)
+    if "chosen_nodes" in fitted:
+        at64 = fitted.get("sizes", {}).get("64", {}).get("expected_accept_length")
+        print(f"tree: {fitted['chosen_nodes']} nodes, chosen for {fitted['device']} in {fitted['dtype']} "
+              f"(expected speedup {fitted['expected_speedup']:.2f}x)"
+              + (f"; a 64-node tree would accept {at64:.2f} tokens per step (expected)" if at64 else ""))
+    print(f"mean accepted length: {result['mean_accepted_length']:.2f}")
+    print(f"speedup: {result['speedup']:.2f}x")
+
+
+def train_medusa2(cfg: DemoConfig, py: list[str], heads_flags: list[str], data: Path, run_dir: Path, stage1: Path) -> float:
+    """Medusa-2 on the demo's data and step budget: ``train.epochs`` in all, two stages by default.
+
+    Stage 1 trains the heads on the frozen 4-bit backbone from cached hidden states (as medusa1
+    does on the bf16 one) for ``medusa2.stage1_epochs``; stage 2 trains LoRA and heads jointly, from
+    stage 1's heads, for the remaining epochs. ``medusa2.stage1_epochs=0`` trains jointly from the start.
+    """
+    t, m = cfg.train, cfg.medusa2
+    joint_epochs = t.epochs - m.stage1_epochs
+    spent, inputs = 0.0, [data]
+    joint = [*py, "train", "+recipe=medusa2", *heads_flags, f"trainer.epochs={joint_epochs}",
+             f"optim.lr={m.lr}", f"optim.head_lr_multiplier={m.head_lr / m.lr}", f"loss.head_weight={m.head_weight}",
+             f"loss.head_warmup_steps={m.head_warmup_steps}", f"peft.r={m.lora_r}", f"peft.alpha={2 * m.lora_r}",
+             "peft.gradient_checkpointing=false",  # 135M on a CPU: the activations fit, recomputing them costs ~1/3
+             f"trainer.output_dir={run_dir}"]
+    if m.stage1_epochs:
+        spent += stage("2/4 train heads on the frozen 4-bit backbone (medusa2 stage 1)", [
+            *py, "train", "+recipe=medusa2", "stage=1", *heads_flags, "data.cache_hidden_states=true",
+            f"trainer.epochs={m.stage1_epochs}", f"optim.lr={t.lr}", "optim.head_lr_multiplier=1",
+            "trainer.merge_export=false", f"trainer.output_dir={stage1}"],
+            done=newer(stage1 / "export" / "training_config.json", data))
+        joint[len(py) + 2:len(py) + 2] = ["stage=2", f"heads.init_from={stage1 / 'export'}"]
+        inputs.append(stage1 / "export" / "training_config.json")  # new stage-1 heads: stage 2 runs again
+    spent += stage("2/4 train LoRA and heads jointly (medusa2)", joint,
+                   done=newer(run_dir / "export" / "training_config.json", *inputs))
+    return spent
+
+
+def tree_facts(path: Path) -> dict:
+    """The tree YAML's keys (``chosen_nodes``, ``sizes``, ... when it was built with ``nodes=auto``)."""
+    import yaml
+
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def record_times(run_dir: Path, times: dict[str, float]) -> None:
+    """Add this invocation's stage wall times to ``<run_dir>/demo-times.json`` (seconds per stage,
+    summed over the invocations that ran it; a skipped stage adds nothing). An attempt that was
+    killed adds nothing either: a resumed stage counts only its resumed part."""
+    path = run_dir / "demo-times.json"
+    total = json.loads(path.read_text()) if path.exists() else {}
+    for name, seconds in times.items():
+        if seconds:
+            total[name] = total.get(name, 0.0) + seconds
+    path.write_text(json.dumps(total, indent=1) + "\n")
+
+
+def distill_path(out: Path, cfg: DemoConfig, num_prompts: int | None) -> Path:
+    """Where the distill stage of ``cfg`` with ``num_prompts`` prompts writes its records."""
+    return out / f"distill-{num_prompts}-{_key(cfg.model, replace(cfg.distill, num_prompts=num_prompts))}.jsonl"
+
+
+def seed_distillation(out: Path, cfg: DemoConfig) -> tuple[int, Path] | None:
+    """Start a larger distillation from the largest finished smaller one with the same settings.
+
+    The first n usable prompts are the same whatever ``num_prompts`` is, and the distill command
+    resumes a file from the records in it, so copying a finished 1,600-prompt file in place makes
+    a 2,500-prompt run distill only the other 900. The smaller run's files are left as they are.
+    Returns (its number of prompts, its records file), or None when there is none or the target
+    file already exists (then the distill command resumes that file itself).
+    """
+    target, wanted = distill_path(out, cfg, cfg.distill.num_prompts), cfg.distill.num_prompts
+    if target.exists():
+        return None
+    sizes = [int(n) for n in {p.name.split("-")[1] for p in out.glob("distill-*-*.jsonl")} if n.isdigit()]
+    for n in sorted((n for n in sizes if wanted is None or n < wanted), reverse=True):
+        source = distill_path(out, cfg, n)
+        if not _complete(source):
+            continue
+        for suffix in (".skipped.jsonl", ".jsonl"):  # records last: their file is what marks the seed
+            if source.with_suffix(suffix).exists():
+                partial = target.with_suffix(suffix + ".partial")
+                shutil.copyfile(source.with_suffix(suffix), partial)
+                partial.replace(target.with_suffix(suffix))
+        return n, source
+    return None
+
+
+def _complete(data: Path) -> bool:
+    stats = data.with_suffix(".stats.json")
+    return stats.is_file() and json.loads(stats.read_text()).get("complete", False)
+
+
+def _key(*parts) -> str:
+    """8 hex digits that change whenever any of ``parts`` (config sections) changes."""
+    text = json.dumps([asdict(p) if is_dataclass(p) else p for p in parts], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
