@@ -16,7 +16,8 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 INDEX = "https://example.invalid/whl/cu128"
 
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+pytestmark = [pytest.mark.skipif(shutil.which("make") is None, reason="needs make"),
+              pytest.mark.integration]  # runs make (a dry run)
 
 
 def _dry_run(*assignments: str) -> subprocess.CompletedProcess:

@@ -8,6 +8,8 @@ import psutil
 import pytest
 from helpers.launch import run_launched
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 # A "launcher" that starts a "rank" in a session of its own, as torchrun does, both waiting forever.
 RANK = textwrap.dedent("""
     import faulthandler, signal, time

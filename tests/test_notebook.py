@@ -5,6 +5,7 @@ decoding, the step count, one coloured span per verify step, and the per-head ac
 import re
 
 import nbformat
+import pytest
 import torch
 from helpers import ROOT
 from helpers.training import make_model_dir
@@ -29,6 +30,7 @@ def cell_output(nb, marker: str) -> tuple[str, list[dict]]:
     return "".join(o.text for o in cell.outputs if o.get("name") == "stdout"), cell.outputs
 
 
+@pytest.mark.integration
 def test_notebook_runs_top_to_bottom_and_prints_what_the_library_computes(tmp_path, monkeypatch, one_thread):
     backbone, _ = load_backbone(make_model_dir(tmp_path / "model"), dtype="float32")
     model = MedusaModel.from_backbone(backbone, num_heads=4)

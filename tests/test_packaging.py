@@ -42,6 +42,7 @@ print("installed medusa_train works from", site)
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_the_wheel_carries_configs_and_trees_and_works_without_the_checkout(tmp_path):
     # Built from a clean copy: a build in the checkout would leave build/ there, and a later build
     # would ship stale files from it.

@@ -67,6 +67,7 @@ def test_packaged_model_loads_offline_from_cache(monkeypatch, packaged_backbone)
     assert "Paris" in tokenizer.decode(answer[0, ids.shape[1]:])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_concurrent_first_conversions_do_not_corrupt_the_cache(tmp_path, packaged_backbone):
     gguf = assets.packaged_model_file(PACKAGED_MODEL)  # the downloaded file, shared

@@ -64,6 +64,7 @@ def _gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.integration
 def test_stop_ends_the_server_and_the_processes_it_started(stand_in, tmp_path):
     server = VllmServer("/some/model", dtype="float32", python=str(stand_in), log_path=tmp_path / "log")
     with server as client:
@@ -74,6 +75,7 @@ def test_stop_ends_the_server_and_the_processes_it_started(stand_in, tmp_path):
     assert not client.healthy()
 
 
+@pytest.mark.integration
 def test_a_server_that_died_leaves_no_workers_behind(stand_in, tmp_path):
     """Killed from outside (an OOM kill), the server's children live on in its process group; stop ends them."""
     server = VllmServer("/m", dtype="float32", python=str(stand_in), log_path=tmp_path / "log")
@@ -85,6 +87,7 @@ def test_a_server_that_died_leaves_no_workers_behind(stand_in, tmp_path):
     assert _gone(child)
 
 
+@pytest.mark.integration
 def test_an_exception_inside_the_block_still_stops_the_server(stand_in, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         with VllmServer("/m", dtype="float32", python=str(stand_in), log_path=tmp_path / "log"):
@@ -92,6 +95,7 @@ def test_an_exception_inside_the_block_still_stops_the_server(stand_in, tmp_path
     assert all(_gone(pid) for pid in _pids(tmp_path))
 
 
+@pytest.mark.integration
 def test_a_killed_toolkit_process_leaves_no_server_behind(stand_in, tmp_path):
     """SIGKILL gives us no chance to clean up: the kernel's parent-death signal stops the server."""
     code = (f"from medusa_train.engine import VllmServer\n"
@@ -104,6 +108,7 @@ def test_a_killed_toolkit_process_leaves_no_server_behind(stand_in, tmp_path):
     os.kill(child, 9)
 
 
+@pytest.mark.integration
 def test_a_server_that_exits_says_so_with_its_log(stand_in, tmp_path):
     server = VllmServer("/m", dtype="float32", python=str(stand_in), extra_args=["--fail"], log_path=tmp_path / "log")
     with pytest.raises(EngineError, match=r"exited with status 3 .*\n(.*\n)*RuntimeError: no such model"):
@@ -111,6 +116,7 @@ def test_a_server_that_exits_says_so_with_its_log(stand_in, tmp_path):
     assert server.process is None
 
 
+@pytest.mark.integration
 def test_a_server_that_never_answers_times_out_naming_the_key(tmp_path):
     script = tmp_path / "python"
     script.write_text(f"#!{sys.executable}\nimport time; print('loading...', flush=True); time.sleep(600)\n")

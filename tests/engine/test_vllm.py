@@ -18,7 +18,7 @@ import pytest
 from medusa_train.config.check import ConfigError
 from medusa_train.engine import EngineError, VllmServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # vLLM servers: processes of their own
 
 PROMPTS = 6  # MT-Bench first turns, spread over the categories
 MAX_TOKENS = 48

@@ -227,6 +227,7 @@ def test_command_line_names():
     assert default_output_dir("/runs/my-heads") == os.path.join("outputs", "eval", "my-heads")
 
 
+@pytest.mark.integration
 def test_script_with_a_tree_file(heads_dir, tmp_path):
     tree = tmp_path / "tree.yaml"
     tree.write_text("# test\nchoices: [[0], [1], [0, 0]]\n")

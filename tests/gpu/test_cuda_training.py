@@ -57,6 +57,7 @@ def _train_losses(out) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(out) if m["split"] == "train"}
 
 
+@pytest.mark.integration
 def test_medusa1_bf16_killed_and_rerun_resumes_on_the_gpu(chats, tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     reference = subprocess.run(_train_cmd(chats, tmp_path / "ref"), cwd=ROOT, env=env, capture_output=True,
@@ -139,6 +140,7 @@ def test_medusa2_on_bitsandbytes_cuda_trains_lora_and_heads_and_merges_into_the_
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.integration
 def test_capture_then_training_on_states_equals_training_online(chats, tmp_path):
     from medusa_train.data.capture import read_index
 

@@ -310,6 +310,7 @@ def _run_script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.integration
 def test_script_converts_a_native_export_end_to_end(tmp_path):
     from helpers.training import make_model_dir
 
@@ -348,6 +349,7 @@ def test_script_converts_a_native_export_end_to_end(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "own", "shared", "v1", "vllm"]
 
 
+@pytest.mark.integration
 def test_script_help_and_option_errors():
     done = _run_script("--help")
     assert done.returncode == 0 and "scripts/export.py heads=<heads dir>" in done.stdout and "max_paths: 64" in done.stdout

@@ -55,6 +55,7 @@ def assert_same_run(one: Path, two: Path, files: tuple[str, ...] = ("model.safet
 @pytest.mark.parametrize("captured, accumulate, sharded", [(True, 1, False), (False, 1, False), (False, 2, False),
                                                             (False, 2, True)],
                          ids=["captured", "online", "online-accumulating", "online-sharded-backbone"])
+@pytest.mark.integration
 def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, captured, accumulate, sharded):
     """``accumulate`` micro-batches per process and step (no_sync before the last) against one process
     with twice as many; ``sharded``: the two processes hold half of each backbone layer (model.fsdp)."""
@@ -86,6 +87,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, capt
     assert_same_run(tmp_path / "one", tmp_path / "two")
 
 
+@pytest.mark.integration
 def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(tiny, tmp_path):
     model_dir, data = tiny
     overrides = train_overrides(model_dir, data, tmp_path / "run", **{"trainer.max_steps": 4, "trainer.save_every": 2,
@@ -96,6 +98,7 @@ def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(ti
     assert "was written by 1 process(es), this run has 2: resume with --num_processes 1" in result.stderr
 
 
+@pytest.mark.integration
 def test_medusa2_jointly_with_lora_on_two_processes_equals_one(tiny, tmp_path):
     """The joint step (4-bit backbone + LoRA + heads, backbone loss and heads' loss, one backward into the
     backbone) runs inside the DDP-wrapped module too: LoRA and heads come out as one process's."""
@@ -110,6 +113,7 @@ def test_medusa2_jointly_with_lora_on_two_processes_equals_one(tiny, tmp_path):
     assert_same_run(tmp_path / "one", tmp_path / "two", ("model.safetensors", "adapter/adapter_model.safetensors"))
 
 
+@pytest.mark.integration
 def test_killing_one_rank_and_rerunning_resumes_every_rank_from_the_same_step(tiny, tmp_path):
     model_dir, data = tiny
     common = {"trainer.max_steps": 40, "trainer.eval_every": 0, "trainer.save_every": 4, "data.batch_size": 2,
@@ -178,6 +182,7 @@ def test_a_sharded_backbone_is_refused_where_it_cannot_run_naming_the_key():
         compose_config(["model.fsdp=true", "model.quantization=int8"], recipe="medusa2")
 
 
+@pytest.mark.integration
 def test_accelerates_fsdp_without_a_gpu_is_refused_instead_of_running_each_process_alone(tiny, tmp_path):
     """accelerate turns an FSDP config into independent single-process runs on CPU (measured: distributed_type NO
     in both), which would write the same output folder twice over."""

@@ -60,6 +60,7 @@ def assert_same_tensors(a: dict, b: dict, tolerance: float) -> None:
         torch.testing.assert_close(b[name], a[name], rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.integration
 def test_sharded_medusa2_on_two_processes_trains_what_one_process_trains(runs):
     model_dir, _, root = runs
     log = (root / "two.log").read_text()
@@ -89,6 +90,7 @@ def test_sharded_medusa2_on_two_processes_trains_what_one_process_trains(runs):
     assert "each process read and quantized the whole checkpoint itself" in log
 
 
+@pytest.mark.integration
 def test_a_sharded_checkpoint_resumes_to_the_uninterrupted_runs_export(runs, tmp_path):
     """Resumed from the sharded run's step-4 checkpoint (every process keeps its shard of the whole LoRA weights
     and AdamW moments saved), two processes finish bit for bit as the run that was never stopped."""

@@ -53,6 +53,7 @@ def test_a_missing_or_unreadable_data_source_is_reported_with_the_other_problems
             compose_config([f"data.source={locked}"])
 
 
+@pytest.mark.integration
 def test_cli_rejects_bad_values_before_loading_anything():
     result = subprocess.run([sys.executable, "train.py", "+recipe=medusa1", "heads.num_heads=0", "optim.lr=-1",
                              "model.name_or_path=/nonexistent"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -94,6 +95,7 @@ def _train_cmd(model_dir, data, out, **extra):
                                                       "data.batch_size": 2, **extra})]
 
 
+@pytest.mark.integration
 def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -130,6 +132,7 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny_setup, 
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
 
 
+@pytest.mark.integration
 def test_two_processes_train_on_different_shards_and_write_one_export(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
     result = run_launched(accelerate_cmd(2, "train.py", "+recipe=medusa1", "trainer=smoke",

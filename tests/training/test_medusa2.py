@@ -350,6 +350,7 @@ BLOCKED_EVALUATE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_scripts_evaluate_reads_a_merged_export_without_peft_or_bitsandbytes_and_reports_drift(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
     out = tmp_path / "run"
@@ -419,6 +420,7 @@ BLOCKED_LOAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_smoke_run_through_accelerate_launch_exports_a_merged_backbone_that_needs_no_peft(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
     accelerate = str(Path(sys.executable).parent / "accelerate")

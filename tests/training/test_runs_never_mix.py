@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
 from helpers.training import compose_config, make_chat_jsonl, make_model_dir, read_metrics, train_overrides
 
@@ -22,6 +23,7 @@ def _train(model_dir, data, out, *extra):
                           timeout=600)
 
 
+@pytest.mark.integration
 def test_a_second_run_with_other_settings_is_refused_and_the_same_one_resumes(tmp_path):
     model_dir, data = make_model_dir(tmp_path / "model"), make_chat_jsonl(tmp_path / "chat.jsonl")
     out = tmp_path / "run"
