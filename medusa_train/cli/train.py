@@ -30,12 +30,12 @@ def build(raw) -> TrainConfig:
 
 
 def run(cfg: TrainConfig) -> dict:
-    """setup -> train -> save_checkpoint -> cleanup of the recipe ``cfg.method`` names; the last eval record."""
+    """setup -> train -> save_export -> cleanup of the recipe ``cfg.method`` names; the last eval record."""
     recipe = recipe_class(cfg.method)(cfg)
     recipe.setup()
     try:
         metrics = recipe.train()
-        recipe.save_checkpoint()
+        recipe.save_export()
     finally:
         recipe.cleanup()
     return metrics

@@ -4,7 +4,7 @@
     accelerate launch train.py +recipe=medusa1 trainer=smoke   # a few steps, minutes on CPU
     python train.py +recipe=medusa1 data.cache_hidden_states=true trainer.epochs=6
 
-setup -> train -> save_checkpoint -> cleanup, as torchtune's recipes; the parts both recipes need
+setup -> train -> save_export -> cleanup, as torchtune's recipes; the parts both recipes need
 are free functions in ``loop.py``. With ``data.cache_hidden_states`` the frozen backbone runs once
 over the data and the heads train from its stored hidden states.
 """
@@ -76,7 +76,7 @@ class Medusa1Recipe:
                  + (f"; greedy targets keep {kept} of the text's" if kept else ""))
         return record
 
-    def save_checkpoint(self) -> Path | None:
+    def save_export(self) -> Path | None:
         """Write the trained heads (native layout) and the training config to ``<output_dir>/export``."""
         if not self.cfg.trainer.export:
             return None

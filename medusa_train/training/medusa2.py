@@ -31,7 +31,7 @@ LoRA included, are sharded over the processes (FSDP-QLoRA, ``shard.py``): every 
 backbone itself, keeps 1/N of each layer, and the heads stay whole, averaged by DDP as without sharding.
 Checkpoints and the adapter export hold the LoRA weights whole, gathered from every process.
 
-setup -> train -> save_checkpoint -> cleanup; shared parts are free functions in ``loop.py`` (this
+setup -> train -> save_export -> cleanup; shared parts are free functions in ``loop.py`` (this
 recipe inherits from none).
 """
 
@@ -234,7 +234,7 @@ class Medusa2Recipe:
         return record
 
     # ------------------------------------------------------------------------------------ save
-    def save_checkpoint(self) -> Path | None:
+    def save_export(self) -> Path | None:
         """Write heads, adapter, ``backbone.json`` (and ``merged/`` with ``trainer.merge_export``) atomically."""
         if not self.cfg.trainer.export:
             return None
