@@ -1,13 +1,13 @@
-"""Speed and memory benchmarks (never asserted in tests; figures go in the README).
+"""Speed and memory benchmarks (never asserted in tests; figures go in docs/results.md), from the repository root:
 
-    python scripts/benchmark.py loss     # peak memory + time: naive vs head-by-head vs chunked loss
-    python scripts/benchmark.py decode   # verify-step cost vs plain decoding for several tree sizes
-    python scripts/benchmark.py train    # tokens/s per epoch, cached vs uncached hidden states
-    python scripts/benchmark.py vocab data=...  # what a draft vocabulary (heads.vocab_size) costs the heads
-    python scripts/benchmark.py rounding  # how often a multi-token bf16 pass picks another greedy token
-    python scripts/benchmark.py loop heads=... tree=...  # the real decode loop against the timed verify step
-    python scripts/benchmark.py vllm_k heads=...  # vLLM's num_speculative_tokens swept 0..heads, the fastest kept
-    python scripts/benchmark.py tokenize  # the data's tokenisation: first run, cached run, peak memory
+    python -m benchmarks loss     # peak memory + time: naive vs head-by-head vs chunked loss
+    python -m benchmarks decode   # verify-step cost vs plain decoding for several tree sizes
+    python -m benchmarks train    # tokens/s per epoch, cached vs uncached hidden states
+    python -m benchmarks vocab data=...  # what a draft vocabulary (heads.vocab_size) costs the heads
+    python -m benchmarks rounding  # how often a multi-token bf16 pass picks another greedy token
+    python -m benchmarks loop heads=... tree=...  # the real decode loop against the timed verify step
+    python -m benchmarks vllm_k heads=...  # vLLM's num_speculative_tokens swept 0..heads, the fastest kept
+    python -m benchmarks tokenize  # the data's tokenisation: first run, cached run, peak memory
 
 Extra ``key=value`` arguments are passed to the chosen benchmark.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 
 BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
               "rounding": "bench_rounding", "loop": "bench_loop",
@@ -27,8 +26,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    sys.path.insert(0, str(Path(__file__).parent))
-    module = importlib.import_module(BENCHMARKS[argv[0]])
+    module = importlib.import_module(f"{__package__}.{BENCHMARKS[argv[0]]}")
     overrides = dict(arg.split("=", 1) for arg in argv[1:])
     return module.main(**overrides) or 0
 

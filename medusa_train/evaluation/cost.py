@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from medusa_train.decoding.acceptance import greedy_accept
-from medusa_train.decoding.generate import candidate_tokens, compact_cache, tree_forward, verify_tree
+from medusa_train.decoding.generate import candidate_tokens, compact_cache, verify_tree
 from medusa_train.decoding.tree import MedusaTree
 
 AUTO_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
@@ -131,39 +131,6 @@ class DecodeSteps:
             compact_cache(self.cache, context, result.path)
             self.cache.crop(-len(result.path))  # back to the same context for the next round
             self.heads_state.rewind(self.heads_read)
-
-        return step
-
-    def candidates_step(self, tree: MedusaTree) -> Callable[[], None]:
-        """Only the heads' part of a verify step over ``tree``: their candidates (a step's breakdown)."""
-
-        @torch.no_grad()
-        def step():
-            tokens = candidate_tokens(self.model, tree, self.out.hidden_states[0, -1:], self.root, self.heads_state)
-            tokens[-1].item()  # wait for the result, as the tree pass would
-            self.heads_state.rewind(self.heads_read)
-
-        return step
-
-    def forward_step(self, tree: MedusaTree) -> Callable[[], None]:
-        """Only the backbone's pass over ``tree``'s nodes with its mask (no LM head): a step's breakdown."""
-        mask, offsets = tree.attention_mask(self.dtype).to(self.device), tree.position_offsets.to(self.device)
-        tokens = torch.full((tree.num_nodes,), self.root, device=self.device)
-
-        @torch.no_grad()
-        def step():
-            tree_forward(self.model, tokens, mask, offsets, self.cache, self.context)
-            self.cache.crop(-tree.num_nodes)
-
-        return step
-
-    def lm_head_step(self, nodes: int) -> Callable[[], None]:
-        """Only the LM head over ``nodes`` hidden states and their argmax: a step's breakdown."""
-        hidden = self.out.hidden_states[0, -1:].expand(nodes, -1).contiguous()
-
-        @torch.no_grad()
-        def step():
-            self.model.base_logits(hidden).argmax(-1)[-1].item()
 
         return step
 

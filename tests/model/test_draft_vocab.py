@@ -245,24 +245,6 @@ def test_training_with_heads_vocab_size_exports_the_data_s_most_frequent_tokens(
     assert evals[-1]["head1/top1"] > evals[0]["head1/top1"] + 0.2  # counting is learnt within the 24 tokens
 
 
-@pytest.mark.parametrize("share_lm_head", [False, True])
-def test_restricted_trained_heads_score_their_own_logits_at_the_maps_tokens(tiny_llama, share_lm_head):
-    from medusa_train.model.restrict import restrict_heads
-
-    full = MedusaModel.from_backbone(tiny_llama, 2, share_lm_head=share_lm_head)
-    with torch.no_grad():
-        for p in full.heads.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
-    restricted = restrict_heads(full, TOKEN_MAP)
-    assert restricted.config.draft_vocab_size == len(TOKEN_MAP) and torch.equal(restricted.token_map, TOKEN_MAP)
-    hidden = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(4))
-    for k in range(2):
-        torch.testing.assert_close(restricted.head_logits(hidden, k), full.head_logits(hidden, k)[..., TOKEN_MAP],
-                                   rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="already score a draft vocabulary"):
-        restrict_heads(restricted, TOKEN_MAP)
-
-
 def test_init_from_heads_of_another_vocabulary_size_is_refused_naming_the_key(tmp_path):
     from transformers import AutoModelForCausalLM
 

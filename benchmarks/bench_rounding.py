@@ -1,6 +1,6 @@
 """How often a tree-sized forward picks another greedy token than a one-token forward, in half precision.
 
-    python scripts/benchmark.py rounding dtype=bfloat16 prompts=8 chunk=8
+    python -m benchmarks rounding dtype=bfloat16 prompts=8 chunk=8
 
 Medusa's verify pass runs the backbone over several tokens at once; plain decoding runs one. In
 bfloat16 the two round differently (other GEMM kernels, other summation orders), so where the top
@@ -28,9 +28,9 @@ import json
 from pathlib import Path
 
 import torch
-from bench_options import bench_options
 from transformers import DynamicCache
 
+from benchmarks.bench_options import bench_options
 from medusa_train import load_backbone
 from medusa_train.backbone.generation import encode_chat, plain_generate
 from medusa_train.data.benchmarks import load_benchmark

@@ -1,6 +1,5 @@
-"""Trained full-vocabulary heads restricted to a draft vocabulary after training (``draft_vocab.py``).
-
-Kept apart from ``draft_vocab.py``, which ``medusa.py`` imports: this builds a ``MedusaModel``.
+"""Trained full-vocabulary heads restricted to a draft vocabulary after training
+(``medusa_train/model/draft_vocab.py``): what ``python -m benchmarks vocab`` compares heads trained on K tokens with.
 """
 
 from __future__ import annotations

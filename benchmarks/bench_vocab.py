@@ -1,7 +1,7 @@
 """What a draft vocabulary (``heads.vocab_size=K``) costs the heads: coverage and, given heads, accuracy.
 
-    python scripts/benchmark.py vocab data=<distilled.jsonl> sizes=1024,2048,4096,8192,16384
-    python scripts/benchmark.py vocab data=<distilled.jsonl> heads=<export folder> nodes=64
+    python -m benchmarks vocab data=<distilled.jsonl> sizes=1024,2048,4096,8192,16384
+    python -m benchmarks vocab data=<distilled.jsonl> heads=<export folder> nodes=64
 
 The draft vocabulary is the K most frequent targets of the training split, as training picks it
 (the same split: ``max_length``, ``eval_size``, ``seed`` as in training). On the held-out split (the
@@ -26,15 +26,15 @@ import json
 from pathlib import Path
 
 import torch
-from bench_options import bench_options
 
+from benchmarks.bench_options import bench_options
+from benchmarks.restrict import restrict_heads
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.data import build_datasets
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.decoding.fit_tree import build_tree, expected_accept_length
 from medusa_train.evaluation.calibrate import measure_rank_accuracies
 from medusa_train.model.draft_vocab import most_frequent_tokens
-from medusa_train.model.restrict import restrict_heads
 
 DEFAULTS = dict(data=None, heads=None, model=None, dtype="float32", sizes="1024,2048,4096,8192,16384", nodes=64,
                 max_length=1024, eval_size=0.05, seed=0, max_eval=40, threads=None, output=None)

@@ -1,7 +1,7 @@
 """The real decode loop against the timed verify step, round after round: what the tree builder's cost curve
 misses, and how much the machine itself moves.
 
-    python scripts/benchmark.py loop heads=<export> tree=<tree YAML> rounds=3 prompts=8
+    python -m benchmarks loop heads=<export> tree=<tree YAML> rounds=3 prompts=8
 
 Each round decodes ``prompts`` MT-Bench first turns with ``generate`` and with ``medusa_generate`` (per
 prompt, one after the other, as the evaluation does), timing the loop's phases inside it (the heads'
@@ -23,8 +23,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from bench_options import bench_options
 
+from benchmarks.bench_options import bench_options
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
 from medusa_train.config.evaluate import EvalModelConfig
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, load_benchmark

@@ -1,7 +1,7 @@
 """Tokenised once: the packaged ShareGPT (or any source) tokenised into the on-disk cache, then read back.
 
-    python scripts/benchmark.py tokenize                       # ~17.5k conversations at 2048 tokens
-    python scripts/benchmark.py tokenize max_length=512 num_proc=1
+    python -m benchmarks tokenize                       # ~17.5k conversations at 2048 tokens
+    python -m benchmarks tokenize max_length=512 num_proc=1
 
 Three fresh processes, each timed and its peak memory (RSS of the process and of its tokenising workers)
 taken: the first run (reads, splits, tokenises with ``datasets.map``, writes Arrow), the same call again
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_options import bench_options
+from benchmarks.bench_options import bench_options
 
 DEFAULTS = dict(data="packaged:sharegpt-v3", model="packaged:smollm2-135m-instruct", max_length=2048,
                 max_samples=None, eval_size=64, num_proc=None, output=None)

@@ -1,8 +1,8 @@
 """Peak memory and time of one Medusa loss step: naive vs head-by-head vs head-by-head + chunked.
 
-    python scripts/benchmark.py loss                         # the real model's sizes, CPU, float32
-    python scripts/benchmark.py loss device=cuda dtype=bfloat16 repeat=3
-    python scripts/benchmark.py loss targets=teacher         # soft targets from an LM head (loss.targets=teacher)
+    python -m benchmarks loss                         # the real model's sizes, CPU, float32
+    python -m benchmarks loss device=cuda dtype=bfloat16 repeat=3
+    python -m benchmarks loss targets=teacher         # soft targets from an LM head (loss.targets=teacher)
 
 Options (``key=value``): heads=5 batch=4 seq=1024 vocab=49152 hidden=576 chunk=256
 dtype=float32|bfloat16 device=cpu|cuda repeat=1 variants=naive,head_by_head,chunked force=0
@@ -74,8 +74,8 @@ def main(**overrides) -> int:
         if have is not None and need > 0.85 * have and not opts["force"]:
             rows[variant] = f"skipped: needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available (force=1 to try)"
             continue
-        cmd = [sys.executable, __file__, "--worker", json.dumps({**opts, "variant": variant})]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        cmd = [sys.executable, "-m", "benchmarks.bench_loss", "--worker", json.dumps({**opts, "variant": variant})]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # -m finds benchmarks/ here
         if proc.returncode != 0:
             why = "killed, probably out of memory" if proc.returncode in (-9, 137) else proc.stderr.strip()[-300:]
             rows[variant] = f"failed (exit {proc.returncode}): {why}"
@@ -123,7 +123,6 @@ def _available_bytes(device: str) -> int | None:
 
 # ----------------------------------------------------------------------------- worker (one variant)
 def _worker(opts: dict) -> dict:
-    sys.path.insert(0, str(ROOT))
     import torch
     from torch import nn
 

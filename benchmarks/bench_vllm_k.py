@@ -1,6 +1,6 @@
 """Choose vLLM's ``num_speculative_tokens`` (K) by measuring it: one server per K, the same prompts each time.
 
-    python scripts/benchmark.py vllm_k heads=outputs/demo-plain/train-XXXX/export dtype=bfloat16
+    python -m benchmarks vllm_k heads=outputs/demo-plain/train-XXXX/export dtype=bfloat16
 
 vLLM fixes K at start-up and fails to load K above the head count, so each K in 1..heads (and the
 server without speculation, K=0) is started in turn, sent MT-Bench first turns greedily at
@@ -20,7 +20,7 @@ DEFAULTS = {"heads": None, "model": None, "dtype": "bfloat16", "limit": 24, "max
 
 
 def main(**overrides) -> int:
-    from bench_options import bench_options
+    from benchmarks.bench_options import bench_options
 
     opts = bench_options(DEFAULTS, overrides)
     if opts is None or not opts["heads"]:

@@ -1,6 +1,6 @@
 """Cost of one Medusa verify step relative to one plain decoding step, by tree size.
 
-    python scripts/benchmark.py decode dtype=bfloat16 context=256 repeats=20 device=cpu
+    python -m benchmarks decode dtype=bfloat16 context=256 repeats=20 device=cpu
 
 For each tree (root only, a chain of ``num_heads``, and the first 16/32/64 nodes of ``default`` in
 their listed, most-likely-first order) it times, at the same context length:
@@ -35,12 +35,13 @@ import json
 from pathlib import Path
 
 import torch
-from bench_options import bench_options
 
+from benchmarks.bench_options import bench_options
+from benchmarks.steps import DecodeStepParts
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.fit_tree import assumed_rank_accuracies, expected_accept_length
-from medusa_train.evaluation.cost import DecodeSteps, median_times
+from medusa_train.evaluation.cost import median_times
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,
@@ -71,7 +72,7 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
     ``generate``), the same step given an explicit 4D mask, and for each tree its verify step and, alone,
     the parts of it: the heads' candidates, the backbone's pass over the nodes, the LM head (+ argmax)
     over the nodes: ``(plain, plain_explicit, [(name, tree, {part: seconds})])``."""
-    steps = DecodeSteps(model, context, seed)
+    steps = DecodeStepParts(model, context, seed)
     timed = [steps.plain_step, lambda: steps.plain_step(explicit_mask=True)]
     for _, tree in trees:
         timed += [steps.verify_step(tree), steps.candidates_step(tree), steps.forward_step(tree),

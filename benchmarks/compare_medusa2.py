@@ -1,8 +1,8 @@
 """Medusa-2 against Medusa-1 at the demo's data and step budget (issue 23), one row per setting.
 
-    .venv/bin/python scripts/compare_medusa2.py                      # every row, in order; resumes
-    .venv/bin/python scripts/compare_medusa2.py --rows medusa1 m2-default
-    nohup .venv/bin/python scripts/compare_medusa2.py > outputs/medusa2-compare.log 2>&1 &
+    .venv/bin/python -m benchmarks.compare_medusa2                      # every row, in order; resumes
+    .venv/bin/python -m benchmarks.compare_medusa2 --rows medusa1 m2-default
+    nohup .venv/bin/python -m benchmarks.compare_medusa2 > outputs/medusa2-compare.log 2>&1 &
 
 Each row is ``scripts/demo.py`` with the shared settings below plus the row's own overrides, so
 every row trains on the same distilled file (distilled once, by the first row), fits its tree the
@@ -47,15 +47,13 @@ def demo_paths(overrides: list[str]) -> dict[str, Path]:
     """Where scripts/demo.py with ``overrides`` writes (its ``stage_paths``)."""
     from hydra import compose, initialize_config_dir
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import demo
-
     from medusa_train.backbone.load import native_bf16
+    from medusa_train.cli.demo import stage_paths
     from medusa_train.cli.entry import COMMANDS_DIR
     from medusa_train.config.demo import build_demo_config, resolve_dtypes
 
     with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
-        return demo.stage_paths(resolve_dtypes(build_demo_config(compose("demo", overrides)), native_bf16()))
+        return stage_paths(resolve_dtypes(build_demo_config(compose("demo", overrides)), native_bf16()))
 
 
 def row_result(name: str, overrides: list[str]) -> dict | None:

@@ -1,7 +1,7 @@
 """Training throughput with and without the hidden-state cache (Medusa-1, frozen backbone).
 
-    python scripts/benchmark.py train                      # packaged model, 2 epochs
-    python scripts/benchmark.py train samples=128 epochs=3 heads=4 max_length=256 share_lm_head=true
+    python -m benchmarks train                      # packaged model, 2 epochs
+    python -m benchmarks train samples=128 epochs=3 heads=4 max_length=256 share_lm_head=true
 
 Runs the real recipe twice on the same data: once recomputing the backbone every step, once
 with ``data.cache_hidden_states=true``. Reports setup time (for the cached run this includes

@@ -1,9 +1,9 @@
 """Peak host memory of each process once a Medusa-1 run is set up (backbone loaded, sharded or not, heads built,
 data ready), without training: what a launch needs per process before its first step.
 
-    accelerate launch --cpu --num_processes 2 scripts/setup_memory.py +recipe=medusa1 model.fsdp=true ...
+    accelerate launch --cpu --num_processes 2 -m benchmarks.setup_memory +recipe=medusa1 model.fsdp=true ...
 
-Takes the training keys (configs/train.yaml); prints one line per process.
+Takes the training keys (configs/train.yaml); prints one line per process. Run from the repository root.
 """
 
 import os
