@@ -127,7 +127,8 @@ def _worker(opts: dict) -> dict:
     from torch import nn
 
     from medusa_train.model.heads import MedusaHead
-    from medusa_train.training.losses import Teacher, medusa_loss_backward, medusa_loss_naive
+    from medusa_train.training.losses import medusa_loss_backward, medusa_loss_naive
+    from medusa_train.training.targets import Teacher, teacher_targets, text_targets
 
     torch.manual_seed(opts["seed"])
     device = torch.device(opts["device"])
@@ -137,10 +138,10 @@ def _worker(opts: dict) -> dict:
     heads = nn.ModuleList(MedusaHead(opts["hidden"], opts["vocab"], num_layers=1) for _ in range(n)).to(device)
     hidden = torch.randn(opts["batch"], opts["seq"], opts["hidden"], device=device, dtype=dtype, requires_grad=True)
     labels = torch.randint(opts["vocab"], (opts["batch"], opts["seq"]), device=device)
-    teacher = None
+    targets = text_targets(labels, n)
     if opts["targets"] == "teacher":
         lm_head = nn.Linear(opts["hidden"], opts["vocab"], bias=False).to(device).requires_grad_(False)
-        teacher = Teacher(lm_head, hidden)
+        targets = teacher_targets(labels, n, Teacher(lm_head, hidden))
     for tensor in [*heads.parameters(), hidden]:  # gradients exist in every variant: not loss memory
         tensor.grad = torch.zeros_like(tensor)
 
@@ -150,10 +151,10 @@ def _worker(opts: dict) -> dict:
     def step() -> float:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             if variant == "naive":
-                loss, result = medusa_loss_naive(head_logits, hidden, labels, n, teacher=teacher)
+                loss, result = medusa_loss_naive(head_logits, hidden, targets)
             else:
                 chunk = opts["chunk"] if variant == "chunked" else None
-                result = medusa_loss_backward(head_logits, hidden, labels, n, chunk_size=chunk, teacher=teacher)
+                result = medusa_loss_backward(head_logits, hidden, targets, chunk_size=chunk)
         if variant == "naive":
             loss.backward()
             del loss
