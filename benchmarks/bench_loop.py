@@ -4,12 +4,12 @@ misses, and how much the machine itself moves.
     python -m benchmarks loop heads=<export> tree=<tree YAML> rounds=3 prompts=8
 
 Each round decodes ``prompts`` MT-Bench first turns with ``generate`` and with ``medusa_generate`` (per
-prompt, one after the other, as the evaluation does), timing the loop's phases inside it (the heads'
-candidates, the tree pass, the LM head, acceptance, cache compaction; on CUDA each phase is
-synchronised, which adds a little), then times ``DecodeSteps``' plain, ``generate`` and verify steps at
-the round's mean context (where ``build_tree nodes=auto`` times them too, by default). A real step much
-dearer than the timed one in the same round is the loop's own cost; rounds that differ from each other
-are the machine.
+prompt, one after the other, as the evaluation does), timing the loop's phases inside it through its
+``wrap_phase`` hook (the heads' candidates, the tree pass, the LM head, acceptance, cache compaction; on
+CUDA each phase is synchronised, which adds a little), then times ``DecodeSteps``' plain, ``generate`` and
+verify steps at the round's mean context (where ``build_tree nodes=auto`` times them too, by default). A
+real step much dearer than the timed one in the same round is the loop's own cost; rounds that differ from
+each other are the machine.
 
 Options (``key=value``): heads, tree (required), dtype (bfloat16), prompts (8), max_new_tokens (128),
 rounds (3), repeats (10, timed-step rounds), threads, output (JSON, default ``outputs/bench/loop.json``).
@@ -28,43 +28,29 @@ from benchmarks.bench_options import bench_options
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
 from medusa_train.config.evaluate import EvalModelConfig
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, load_benchmark
-from medusa_train.decoding import generate as decoding
+from medusa_train.decoding.generate import medusa_generate
 from medusa_train.evaluation.cost import DecodeSteps, median_times
 from medusa_train.evaluation.evaluate import load_medusa, resolve_tree
 
 DEFAULTS = dict(heads=None, tree=None, dtype="bfloat16", prompts=8, max_new_tokens=128, rounds=3, repeats=10,
                 threads=None, output="outputs/bench/loop.json")
-PHASES = {"candidates": "candidate_tokens", "tree pass": "tree_forward", "acceptance": "accept",
-          "compaction": "compact_cache"}
+# the table's phase columns (``medusa_generate``'s PHASES), in the order this table has always shown them
+COLUMNS = ("candidates", "tree pass", "acceptance", "compaction", "LM head")
 
 
 class PhaseClock:
-    """Seconds spent in each phase of ``medusa_generate``, by wrapping the module functions it calls
-    (and the model's LM head) for as long as the clock is in a ``with`` block."""
+    """Seconds spent in each phase of ``medusa_generate``: its ``wrap_phase`` hook is ``wrap``."""
 
-    def __init__(self, model, device: torch.device):
-        self.model, self.device, self.seconds = model, device, defaultdict(float)
-        self._saved: dict[str, object] = {}
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, defaultdict(float)
 
-    def _timed(self, name: str, fn):
-        def wrapper(*args, **kwargs):
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
             start = now(self.device)
             result = fn(*args, **kwargs)
             self.seconds[name] += now(self.device) - start
             return result
-        return wrapper
-
-    def __enter__(self) -> PhaseClock:
-        for name, attr in PHASES.items():
-            self._saved[attr] = getattr(decoding, attr)
-            setattr(decoding, attr, self._timed(name, self._saved[attr]))
-        self.model.base_logits = self._timed("LM head", self.model.base_logits)  # instance attribute: shadows
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for attr, fn in self._saved.items():
-            setattr(decoding, attr, fn)
-        del self.model.base_logits
+        return timed
 
 
 @torch.no_grad()
@@ -84,7 +70,7 @@ def main(**overrides) -> int:
     prompts = load_benchmark(DEFAULT_BENCHMARK, int(opts["prompts"]))
     inputs = [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}]).to(device) for p in prompts]
     new_tokens = int(opts["max_new_tokens"])
-    decoding.medusa_generate(model, inputs[0], tree, max_new_tokens=16)  # warm-up
+    medusa_generate(model, inputs[0], tree, max_new_tokens=16)  # warm-up
     plain_generate(model.backbone, inputs[0], 16, eos, pad)
 
     rounds = []
@@ -92,14 +78,15 @@ def main(**overrides) -> int:
         steps = tokens = plain_tokens = 0
         decode_s = plain_s = 0.0
         contexts = []
-        with PhaseClock(model, model.lm_head.weight.device) as clock:
-            for ids in inputs:
-                plain, timing = plain_generate(model.backbone, ids, new_tokens, eos, pad)
-                plain_tokens, plain_s = plain_tokens + len(plain) - 1, plain_s + timing["decode_s"]
-                out = decoding.medusa_generate(model, ids, tree, max_new_tokens=new_tokens, eos_token_id=eos)
-                steps, tokens, decode_s = steps + out.steps, tokens + out.new_tokens, decode_s + out.timings["decode_s"]
-                contexts.append(ids.shape[1] + out.new_tokens // 2)
-            phases = {k: v / max(steps, 1) * 1e3 for k, v in clock.seconds.items()}
+        clock = PhaseClock(model.lm_head.weight.device)
+        for ids in inputs:
+            plain, timing = plain_generate(model.backbone, ids, new_tokens, eos, pad)
+            plain_tokens, plain_s = plain_tokens + len(plain) - 1, plain_s + timing["decode_s"]
+            out = medusa_generate(model, ids, tree, max_new_tokens=new_tokens, eos_token_id=eos,
+                                  wrap_phase=clock.wrap)
+            steps, tokens, decode_s = steps + out.steps, tokens + out.new_tokens, decode_s + out.timings["decode_s"]
+            contexts.append(ids.shape[1] + out.new_tokens // 2)
+        phases = {k: v / max(steps, 1) * 1e3 for k, v in clock.seconds.items()}
         context = round(statistics.mean(contexts))
         timed = DecodeSteps(model, context)
         plain_ms, generate_ms, verify_ms = (s * 1e3 for s in median_times(
@@ -116,7 +103,7 @@ def main(**overrides) -> int:
 
     print(f"\n{model.config.num_heads} heads, {tree.num_nodes}-node tree, {len(inputs)} prompts x {new_tokens} tokens, "
           f"{str(model.lm_head.weight.dtype).removeprefix('torch.')} on {device}, {torch.get_num_threads()} threads\n")
-    names = list(PHASES) + ["LM head"]
+    names = list(COLUMNS)
     print("| round | context | real verify (ms) | " + " | ".join(names) + " | timed verify (ms) | real / timed | "
           "real generate (ms/token) | timed generate | accepted length | speedup (real) | speedup (timed steps) |")
     print("|---:|---:|---:|" + "---:|" * len(names) + "---:|---:|---:|---:|---:|---:|---:|")

@@ -12,7 +12,7 @@ the tree pass rounds differently from a one-token pass, so a near-tie can (rarel
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +21,9 @@ from transformers import DynamicCache
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
 from medusa_train.decoding.tree import MedusaTree, tree_from_config
+
+# the verify step's phases, in the order the loop runs them (``medusa_generate``'s ``wrap_phase`` sees these names)
+PHASES = ("candidates", "tree pass", "LM head", "acceptance", "compaction")
 
 
 @dataclass
@@ -70,7 +73,8 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
                     temperature: float = 0.0, acceptance: str = "greedy", top_p: float = 1.0,
                     typical_threshold: float = 0.09, typical_alpha: float = 0.3,
                     eos_token_id: int | Iterable[int] | None = None,
-                    generator: torch.Generator | None = None) -> MedusaGenerateOutput:
+                    generator: torch.Generator | None = None,
+                    wrap_phase: Callable[[str, Callable], Callable] | None = None) -> MedusaGenerateOutput:
     """Generate with Medusa heads and tree attention (batch size 1).
 
     Each step runs the backbone once over every tree node (a 4D additive mask lets each node see
@@ -93,6 +97,9 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
         eos_token_id: Token id(s) that end generation (kept in the output, nothing after them).
             Default: the backbone's ``generation_config`` (or ``config``) eos; an empty list disables it.
         generator: Random generator on the model's device, for sampling.
+        wrap_phase: A measurement's hook (e.g. ``python -m benchmarks loop`` timing each phase): called once
+            with each phase's name (``PHASES``) and function, it returns what the loop calls instead. None
+            (the default): the phases run as they are, at no cost.
 
     Returns:
         A ``MedusaGenerateOutput``.
@@ -121,6 +128,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     next_token = first_token(model.base_logits(out.hidden_states[:, -1])[0], acceptance, **sampling)
     prefill_s = _now(device) - start
 
+    candidates, forward, lm_head, accept_nodes, compact = _phases(model, wrap_phase)
     offsets = tree.position_offsets.to(device)
     tree_mask = tree.attention_mask(out.hidden_states.dtype).to(device)
     generated: list[int] = []
@@ -128,10 +136,11 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     accepted_depths: list[int] = []
     past_len = prompt_len
     while True:
-        tokens = candidate_tokens(model, tree, accepted_hidden, next_token, heads_state)
-        hidden, logits = verify_tree(model, tokens, tree_mask, offsets, cache, past_len)
-        result = accept(acceptance, tree, tokens, logits, typical_threshold=typical_threshold,
-                        typical_alpha=typical_alpha, **sampling)
+        tokens = candidates(model, tree, accepted_hidden, next_token, heads_state)
+        hidden = forward(model, tokens, tree_mask, offsets, cache, past_len)  # = verify_tree, phase by phase
+        logits = lm_head(hidden)
+        result = accept_nodes(acceptance, tree, tokens, logits, typical_threshold=typical_threshold,
+                              typical_alpha=typical_alpha, **sampling)
         accepted_depths.append(len(result.path) - 1)
         new = tokens[result.path].tolist()
         cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)  # eos is kept, nothing after it
@@ -142,7 +151,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
         accept_lengths.append(keep)
         if done:
             break
-        compact_cache(cache, past_len, result.path)
+        compact(cache, past_len, result.path)
         past_len += len(result.path)
         accepted_hidden = hidden[result.path]
         next_token = result.next_token
@@ -151,6 +160,12 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     sequences = torch.cat([input_ids, torch.tensor([generated], dtype=input_ids.dtype, device=device)], dim=1)
     return MedusaGenerateOutput(sequences, len(generated), accept_lengths, accepted_depths, len(accept_lengths),
                                 {"prefill_s": prefill_s, "decode_s": decode_s}, tree.num_nodes)
+
+
+def _phases(model, wrap_phase: Callable[[str, Callable], Callable] | None) -> tuple[Callable, ...]:
+    """The functions of the verify step's ``PHASES``, each through ``wrap_phase`` when one is given."""
+    functions = (candidate_tokens, tree_forward, model.base_logits, accept, compact_cache)
+    return functions if wrap_phase is None else tuple(wrap_phase(n, f) for n, f in zip(PHASES, functions))
 
 
 def compact_cache(cache: DynamicCache, past_len: int, path: list[int]) -> None:
