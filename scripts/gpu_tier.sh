@@ -6,7 +6,7 @@
 # 2. the demo on the GPU (distill -> train -> build_tree nodes=auto -> evaluate): each stage prints its peak GPU
 #    memory, build_tree its verify-step cost curve up to 128 nodes and the size it chose, evaluate the speedup
 #    over plain `generate` at batch 1;
-# 3. the verify-step cost of the default tree's first 16/32/64 nodes by part (benchmark.py decode); the curve
+# 3. the verify-step cost of the default tree's first 16/32/64 nodes by part (python -m benchmarks decode); the curve
 #    to 128 nodes is build_tree's (step 2), on the fitted tree.
 # Logs and figures go to outputs/gpu/; summary.md gathers the lines docs/results.md reports.
 set -uo pipefail
@@ -21,7 +21,7 @@ HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 "$PY" -m pytest -q -m gpu -rs 2>&1 | tee 
 tests=${PIPESTATUS[0]}
 "$PY" scripts/demo.py output_dir="$OUT/demo" 2>&1 | tee "$OUT/demo.log"
 demo=${PIPESTATUS[0]}
-"$PY" scripts/benchmark.py decode device=cuda dtype=bfloat16 sizes=1,chain,16,32,64 \
+"$PY" -m benchmarks decode device=cuda dtype=bfloat16 sizes=1,chain,16,32,64 \
     output="$OUT/decode-bf16.json" 2>&1 | tee "$OUT/decode.log"
 bench=${PIPESTATUS[0]}
 
@@ -30,7 +30,7 @@ bench=${PIPESTATUS[0]}
   echo; echo "## pytest -m gpu"; tail -n 3 "$OUT/pytest-gpu.log"
   echo; echo "## peak GPU memory per stage (demo)"; grep -h "peak GPU memory" "$OUT/demo.log"
   echo; echo "## tree size chosen, speedup (demo)"; grep -hiE "nodes=auto|chose|speedup|tokens/step" "$OUT/demo.log" | tail -n 20
-  echo; echo "## verify-step cost by tree size (benchmark.py decode)"; tail -n 15 "$OUT/decode.log"
+  echo; echo "## verify-step cost by tree size (python -m benchmarks decode)"; tail -n 15 "$OUT/decode.log"
 } > "$OUT/summary.md"
 cat "$OUT/summary.md"
 exit $(( tests || demo || bench ))

@@ -37,13 +37,13 @@ def run(cfg: ExportConfig) -> None:
         print(serve_command(path, heads=cfg.heads))
 
 
-SERVING_NAME = "serving.json"  # written into a vllm export by `scripts/benchmark.py vllm_k` (the measured K)
+SERVING_NAME = "serving.json"  # written into a vllm export by `python -m benchmarks vllm_k` (the measured K)
 
 
 def serve_command(path, heads=None) -> str:
     """How to serve a vllm export: ``vllm serve`` with the base model's folder (``packaged:`` names resolved,
     a folder as its absolute path), the export's dtype and ``--speculative-config``; K is the fastest measured
-    by ``benchmark.py vllm_k`` when it ran (``serving.json``), else 1 (vLLM's own per-step cost makes more a
+    by ``python -m benchmarks vllm_k`` when it ran (``serving.json``), else 1 (vLLM's own per-step cost makes more a
     loss until measured). ``heads``: the folder the export was made from, where a Medusa-2 export's base
     (``merged``, relative to it) lies."""
     import json
@@ -67,7 +67,7 @@ def serve_command(path, heads=None) -> str:
                      f"({path / SERVING_NAME})")
     else:
         k = 1
-        lines.append(f"K=1 until measured: choose K in 1..{heads_count} with `python scripts/benchmark.py vllm_k "
+        lines.append(f"K=1 until measured: choose K in 1..{heads_count} with `python -m benchmarks vllm_k "
                      f"heads={path}` (one server per K; it writes {SERVING_NAME} here)")
     spec = json.dumps({"method": "medusa", "model": str(path.resolve()), "num_speculative_tokens": k})
     lines.append(f"vllm serve {base} --dtype {dtype} --speculative-config '{spec}'")
