@@ -1,7 +1,7 @@
 """The package's layout, read from its source (AST, nothing imported): modules stay small, imports run
 one way along the data flow and never in a circle, and the head variants' knobs stay inside model/. The
 package imports nothing of the checkout around it (benchmarks/, scripts/, tests/: a wheel has none of them),
-and no code of the repository edits ``sys.path`` (modules are found as packages, never by path).
+and no code of the repository edits the module search path (modules are found as packages, never by path).
 
 Stages: config (0) < backbone (1) < model (2) < engine (3) < data (4) < training (5) = decoding (5)
 < evaluation (6) < cli (7). A module imports only from its own stage folder or an earlier stage (training and decoding
@@ -24,7 +24,7 @@ STAGES = {"config": 0, "backbone": 1, "model": 2, "engine": 3, "data": 4, "train
 HEAD_VARIANT_WORDS = ("path_input", "prefix_attention", "next_token_input")
 HEAD_VARIANT_HOMES = ("config/", "model/")  # model/export.py and model/layouts.py are in model/
 CHECKOUT_ONLY = ("benchmarks", "scripts", "tests", "helpers", "train")  # top-level names a wheel lacks
-SYS_PATH_FREE = ("medusa_train", "scripts", "benchmarks", "tests")
+SEARCH_PATH_FREE = ("medusa_train", "scripts", "benchmarks", "tests")
 
 
 # ------------------------------------------------------------------------------------ reading the source
@@ -215,9 +215,9 @@ def imports_from_the_checkout() -> list[str]:
     return offenders
 
 
-def sys_path_edits() -> list[str]:
-    """Every ``sys.path`` (read or written) in the repository's Python code, by file and line."""
-    files = [f for folder in SYS_PATH_FREE for f in sorted((ROOT / folder).rglob("*.py"))
+def search_path_edits() -> list[str]:
+    """Every use of the ``sys`` module's ``path`` list (read or written) in the repository's code, by file and line."""
+    files = [f for folder in SEARCH_PATH_FREE for f in sorted((ROOT / folder).rglob("*.py"))
              if "__pycache__" not in f.parts]
     return [f"{f.relative_to(ROOT)}:{node.lineno}" for f in files for node in ast.walk(ast.parse(f.read_text()))
             if isinstance(node, ast.Attribute) and node.attr == "path" and ast.unparse(node.value) == "sys"]
@@ -262,7 +262,8 @@ def test_the_package_imports_nothing_of_the_checkout_around_it():
     assert not offenders, report(f"imports of {', '.join(CHECKOUT_ONLY)} from medusa_train", offenders)
 
 
-def test_no_code_edits_sys_path():
+def test_no_code_edits_the_module_search_path():
     assert (ROOT / "benchmarks" / "__main__.py").is_file()  # the folders below are where they are looked for
-    offenders = sys_path_edits()
-    assert not offenders, report(f"sys.path in {', '.join(SYS_PATH_FREE)} (import by package name instead)", offenders)
+    offenders = search_path_edits()
+    folders = ", ".join(SEARCH_PATH_FREE)
+    assert not offenders, report(f"the module search path used in {folders} (import by package name)", offenders)
