@@ -26,7 +26,7 @@ data's most frequent ones, which costs the same), output (the JSON
 written, default ``outputs/bench/decode-<dtype>-<reads>.json``; a PNG plot of the curve goes beside it).
 
 ``scripts/build_tree.py nodes=auto`` measures the same kind of curve for the fitted tree itself
-(``medusa_train/evaluation/cost.py``) and picks its size from it.
+(``medusa_train/tree/cost.py``) and picks its size from it.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from benchmarks.bench_options import bench_options
 from benchmarks.steps import DecodeStepParts
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.decoding import MedusaTree
-from medusa_train.decoding.fit_tree import assumed_rank_accuracies, expected_accept_length
-from medusa_train.evaluation.cost import median_times
+from medusa_train.tree.cost import median_times
+from medusa_train.tree.fit import assumed_rank_accuracies, expected_accept_length
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,

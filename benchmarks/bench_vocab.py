@@ -32,9 +32,9 @@ from benchmarks.restrict import restrict_heads
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.data import build_datasets
 from medusa_train.data.tokenize import IGNORE_INDEX
-from medusa_train.decoding.fit_tree import build_tree, expected_accept_length
-from medusa_train.evaluation.calibrate import measure_rank_accuracies
 from medusa_train.model.draft_vocab import most_frequent_tokens
+from medusa_train.tree.calibrate import measure_rank_accuracies
+from medusa_train.tree.fit import build_tree, expected_accept_length
 
 DEFAULTS = dict(data=None, heads=None, model=None, dtype="float32", sizes="1024,2048,4096,8192,16384", nodes=64,
                 max_length=1024, eval_size=0.05, seed=0, max_eval=40, threads=None, output=None)

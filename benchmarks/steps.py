@@ -1,6 +1,6 @@
 """The parts of a verify step timed alone (``python -m benchmarks decode``): what a step's cost is made of.
 
-``DecodeSteps`` (``medusa_train/evaluation/cost.py``) times whole steps, as ``build_tree nodes=auto`` needs;
+``DecodeSteps`` (``medusa_train/tree/cost.py``) times whole steps, as ``build_tree nodes=auto`` needs;
 the breakdown into the heads' candidates, the backbone's tree pass and the LM head is only read here.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from medusa_train.decoding.generate import candidate_tokens, tree_forward
 from medusa_train.decoding.tree import MedusaTree
-from medusa_train.evaluation.cost import DecodeSteps
+from medusa_train.tree.cost import DecodeSteps
 
 
 class DecodeStepParts(DecodeSteps):

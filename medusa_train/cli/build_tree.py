@@ -3,7 +3,7 @@
     python scripts/build_tree.py heads=outputs/medusa1/export nodes=64 calibration=packaged:sharegpt-v3
 
 Options: ``configs/commands/build_tree.yaml`` (schema: ``medusa_train.config.build_tree.BuildTreeConfig``);
-the measuring is ``medusa_train.evaluation.calibrate``.
+the work is ``medusa_train.tree.size.fit_and_write`` (calibrate, fit, size, write).
 """
 
 from __future__ import annotations
@@ -12,24 +12,11 @@ from pathlib import Path
 
 import torch
 
-from medusa_train.backbone.generation import encode_chat
-from medusa_train.cli.evaluate import check_heads
 from medusa_train.config.build_tree import BuildTreeConfig, check_build_tree_config
 from medusa_train.config.check import Problems, parse_config
-from medusa_train.config.evaluate import default_output_dir
-from medusa_train.data.benchmarks import load_benchmark
-from medusa_train.decoding.fit_tree import build_tree, expected_accept_length
-from medusa_train.decoding.tree import MedusaTree
-from medusa_train.evaluation.calibrate import (
-    CONVERSATION_SOURCES,
-    calibration_prompts,
-    greedy_continuations,
-    measure_rank_accuracies,
-    training_prompts,
-    write_tree,
-)
-from medusa_train.evaluation.cost import auto_sizes, choose_tree_size, measure_cost_curve
-from medusa_train.evaluation.evaluate import load_medusa
+from medusa_train.model.load import check_heads, load_heads
+from medusa_train.tree.calibrate import CONVERSATION_SOURCES
+from medusa_train.tree.size import fit_and_write
 
 
 def build_build_tree_config(raw) -> BuildTreeConfig:
@@ -51,107 +38,11 @@ def check_build_tree_inputs(c: BuildTreeConfig) -> list[str]:
 
 
 def run(cfg: BuildTreeConfig) -> dict:
-    """Measure, build and write the tree; print where it went and (last) the expected accepted length."""
+    """Load the heads, then measure, build and write the tree (``medusa_train.tree.size.fit_and_write``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model, tokenizer = load_medusa(cfg.heads, cfg.model, cfg.device)
-    seen = training_prompts(cfg.heads) if cfg.exclude_training_data else set()
-    prompts = calibration_prompts(cfg.calibration, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.exclude,
-                                  seen)
-    if not prompts:
-        raise SystemExit(f"calibration={cfg.calibration}: no usable prompts (all too long, empty, excluded or "
-                         "in the heads' training data); pass calibration=<a .jsonl of held-out prompts>")
-    if seen:
-        print(f"calibration: {len(prompts)} prompts of {cfg.calibration} the heads were not trained on "
-              f"({len(seen):,} training prompts passed over)")
-    sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
-    accuracies, counts = measure_rank_accuracies(model, sequences, cfg.top_k)
-    name = Path(default_output_dir(cfg.heads)).name
-    output = cfg.output or str(Path("outputs") / "trees" / f"{name}-n{cfg.nodes}.yaml")
-    command = (f"python scripts/build_tree.py heads={cfg.heads} nodes={cfg.nodes} calibration={cfg.calibration} "
-               f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "
-               f"model.dtype={cfg.model.dtype}"
-               + (f" cost_context={cfg.cost_context} answer_tokens={cfg.answer_tokens}" if cfg.nodes == "auto" else ""))
-    target, extra = (choose_size(model, accuracies, cfg, cost_context(cfg, tokenizer, prompts))
-                     if cfg.nodes == "auto" else (cfg.nodes, None))
-    nodes = len(build_tree(accuracies, target)) + 1
-    comments = [command, f"use: python scripts/evaluate.py heads={cfg.heads} tree={output}",
-                f"{nodes} nodes (root + paths), most likely path first, fitted to rank accuracies measured on "
-                f"{len(sequences)} greedy continuations ({counts[0]} positions for head 1)."]
-    path, choices, expected = write_tree(output, accuracies, target, comments, extra)
-    default = MedusaTree.from_name("default").truncated(max_nodes=target, max_depth=len(accuracies))
-    default_expected = expected_accept_length([c for c in default.choices if max(c) < cfg.top_k], accuracies)
-    print("top-1 accuracy by head: " + ", ".join(f"{row[0]:.3f}" for row in accuracies))
-    print(f"top-{cfg.top_k} accuracy by head: " + ", ".join(f"{sum(row):.3f}" for row in accuracies))
-    print(f"tree: {path} ({len(choices) + 1} nodes)")
-    if len(choices) + 1 < target:
-        print(f"note: only {len(choices)} paths have a measured accuracy above 0 (asked for {target - 1}); "
-              "calibrate on more prompts for a bigger tree")
-    print(f"the built-in default tree cut to {default.num_nodes} nodes, under these accuracies: "
-          f"{default_expected:.2f} tokens per step")
-    if extra:
-        at64 = extra["sizes"].get("64")
-        print(f"chosen size: {extra['chosen_nodes']} nodes on {extra['device']}, {extra['dtype']}: expected speedup "
-              f"{extra['expected_speedup']:.2f}x over generate"
-              + (f" (the 64-node tree: {at64['expected_accept_length']:.2f} tokens per step)" if at64 else ""))
-    print(f"expected accepted length: {expected:.2f}")
-    return {"path": str(path), "choices": choices, "rank_accuracies": accuracies, "positions": counts,
-            "expected_accept_length": expected, **({"auto": extra} if extra else {})}
-
-
-def cost_context(cfg: BuildTreeConfig, tokenizer, calibration: list[str]) -> int:
-    """Cached tokens at which ``nodes=auto`` times the steps: ``cost_context``, or with ``auto`` the mean context
-    of a decode step answering the evaluation's prompts (the ``exclude`` benchmark's first turns, else the
-    ``calibration`` prompts) with ``answer_tokens`` new tokens: their mean length + ``answer_tokens / 2``.
-
-    The ratio of the two steps' costs may move with the context (a plain step's attention grows with it, a
-    verify step's extra rows less so), so the steps are timed where the decoding will run rather than at a
-    fixed length. Measured on the demo's CPU (6-node tree, 4 interleaved rounds): verify / generate 1.21
-    on average at 129 tokens against 1.17 at 256, and 1.17 at 160 (the demo's mean) against 1.12 at 256,
-    round by round from -2% to +19% (docs/results.md)."""
-    if cfg.cost_context != "auto":
-        return cfg.cost_context
-    benchmark = [p.turns[0] for p in load_benchmark(cfg.exclude) if p.turns] if cfg.exclude else []
-    texts = benchmark or calibration  # run() has stopped already if there are no calibration prompts
-    lengths = [encode_chat(tokenizer, [{"role": "user", "content": t}]).shape[1] for t in texts]
-    return round(sum(lengths) / len(lengths) + cfg.answer_tokens / 2)
-
-
-def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int) -> tuple[int, dict]:
-    """``nodes=auto``: time the fitted tree's prefixes here (at ``context`` cached tokens) and pick the size
-    with the most expected tokens/s.
-
-    Returns the size and what the tree YAML records about the choice (device, dtype, cost curve, every
-    size's expected figures)."""
-    full = build_tree(accuracies, cfg.max_nodes)
-    sizes = auto_sizes(cfg.max_nodes, len(full) + 1)
-    trees = {n: MedusaTree(full[:n - 1]) for n in sizes}  # most likely first: every prefix is a tree
-    where = ", the mean context answering the evaluation's prompts" if cfg.cost_context == "auto" else ""
-    print(f"nodes=auto: timing a plain step, generate and a verify step at {len(sizes)} tree sizes "
-          f"({context} cached tokens{where}, {cfg.cost_repeats} rounds)", flush=True)
-    curve = measure_cost_curve(model, trees, context, cfg.cost_repeats)
-    best, rows = choose_tree_size(curve, {n: expected_accept_length(full[:n - 1], accuracies) for n in sizes})
-    print(f"cost on {curve.device}, {curve.dtype}: plain step {curve.plain_ms:.1f} ms, generate "
-          f"{curve.generate_ms:.1f} ms per token")
-    print("| nodes | expected accepted length | verify step timed (ms) | fitted (ms) | relative cost | "
-          "expected tokens/s | expected speedup |\n|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r.nodes}{' *' if r.nodes == best else ''} | {r.expected_accept_length:.3f} | "
-              f"{curve.verify_ms[r.nodes]:.1f} | {r.verify_ms:.1f} | "
-              f"{r.relative_cost:.2f} | {r.expected_tokens_per_s:.1f} | {r.expected_speedup:.2f}x |")
-    chosen = next(r for r in rows if r.nodes == best)
-    extra = {"device": curve.device, "dtype": curve.dtype, "chosen_nodes": best,
-             "expected_speedup": round(chosen.expected_speedup, 4),
-             "expected_tokens_per_s": round(chosen.expected_tokens_per_s, 2),
-             "cost_curve": {"context": curve.context, "repeats": curve.repeats, "threads": curve.threads,
-                            "plain_ms": round(curve.plain_ms, 3), "generate_ms": round(curve.generate_ms, 3),
-                            "verify_ms": {int(n): round(ms, 3) for n, ms in curve.verify_ms.items()},
-                            # what the choice used: the timings made non-decreasing in size (noise pooled)
-                            "verify_ms_fitted": {r.nodes: round(r.verify_ms, 3) for r in rows}},
-             "sizes": {str(r.nodes): {"expected_accept_length": round(r.expected_accept_length, 4),
-                                      "expected_tokens_per_s": round(r.expected_tokens_per_s, 2),
-                                      "expected_speedup": round(r.expected_speedup, 4)} for r in rows}}
-    return best, extra
+    model, tokenizer = load_heads(cfg.heads, cfg.model, cfg.device)
+    return fit_and_write(cfg, model, tokenizer)
 
 
 def main() -> None:

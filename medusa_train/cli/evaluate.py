@@ -18,13 +18,8 @@ import torch
 
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.evaluate import EvalConfig, check_eval_config, default_output_dir
-from medusa_train.evaluation.evaluate import (
-    evaluate,
-    heads_metadata,
-    load_medusa,
-    measure_drift,
-    resolve_tree,
-)
+from medusa_train.evaluation.evaluate import evaluate, measure_drift, resolve_tree
+from medusa_train.model.load import check_heads, load_heads, read_export_config
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -36,20 +31,6 @@ def build_eval_config(raw) -> EvalConfig:
         ConfigError: listing each invalid value with the key to change.
     """
     return parse_config(EvalConfig, raw, lambda c: check_eval_config(c) + check_eval_inputs(c))
-
-
-def check_heads(heads: str | None, p: Problems) -> tuple[int | None, str | None]:
-    """Adds the problems of ``heads=`` to ``p``; returns ``(num_heads, base model)`` when the folder reads."""
-    if not heads:
-        return None, None  # the schema check says it is required
-    if not (Path(heads).expanduser() / "config.json").is_file():
-        p.append(f"heads={heads}: not a folder of exported heads (no config.json)")
-        return None, None
-    try:
-        return heads_metadata(Path(heads).expanduser())
-    except ValueError as err:
-        p.append(str(err))
-        return None, None
 
 
 def check_eval_inputs(c: EvalConfig) -> list[str]:
@@ -108,7 +89,7 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     prompts = load_benchmark(cfg.bench.source, cfg.bench.limit, pick=cfg.bench.pick)
-    model, tokenizer = load_medusa(cfg.heads, cfg.model, cfg.device)
+    model, tokenizer = load_heads(cfg.heads, cfg.model, cfg.device)
     if model.lm_head.weight.device.type == "cpu":
         busy_cpu_note()
     output_dir = cfg.output_dir or default_output_dir(cfg.heads)
@@ -154,7 +135,7 @@ def served_runner(cfg: EvalConfig, model, output_dir: str):
     from medusa_train.model.layouts import detect_format
 
     heads = Path(cfg.heads).expanduser()
-    _, base = heads_metadata(heads)
+    _, base = read_export_config(heads)
     base_model = resolve_model_path(cfg.model.name_or_path or base)[0]
     eos = eos_token_ids(model.backbone)
 

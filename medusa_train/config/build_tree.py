@@ -16,7 +16,7 @@ from medusa_train.config.evaluate import EvalModelConfig, check_decoder_attentio
 class BuildTreeConfig:
     heads: str | None = None  #: folder of exported heads
     #: tree size, root included; auto: the size (up to max_nodes) with the most expected tokens per second,
-    #: from a cost curve measured here, on this device and dtype (medusa_train/evaluation/cost.py)
+    #: from a cost curve measured here, on this device and dtype (medusa_train/tree/cost.py)
     nodes: int | str = 64
     max_nodes: int = 128  #: with nodes=auto, the largest size considered
     #: with nodes=auto, cached tokens at which steps are timed; auto: a decode step's mean context when answering

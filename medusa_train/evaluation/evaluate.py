@@ -20,7 +20,6 @@ Definitions (all totals over every prompt and turn):
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections import Counter
@@ -38,22 +37,11 @@ from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.tree import tree_from_config
 from medusa_train.evaluation.compare import first_difference, mismatch_detail
 from medusa_train.evaluation.engines import engine_rows
-from medusa_train.model.layouts import resolve_base_model
 
 WARMUP_TOKENS = 16
 
 
-# ------------------------------------------------------------------------------------------- loading
-def heads_metadata(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
-    """``(num_heads, base model)`` from a heads folder's ``config.json`` (any supported layout); a base
-    model stored relative to the heads (Medusa-2's ``merged``) comes back as its path."""
-    raw = json.loads((Path(heads_dir) / "config.json").read_text())
-    num_heads = raw.get("num_heads", raw.get("medusa_num_heads"))
-    if not isinstance(num_heads, int):
-        raise ValueError(f"heads={heads_dir}: config.json does not say how many heads there are")
-    return num_heads, resolve_base_model(heads_dir, raw.get("base_model_name_or_path"))
-
-
+# ------------------------------------------------------------------------------------------- trees
 def resolve_tree(spec, num_heads: int | None) -> MedusaTree:
     """A ``MedusaTree`` for ``spec`` that fits ``num_heads`` heads.
 
@@ -71,38 +59,6 @@ def resolve_tree(spec, num_heads: int | None) -> MedusaTree:
             tree = tree.truncated(max_depth=num_heads)
         return tree
     return tree_from_config(spec, num_heads=num_heads)
-
-
-def load_medusa(heads_dir: str | os.PathLike, model: EvalModelConfig | None = None, device: str | None = None):
-    """Load a backbone and the heads in ``heads_dir``, in the backbone's dtype, on ``device``.
-
-    Args:
-        heads_dir: Folder of exported heads (any layout ``MedusaModel.from_pretrained`` reads).
-        model: Backbone settings; its ``name_or_path`` defaults to the base model of the heads.
-        device: ``cuda`` when available, else ``cpu`` by default.
-
-    Returns:
-        ``(MedusaModel, tokenizer)`` in eval mode.
-    """
-    from medusa_train.backbone.load import load_backbone
-    from medusa_train.model.medusa import MedusaModel
-
-    model = model or EvalModelConfig()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if model.form == "adapter":  # Medusa-2: the 4-bit base + LoRA, as in training (peft and bitsandbytes)
-        from medusa_train.model.medusa2_export import load_medusa2_export
-
-        medusa, tokenizer = load_medusa2_export(heads_dir, "adapter", dtype=model.dtype,
-                                                device_map=device, attn_implementation=model.attn_implementation)
-        return medusa.eval(), tokenizer
-    name = model.name_or_path or heads_metadata(heads_dir)[1]
-    backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
-                                        attn_implementation=model.attn_implementation)
-    backbone.to(device)
-    medusa = MedusaModel.from_pretrained(heads_dir, backbone=backbone)
-    for part in medusa.medusa_modules():
-        part.to(backbone.get_output_embeddings().weight.dtype)
-    return medusa.eval(), tokenizer
 
 
 def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen: DecodeConfig, eos: list[int],
@@ -145,7 +101,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     """Run a benchmark with Medusa and plain decoding and return the report.
 
     Args:
-        model: A ``MedusaModel`` (see ``load_medusa``).
+        model: A ``MedusaModel`` (see ``medusa_train.model.load.load_heads``).
         tokenizer: Its tokenizer (with a chat template).
         prompts: ``BenchPrompt``s, or a source for ``load_benchmark``.
         tree: Tree name, YAML path or ``MedusaTree`` (see ``resolve_tree``).

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from medusa_train.config.paths import TREE_DIR
-from medusa_train.decoding import MedusaTree, build_tree, tree_from_config
-from medusa_train.decoding.fit_tree import assumed_rank_accuracies, expected_accept_length
+from medusa_train.decoding import MedusaTree, tree_from_config
+from medusa_train.tree.fit import assumed_rank_accuracies, build_tree, expected_accept_length
 
 # Node numbering: root, then (depth, path) order.
 #   0 root

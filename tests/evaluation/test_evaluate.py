@@ -53,9 +53,9 @@ def heads_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(heads_dir):
-    from medusa_train.evaluation.evaluate import load_medusa
+    from medusa_train.model.load import load_heads
 
-    return load_medusa(heads_dir, device="cpu")
+    return load_heads(heads_dir, device="cpu")
 
 
 def test_report_numbers_recompute_from_per_prompt(loaded):

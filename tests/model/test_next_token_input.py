@@ -16,7 +16,6 @@ from medusa_train.config.train import build_config
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.generate import candidate_tokens
-from medusa_train.evaluation.calibrate import measure_rank_accuracies
 from medusa_train.model.export import export_heads
 from medusa_train.model.heads import MedusaHead
 from medusa_train.training.losses import medusa_loss_backward, medusa_loss_naive
@@ -24,6 +23,7 @@ from medusa_train.training.targets import (
     following_tokens,
     text_targets,
 )
+from medusa_train.tree.calibrate import measure_rank_accuracies
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 

@@ -26,7 +26,7 @@ import torch
 
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
-from medusa_train.decoding.fit_tree import build_tree, expected_accept_length
+from medusa_train.tree.fit import build_tree, expected_accept_length
 
 CONVERSATION_SOURCES = ("packaged:sharegpt-v3",)
 

@@ -17,15 +17,15 @@ from medusa_train.cli.build_tree import build_build_tree_config, run
 from medusa_train.config.check import ConfigError
 from medusa_train.data.benchmarks import normalise_prompt
 from medusa_train.decoding import MedusaTree
-from medusa_train.decoding.fit_tree import expected_accept_length
-from medusa_train.evaluation.calibrate import (
+from medusa_train.model.load import load_heads
+from medusa_train.tree.calibrate import (
     calibration_prompts,
     greedy_continuations,
     measure_rank_accuracies,
     training_prompts,
     write_tree,
 )
-from medusa_train.evaluation.evaluate import load_medusa
+from medusa_train.tree.fit import expected_accept_length
 
 HAND_MADE = [  # [head][rank]
     [0.60, 0.20, 0.10],
@@ -80,7 +80,7 @@ def write_prompts(path: Path, prompts: list[str]) -> Path:
 
 def test_rank_accuracies_line_up_with_tokens_k_plus_2_ahead(heads_dir, monkeypatch):
     """Heads that put the true token k+2 ahead at rank k must score exactly 1.0 at [k][k]."""
-    model, tokenizer = load_medusa(heads_dir, device="cpu")
+    model, tokenizer = load_heads(heads_dir, device="cpu")
     sequences = greedy_continuations(model, tokenizer, ["Hello there!", "def add(a, b):"], 10)
     lookup = {}
     for ids, _ in sequences:
@@ -110,7 +110,7 @@ def test_rank_accuracies_line_up_with_tokens_k_plus_2_ahead(heads_dir, monkeypat
 
 
 def test_calibration_prompts_skip_benchmark_and_long_prompts(heads_dir, tmp_path):
-    _, tokenizer = load_medusa(heads_dir, device="cpu")
+    _, tokenizer = load_heads(heads_dir, device="cpu")
     bench = write_prompts(tmp_path / "bench.jsonl", ["Write a poem."])
     source = write_prompts(tmp_path / "calib.jsonl", ["Hello there!", "write a  POEM.", "word " * 300, "Bye", "More"])
     assert calibration_prompts(str(source), tokenizer, 2, 64, exclude=str(bench)) == ["Hello there!", "Bye"]
@@ -127,7 +127,7 @@ def test_prompts_the_heads_were_trained_on_are_not_calibration_prompts(heads_dir
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]})
                             + "\n" for q in ["hello  THERE!", "Bye"]))
     (heads / "training_config.json").write_text(json.dumps({"data": {"source": str(data), "max_samples": None}}))
-    _, tokenizer = load_medusa(heads, device="cpu")
+    _, tokenizer = load_heads(heads, device="cpu")
     seen = training_prompts(heads)
     assert seen == {normalise_prompt("Hello there!"), normalise_prompt("bye")}
     source = write_prompts(tmp_path / "calib.jsonl", ["Hello there!", "Bye", "More", "Again"])

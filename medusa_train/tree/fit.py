@@ -1,5 +1,5 @@
 """Fitting a tree to the heads: the ``num_nodes`` paths most likely to be accepted, given per-head,
-per-rank accuracies (measured by ``evaluation/calibrate.py``, or assumed), and the expected accepted
+per-rank accuracies (measured by ``tree/calibrate.py``, or assumed), and the expected accepted
 length of any tree under those accuracies."""
 
 from __future__ import annotations

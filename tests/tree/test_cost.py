@@ -11,11 +11,12 @@ from helpers.training import make_model_dir
 
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.backbone.load import load_tokenizer
-from medusa_train.cli.build_tree import build_build_tree_config, cost_context, run
+from medusa_train.cli.build_tree import build_build_tree_config, run
 from medusa_train.config.build_tree import BuildTreeConfig
 from medusa_train.decoding import MedusaTree
-from medusa_train.decoding.fit_tree import build_tree, expected_accept_length
-from medusa_train.evaluation.cost import CostCurve, auto_sizes, choose_tree_size, nondecreasing
+from medusa_train.tree.cost import CostCurve, auto_sizes, choose_tree_size, nondecreasing
+from medusa_train.tree.fit import build_tree, expected_accept_length
+from medusa_train.tree.size import cost_context
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -111,7 +112,7 @@ def test_every_timed_step_leaves_the_decode_state_as_it_found_it():
     from helpers.backbones import make_tiny_backbone
     from helpers.heads import randomise
 
-    from medusa_train.evaluation.cost import DecodeSteps
+    from medusa_train.tree.cost import DecodeSteps
 
     model = MedusaModel.from_backbone(make_tiny_backbone(), num_heads=3, next_token_input=True, path_input=True,
                                       prefix_attention=True).eval()

@@ -1,0 +1,75 @@
+"""Loading an export: heads + backbone from a heads folder, for every command that reads one (evaluate,
+build-tree, export).
+
+- ``read_export_config``: ``(num_heads, base model)`` from a heads folder's ``config.json`` (any layout);
+- ``check_heads``: the same as config problems (``heads=<dir>``), for a command's checks;
+- ``load_heads``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from medusa_train.config.check import Problems
+from medusa_train.config.evaluate import EvalModelConfig
+from medusa_train.model.layouts import CONFIG_NAME, resolve_base_model
+
+
+def read_export_config(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
+    """``(num_heads, base model)`` from a heads folder's ``config.json`` (any supported layout); a base
+    model stored relative to the heads (Medusa-2's ``merged``) comes back as its path."""
+    raw = json.loads((Path(heads_dir) / CONFIG_NAME).read_text())
+    num_heads = raw.get("num_heads", raw.get("medusa_num_heads"))
+    if not isinstance(num_heads, int):
+        raise ValueError(f"heads={heads_dir}: config.json does not say how many heads there are")
+    return num_heads, resolve_base_model(heads_dir, raw.get("base_model_name_or_path"))
+
+
+def check_heads(heads: str | None, p: Problems) -> tuple[int | None, str | None]:
+    """Adds the problems of ``heads=`` to ``p``; returns ``(num_heads, base model)`` when the folder reads."""
+    if not heads:
+        return None, None  # the schema check says it is required
+    if not (Path(heads).expanduser() / CONFIG_NAME).is_file():
+        p.append(f"heads={heads}: not a folder of exported heads (no config.json)")
+        return None, None
+    try:
+        return read_export_config(Path(heads).expanduser())
+    except ValueError as err:
+        p.append(str(err))
+        return None, None
+
+
+def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = None, device: str | None = None):
+    """Load a backbone and the heads in ``heads_dir``, in the backbone's dtype, on ``device``.
+
+    Args:
+        heads_dir: Folder of exported heads (any layout ``MedusaModel.from_pretrained`` reads).
+        model: Backbone settings; its ``name_or_path`` defaults to the base model of the heads.
+        device: ``cuda`` when available, else ``cpu`` by default.
+
+    Returns:
+        ``(MedusaModel, tokenizer)`` in eval mode.
+    """
+    from medusa_train.backbone.load import load_backbone
+    from medusa_train.model.medusa import MedusaModel
+
+    model = model or EvalModelConfig()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if model.form == "adapter":  # Medusa-2: the 4-bit base + LoRA, as in training (peft and bitsandbytes)
+        from medusa_train.model.medusa2_export import load_medusa2_export
+
+        medusa, tokenizer = load_medusa2_export(heads_dir, "adapter", dtype=model.dtype,
+                                                device_map=device, attn_implementation=model.attn_implementation)
+        return medusa.eval(), tokenizer
+    name = model.name_or_path or read_export_config(heads_dir)[1]
+    backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
+                                        attn_implementation=model.attn_implementation)
+    backbone.to(device)
+    medusa = MedusaModel.from_pretrained(heads_dir, backbone=backbone)
+    for part in medusa.medusa_modules():
+        part.to(backbone.get_output_embeddings().weight.dtype)
+    return medusa.eval(), tokenizer
