@@ -31,7 +31,7 @@ def main(**overrides) -> int:
     from medusa_train.data.benchmarks import load_benchmark
     from medusa_train.engine import serve
     from medusa_train.evaluation.served import measure_phase
-    from medusa_train.model.export import export_folder
+    from medusa_train.export.write import export_folder
     from medusa_train.model.layouts import detect_format
 
     heads = Path(opts["heads"]).expanduser()

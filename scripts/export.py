@@ -5,7 +5,7 @@
     python scripts/export.py --help
 
 The heads may be in any layout ``MedusaModel.from_pretrained`` reads. Keys: configs/commands/export.yaml;
-the work is ``medusa_train.model.export.export_folder``.
+the work is ``medusa_train.export.write.export_folder``.
 """
 
 from medusa_train.cli.export import main

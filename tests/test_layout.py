@@ -4,7 +4,7 @@ package imports nothing of the checkout around it (benchmarks/, scripts/, tests/
 and no code of the repository edits the module search path (modules are found as packages, never by path).
 
 Stages: config (0) < backbone (1) < model (2) < engine (3) < data (4) < training (5) = decoding (5)
-< tree (6) < evaluation (7) < cli (8). A module imports only from its own stage folder or an earlier stage (training and decoding
+< export (6) < tree (7) < evaluation (8) < cli (9). A module imports only from its own stage folder or an earlier stage (training and decoding
 not from each other); the top-level ``medusa_train/__init__.py`` is exempt. Every import counts, also one
 inside a function (it is still a dependency); only ``if TYPE_CHECKING:`` imports are left out.
 """
@@ -20,9 +20,9 @@ from helpers import ROOT
 PACKAGE = ROOT / "medusa_train"
 MAX_LINES = 400
 STAGES = {"config": 0, "backbone": 1, "model": 2, "engine": 3, "data": 4, "training": 5, "decoding": 5,
-          "tree": 6, "evaluation": 7, "cli": 8}
+          "export": 6, "tree": 7, "evaluation": 8, "cli": 9}
 HEAD_VARIANT_WORDS = ("path_input", "prefix_attention", "next_token_input")
-HEAD_VARIANT_HOMES = ("config/", "model/")  # model/export.py and model/layouts.py are in model/
+HEAD_VARIANT_HOMES = ("config/", "model/")  # model/layouts.py is in model/; export/ asks MedusaConfig
 CHECKOUT_ONLY = ("benchmarks", "scripts", "tests", "helpers", "train")  # top-level names a wheel lacks
 SEARCH_PATH_FREE = ("medusa_train", "scripts", "benchmarks", "tests")
 

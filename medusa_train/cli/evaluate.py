@@ -18,7 +18,8 @@ import torch
 
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.evaluate import EvalConfig, check_eval_config, default_output_dir
-from medusa_train.evaluation.evaluate import evaluate, measure_drift, resolve_tree
+from medusa_train.evaluation.drift import measure_drift
+from medusa_train.evaluation.evaluate import evaluate, resolve_tree
 from medusa_train.model.load import check_heads, load_heads, read_export_config
 
 
@@ -131,7 +132,7 @@ def served_runner(cfg: EvalConfig, model, output_dir: str):
     from medusa_train.backbone.generation import eos_token_ids
     from medusa_train.backbone.load import resolve_model_path
     from medusa_train.evaluation.served import serve_and_measure
-    from medusa_train.model.export import export_heads
+    from medusa_train.export.write import export_heads
     from medusa_train.model.layouts import detect_format
 
     heads = Path(cfg.heads).expanduser()

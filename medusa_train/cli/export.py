@@ -3,7 +3,7 @@
     python scripts/export.py heads=<heads dir> format=native|medusa_v1|vllm output=<dir>
 
 Options: ``configs/commands/export.yaml`` (schema: ``medusa_train.config.export.ExportConfig``); the
-work is ``medusa_train.model.export.export_folder``.
+work is ``medusa_train.export.write.export_folder``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from medusa_train.config.export import ExportConfig, check_export_config
 
 def build_export_config(raw) -> ExportConfig:
     """A validated ``ExportConfig``: required keys, the layout and its options, every problem at once."""
-    from medusa_train.model.export import option_problems
+    from medusa_train.export.write import option_problems
 
     return parse_config(ExportConfig, raw, lambda c: check_export_config(c) + option_problems(
         c.format, c.lm_head_pt, c.max_paths, c.topk))
@@ -25,7 +25,7 @@ def build_export_config(raw) -> ExportConfig:
 
 def run(cfg: ExportConfig) -> None:
     """Convert; a folder that cannot be converted exits with status 2 and says why."""
-    from medusa_train.model.export import export_folder
+    from medusa_train.export.write import export_folder
 
     try:
         path = export_folder(**asdict(cfg))
@@ -82,8 +82,8 @@ def served_base(base: str | None, folders: list) -> str:
     from pathlib import Path
 
     from medusa_train.backbone.load import resolve_model_path
+    from medusa_train.backbone.merge import MERGED_DIR
     from medusa_train.model.layouts import resolve_base_model
-    from medusa_train.model.medusa2_export import MERGED_DIR
 
     if not base:
         return "<base model>"

@@ -1,7 +1,7 @@
 """Typed configuration of ``scripts/export.py`` (``configs/commands/export.yaml``).
 
 The layout names and their options are checked by the command (``medusa_train.cli.export``) with
-``model.export.option_problems``, together with the required keys checked here.
+``export.write.option_problems``, together with the required keys checked here.
 """
 
 from __future__ import annotations

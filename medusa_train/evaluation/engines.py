@@ -42,7 +42,7 @@ def vllm_form(model):
         return model
     import tempfile
 
-    from medusa_train.model.export import export_heads
+    from medusa_train.export.write import export_heads
     from medusa_train.model.medusa import MedusaModel
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
-from medusa_train.config.evaluate import DecodeConfig, DriftConfig, EvalModelConfig
+from medusa_train.config.evaluate import DecodeConfig
 from medusa_train.config.paths import TREE_DIR
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
 from medusa_train.decoding import MedusaTree, medusa_generate
@@ -260,33 +260,3 @@ def summarise(records: list[dict], num_heads: int) -> dict:
         "per_category": {c: _totals([r for r in records if r["category"] == c]) for c in categories},
         "totals": {k: overall[k] for k in ("count", "new_tokens", "steps")},
     }
-
-
-# ------------------------------------------------------------------------------------------- drift
-def measure_drift(backbone, tokenizer, prompts: Sequence[BenchPrompt], drift: DriftConfig, heads_dir,
-                  model: EvalModelConfig | None = None) -> dict:
-    """How far ``backbone`` is from ``drift.original`` on the prompts' first turns (see ``backbone_drift``).
-
-    Returns:
-        The report's ``drift`` entry: ``original`` (what was compared), ``mean_kl`` (KL(original ||
-        evaluated) per token of the original's greedy answers), ``greedy_agreement``, ``num_tokens``,
-        ``prompts`` and ``max_new_tokens``.
-    """
-    from medusa_train.backbone.load import load_backbone
-    from medusa_train.model.medusa2_export import backbone_drift, describe_original, original_backbone
-
-    model = model or EvalModelConfig()
-    if drift.original == "auto":
-        original, _ = original_backbone(heads_dir, dtype=model.dtype, attn_implementation=model.attn_implementation,
-                                        trust_remote_code=model.trust_remote_code)
-        described = describe_original(heads_dir)
-    else:
-        original, _ = load_backbone(drift.original, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
-                                    attn_implementation=model.attn_implementation)
-        described = drift.original
-    original.to(next(backbone.parameters()).device)
-    chosen = list(prompts)[:drift.limit] if drift.limit else list(prompts)
-    ids = [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])[0].tolist() for p in chosen]
-    result = backbone_drift(original, backbone, tokenizer, ids, max_new_tokens=drift.max_new_tokens)
-    del original
-    return {"original": described, "prompts": len(ids), "max_new_tokens": drift.max_new_tokens, **result}

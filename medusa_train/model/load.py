@@ -3,7 +3,8 @@ build-tree, export).
 
 - ``read_export_config``: ``(num_heads, base model)`` from a heads folder's ``config.json`` (any layout);
 - ``check_heads``: the same as config problems (``heads=<dir>``), for a command's checks;
-- ``load_heads``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given).
+- ``load_heads``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given);
+- ``load_medusa2_export``: the same for a Medusa-2 export, its backbone merged or as trained (4-bit + LoRA).
 """
 
 from __future__ import annotations
@@ -60,8 +61,6 @@ def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = Non
     model = model or EvalModelConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model.form == "adapter":  # Medusa-2: the 4-bit base + LoRA, as in training (peft and bitsandbytes)
-        from medusa_train.model.medusa2_export import load_medusa2_export
-
         medusa, tokenizer = load_medusa2_export(heads_dir, "adapter", dtype=model.dtype,
                                                 device_map=device, attn_implementation=model.attn_implementation)
         return medusa.eval(), tokenizer
@@ -73,3 +72,44 @@ def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = Non
     for part in medusa.medusa_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)
     return medusa.eval(), tokenizer
+
+
+def load_medusa2_export(directory: str | os.PathLike, form: str = "merged", dtype: str | None = None,
+                        device_map: str | dict | None = None, attn_implementation: str | None = None):
+    """Load a Medusa-2 export as ``(MedusaModel, tokenizer)`` in eval mode.
+
+    Args:
+        directory: ``<output_dir>/export`` of a medusa2 run.
+        form: ``merged`` (the standalone ``merged/`` backbone; plain transformers) or ``adapter``
+            (the original model quantized as in training, plus the LoRA adapter; needs peft and
+            bitsandbytes; stage-1 exports have no adapter and load the quantized backbone alone).
+        dtype: Backbone dtype (default: the training ``model.dtype``).
+        device_map: Passed to ``from_pretrained`` for the quantized load.
+        attn_implementation: ``sdpa`` / ``eager``; ``None`` keeps transformers' default.
+    """
+    from medusa_train.backbone.load import load_backbone
+    from medusa_train.backbone.merge import read_backbone_info
+    from medusa_train.model.medusa import MedusaModel
+
+    directory = Path(directory)
+    info = read_backbone_info(directory)
+    dtype = dtype or info["dtype"]
+    if form == "merged":
+        if not info.get("merged"):
+            raise ValueError(f"{directory} holds no merged backbone (train with trainer.merge_export=true); "
+                             "use form='adapter'")
+        backbone, tokenizer = load_backbone(directory / info["merged"], dtype=dtype,
+                                            attn_implementation=attn_implementation)
+    elif form == "adapter":
+        backbone, tokenizer = load_backbone(
+            info["base_model_name_or_path"], dtype=dtype, quantization=info["quantization"],
+            bnb_compute_dtype=info.get("bnb_compute_dtype"), bnb_double_quant=info.get("bnb_double_quant", True),
+            device_map=device_map, attn_implementation=attn_implementation)
+        if info.get("adapter"):
+            from peft import PeftModel
+
+            backbone = PeftModel.from_pretrained(backbone, str(directory / info["adapter"]))
+    else:
+        raise ValueError(f"form={form!r}: must be merged or adapter")
+    model = MedusaModel.from_pretrained(directory, backbone=backbone)
+    return model.eval().requires_grad_(False), tokenizer

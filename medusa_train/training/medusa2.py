@@ -23,7 +23,7 @@ The export (``<output_dir>/export``) holds the heads (native layout), the LoRA a
 ``trainer.merge_export=true`` a standalone backbone (``merged/``: the LoRA merged into the original weights,
 or with ``trainer.merge_into=dequantized`` into the 4-bit weights dequantized, plus the tokenizer) that needs
 neither peft nor bitsandbytes; the heads' config then
-names it (``"merged"``, relative to the heads folder). ``medusa2_export`` loads either form and
+names it (``"merged"``, relative to the heads folder). ``model/load.py``'s ``load_medusa2_export`` loads either form and
 measures how far the backbone moved from the original model.
 
 With several processes and ``model.fsdp=true`` (or accelerate's FSDP) the 4-bit backbone's decoder layers,
@@ -47,9 +47,9 @@ import torch
 
 from medusa_train.backbone import assets
 from medusa_train.backbone.lora import add_lora
+from medusa_train.backbone.merge import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR, merge_backbone
 from medusa_train.config.train import TrainConfig
 from medusa_train.model.layouts import MEDUSA_PARAMETERS
-from medusa_train.model.medusa2_export import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR, merge_backbone
 from medusa_train.training import loop, setup
 from medusa_train.training.backbone_loss import BaseMetrics, base_loss_backward, base_record, base_term
 from medusa_train.training.losses import LossResult

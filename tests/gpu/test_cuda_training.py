@@ -106,7 +106,8 @@ def test_medusa1_bf16_killed_and_rerun_resumes_on_the_gpu(chats, tmp_path):
 def test_medusa2_on_bitsandbytes_cuda_trains_lora_and_heads_and_merges_into_the_original(chats, tmp_path):
     import bitsandbytes as bnb
 
-    from medusa_train.model.medusa2_export import load_medusa2_export, read_backbone_info
+    from medusa_train.backbone.merge import read_backbone_info
+    from medusa_train.model.load import load_medusa2_export
     from medusa_train.training.medusa2 import Medusa2Recipe
 
     cfg = compose_config(_overrides(chats, tmp_path, **{"trainer.max_steps": 6, "trainer.eval_every": 3,

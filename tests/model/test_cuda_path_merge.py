@@ -14,15 +14,10 @@ from helpers.training import compose_config, make_chat_jsonl, make_model_dir, tr
 
 from medusa_train.backbone.load import load_backbone
 from medusa_train.backbone.lora import add_lora
+from medusa_train.backbone.merge import MERGED_DIR, merge_backbone, read_backbone_info
 from medusa_train.cli import export as export_cli
 from medusa_train.cli.train import run
-from medusa_train.model.medusa2_export import (
-    MERGED_DIR,
-    describe_original,
-    merge_backbone,
-    original_backbone,
-    read_backbone_info,
-)
+from medusa_train.evaluation.drift import describe_original, original_backbone
 
 LAYER = "model.layers.0.self_attn.q_proj"
 

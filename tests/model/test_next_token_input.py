@@ -16,7 +16,7 @@ from medusa_train.config.train import build_config
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.generate import candidate_tokens
-from medusa_train.model.export import export_heads
+from medusa_train.export.write import export_heads
 from medusa_train.model.heads import MedusaHead
 from medusa_train.training.losses import medusa_loss_backward, medusa_loss_naive
 from medusa_train.training.targets import (

@@ -15,7 +15,7 @@ from medusa_train.config.check import ConfigError
 from medusa_train.config.train import build_config
 from medusa_train.decoding import MedusaTree
 from medusa_train.decoding.generate import candidate_tokens
-from medusa_train.model.export import export_heads
+from medusa_train.export.write import export_heads
 from medusa_train.model.layouts import MedusaConfig
 from medusa_train.model.medusa import path_tokens
 

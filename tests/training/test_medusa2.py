@@ -18,10 +18,12 @@ from torch.utils.data import DataLoader
 
 from medusa_train.backbone.load import load_backbone
 from medusa_train.backbone.lora import add_lora
+from medusa_train.backbone.merge import read_backbone_info
 from medusa_train.cli.train import run
 from medusa_train.config.check import ConfigError
 from medusa_train.data.tokenize import IGNORE_INDEX
-from medusa_train.model.medusa2_export import backbone_drift, load_medusa2_export, read_backbone_info
+from medusa_train.evaluation.drift import backbone_drift
+from medusa_train.model.load import load_medusa2_export
 from medusa_train.training.losses import medusa_loss_naive
 from medusa_train.training.medusa2 import Medusa2Recipe, head_weight_at
 from medusa_train.training.targets import (
@@ -360,7 +362,7 @@ def test_scripts_evaluate_reads_a_merged_export_without_peft_or_bitsandbytes_and
     # merged into the dequantized weights, the original a drift is measured against is the 4-bit base:
     # merged/ minus the LoRA update equals the adapter-disabled model (the default, merge_into=original:
     # tests/model/test_cuda_path_merge.py)
-    from medusa_train.model.medusa2_export import original_backbone
+    from medusa_train.evaluation.drift import original_backbone
 
     original, _ = original_backbone(export, dtype="float32")
     adapted, _ = load_medusa2_export(export, "adapter")

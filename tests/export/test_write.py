@@ -13,7 +13,7 @@ from helpers.backbones import make_tiny_backbone
 from safetensors.torch import load_file, save_file
 
 from medusa_train import MedusaModel
-from medusa_train.model.export import export_heads
+from medusa_train.export.write import export_heads
 
 HIDDEN, VOCAB = 64, 256
 
@@ -291,7 +291,7 @@ def test_export_replaces_a_folder_whole_and_a_failed_write_leaves_the_old_one(tm
     export_heads(second, tmp_path / "out", "vllm")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
 
-    import medusa_train.model.export as export
+    import medusa_train.export.write as export
 
     def crash(*args, **kwargs):
         raise OSError("disk full")

@@ -1,5 +1,6 @@
 """Write Medusa heads in another layout: ``native``, ``medusa_v1`` (original Medusa / TensorRT-LLM)
-or ``vllm``. The layouts are defined, and read back, in ``model/layouts.py``.
+or ``vllm``. The layouts are defined, and read back, in ``model/layouts.py``; a Medusa-2 backbone is
+merged in ``backbone/merge.py``.
 
     python scripts/export.py heads=out/run/export format=vllm output=out/heads-vllm
 
@@ -75,8 +76,8 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
 
     Raises:
         ValueError: an unknown format or bad option, tensors that do not match ``config``, a
-            shared LM head that is missing, ``next_token_input`` / ``prefix_attention`` heads for a
-            layout other than native, a draft vocabulary for ``medusa_v1``, or a draft vocabulary
+            shared LM head that is missing, heads with a native-only feature
+            (``MedusaConfig.native_only_features``) for a layout other than native, a draft vocabulary for ``medusa_v1``, or a draft vocabulary
             with the heads' own output layers for ``vllm`` (``MedusaConfig.vllm_problem``).
     """
     _check_options(format, lm_head_pt, max_paths, topk)
