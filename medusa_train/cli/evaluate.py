@@ -127,13 +127,12 @@ def run(cfg: EvalConfig) -> dict:
 def served_runner(cfg: EvalConfig, model, output_dir: str):
     """``served(conversations)`` for ``evaluate``: the heads as a vllm export (the folder itself when it is one),
     served on the backbone's folder (``packaged:`` names resolved) in the evaluation's dtype."""
-    import json
 
     from medusa_train.backbone.generation import eos_token_ids
     from medusa_train.backbone.load import resolve_model_path
     from medusa_train.evaluation.served import serve_and_measure
     from medusa_train.export.write import export_heads
-    from medusa_train.model.layouts import detect_format
+    from medusa_train.model.layouts import detect_format, read_config_json
 
     heads = Path(cfg.heads).expanduser()
     _, base = read_export_config(heads)
@@ -141,7 +140,7 @@ def served_runner(cfg: EvalConfig, model, output_dir: str):
     eos = eos_token_ids(model.backbone)
 
     def served(conversations):  # called only for heads vLLM can serve (the report's vllm row has no reason)
-        export = heads if detect_format(json.loads((heads / "config.json").read_text())) == "vllm" \
+        export = heads if detect_format(read_config_json(heads)) == "vllm" \
             else export_heads(model, Path(output_dir) / "vllm-export", "vllm")
         return serve_and_measure(base_model, export, model.config.num_heads, conversations, dtype=cfg.model.dtype,
                                  max_tokens=cfg.generation.max_new_tokens, eos=eos, served=cfg.served,

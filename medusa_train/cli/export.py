@@ -49,8 +49,10 @@ def serve_command(path, heads=None) -> str:
     import json
     from pathlib import Path
 
+    from medusa_train.model.layouts import read_config_json
+
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
+    config = read_config_json(path)
     heads_count = config.get("num_heads") or config.get("medusa_num_heads")
     measured = json.loads((path / SERVING_NAME).read_text()) if (path / SERVING_NAME).is_file() else None
     k = (measured or {}).get("recommended_num_speculative_tokens")

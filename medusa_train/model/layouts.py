@@ -144,6 +144,19 @@ def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[in
 
 
 # ---------------------------------------------------------------------------------- readers
+def read_config_json(directory: str | os.PathLike) -> dict:
+    """A heads folder's ``config.json`` as stored (any layout): the one reader of it.
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+    """
+    directory = Path(directory)
+    config_path = directory / CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: is {directory} a folder of exported heads?")
+    return json.loads(config_path.read_text())
+
+
 def read_heads(directory: str | os.PathLike) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Read a heads folder in any supported layout, strictly, returning native-keyed tensors.
 
@@ -162,10 +175,7 @@ def read_heads(directory: str | os.PathLike) -> tuple[MedusaConfig, dict[str, to
             as the layout names it).
     """
     directory = Path(directory)
-    config_path = directory / CONFIG_NAME
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: is {directory} a folder of exported heads?")
-    raw = json.loads(config_path.read_text())
+    raw = read_config_json(directory)
     reader = {"native": _read_native, "medusa_v1": _read_medusa_v1, "vllm": _read_vllm}[detect_format(raw)]
     return reader(directory, raw)
 

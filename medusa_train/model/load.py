@@ -1,7 +1,8 @@
 """Loading an export: heads + backbone from a heads folder, for every command that reads one (evaluate,
 build-tree, export).
 
-- ``read_export_config``: ``(num_heads, base model)`` from a heads folder's ``config.json`` (any layout);
+- ``read_export_config``: ``(num_heads, base model)`` from a heads folder's ``config.json`` (any layout,
+  read by ``model.layouts.read_config_json``, as every command reads it);
 - ``check_heads``: the same as config problems (``heads=<dir>``), for a command's checks;
 - ``load_heads``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given);
 - ``load_medusa2_export``: the same for a Medusa-2 export, its backbone merged or as trained (4-bit + LoRA).
@@ -9,7 +10,6 @@ build-tree, export).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -17,13 +17,13 @@ import torch
 
 from medusa_train.config.check import Problems
 from medusa_train.config.evaluate import EvalModelConfig
-from medusa_train.model.layouts import CONFIG_NAME, resolve_base_model
+from medusa_train.model.layouts import CONFIG_NAME, read_config_json, resolve_base_model
 
 
 def read_export_config(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
     """``(num_heads, base model)`` from a heads folder's ``config.json`` (any supported layout); a base
     model stored relative to the heads (Medusa-2's ``merged``) comes back as its path."""
-    raw = json.loads((Path(heads_dir) / CONFIG_NAME).read_text())
+    raw = read_config_json(heads_dir)
     num_heads = raw.get("num_heads", raw.get("medusa_num_heads"))
     if not isinstance(num_heads, int):
         raise ValueError(f"heads={heads_dir}: config.json does not say how many heads there are")
