@@ -1,7 +1,8 @@
 """medusa-train: train, export and measure Medusa decoding heads on any Hugging Face causal LM.
 
-The folders follow the data flow: ``config`` -> ``backbone`` -> ``model`` -> ``data`` ->
-``training`` | ``decoding`` -> ``evaluation`` -> ``cli``; no module imports from a later stage.
+The folders follow the data flow: ``config`` -> ``backbone`` -> ``model`` -> ``engine`` -> ``data`` ->
+``training`` | ``decoding`` -> ``export`` -> ``tree`` -> ``evaluation`` -> ``cli``; no module imports from a
+later stage (tests/test_layout.py).
 """
 
 from medusa_train.backbone import load_backbone, load_tokenizer

@@ -4,8 +4,9 @@ package imports nothing of the checkout around it (benchmarks/, scripts/, tests/
 and no code of the repository edits the module search path (modules are found as packages, never by path).
 
 Stages: config (0) < backbone (1) < model (2) < engine (3) < data (4) < training (5) = decoding (5)
-< export (6) < tree (7) < evaluation (8) < cli (9). A module imports only from its own stage folder or an earlier stage (training and decoding
-not from each other); the top-level ``medusa_train/__init__.py`` is exempt. Every import counts, also one
+< export (6) < tree (7) < evaluation (8) < cli (9). A module imports only from its own stage folder or an earlier
+stage (training and decoding not from each other), which keeps the pipeline's order, distill -> capture -> train
+-> export -> tree -> evaluate (``PIPELINE``; distill and capture share data/); the top-level ``medusa_train/__init__.py`` is exempt. Every import counts, also one
 inside a function (it is still a dependency); only ``if TYPE_CHECKING:`` imports are left out.
 """
 
@@ -21,6 +22,10 @@ PACKAGE = ROOT / "medusa_train"
 MAX_LINES = 400
 STAGES = {"config": 0, "backbone": 1, "model": 2, "engine": 3, "data": 4, "training": 5, "decoding": 5,
           "export": 6, "tree": 7, "evaluation": 8, "cli": 9}
+# the pipeline a user runs, step by step, as the modules that do each step (a package: all its modules)
+PIPELINE = (("distill", "medusa_train.data.distill"), ("capture", "medusa_train.data.capture"),
+            ("train", "medusa_train.training"), ("export", "medusa_train.export"), ("tree", "medusa_train.tree"),
+            ("evaluate", "medusa_train.evaluation"))
 HEAD_VARIANT_WORDS = ("path_input", "prefix_attention", "next_token_input")
 HEAD_VARIANT_HOMES = ("config/", "model/")  # model/layouts.py is in model/; export/ asks MedusaConfig
 CHECKOUT_ONLY = ("benchmarks", "scripts", "tests", "helpers", "train")  # top-level names a wheel lacks
@@ -168,6 +173,31 @@ def import_cycles() -> list[str]:
     return offenders
 
 
+def step_of(name: str) -> int | None:
+    """Index in ``PIPELINE`` of the step module ``name`` belongs to (None: no step's)."""
+    return next((i for i, (_, prefix) in enumerate(PIPELINE) if name == prefix or name.startswith(prefix + ".")),
+                None)
+
+
+def pipeline_order_breaks() -> list[str]:
+    """Stage numbers that do not follow the pipeline, and imports of a later pipeline step by an earlier one."""
+    offenders = []
+    folders = [prefix.split(".")[1] for _, prefix in PIPELINE]
+    for (step, _), (later, _), a, b in zip(PIPELINE, PIPELINE[1:], folders, folders[1:]):
+        if a != b and not STAGES[a] < STAGES[b]:
+            offenders.append(f"STAGES: {step} ({a}, {STAGES[a]}) must come before {later} ({b}, {STAGES[b]})")
+    for name in modules():
+        step = step_of(name)
+        if step is None:
+            continue
+        for target, line, _ in imports(name):
+            other = step_of(target)
+            if other is not None and other > step:
+                offenders.append(f"{where(name, line)}: {PIPELINE[step][0]} imports {target}, "
+                                 f"of a later step ({PIPELINE[other][0]})")
+    return offenders
+
+
 def head_variant_leaks() -> list[str]:
     """Identifiers and strings naming a head variant (path_input, prefix_attention, next_token_input)
     outside model/ and config/."""
@@ -245,6 +275,13 @@ def test_no_module_is_over_400_lines():
 def test_imports_run_only_down_the_data_flow():
     offenders = backward_imports()
     assert not offenders, report("imports from a later (or parallel) stage", offenders)
+
+
+def test_the_pipeline_runs_distill_capture_train_export_tree_evaluate():
+    assert all(prefix in modules() for _, prefix in PIPELINE)  # each step names a real module or package
+    assert {step_of(n) for n in modules()} >= set(range(len(PIPELINE)))  # every step has its modules
+    offenders = pipeline_order_breaks()
+    assert not offenders, report("breaks of the pipeline order", offenders)
 
 
 def test_no_import_cycle_between_modules():
