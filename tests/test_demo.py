@@ -88,6 +88,7 @@ def test_an_impossible_demo_setting_stops_before_anything_runs_and_names_the_key
     assert named in str(stopped.value)
 
 
+@pytest.mark.integration
 def test_the_command_line_reports_every_problem_and_runs_nothing(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-m", "medusa_train", "demo", "recipe=medusa3", "train.dtype=float16",
