@@ -4,15 +4,15 @@
     .venv/bin/python -m benchmarks.compare_medusa2 --rows medusa1 m2-default
     nohup .venv/bin/python -m benchmarks.compare_medusa2 > outputs/medusa2-compare.log 2>&1 &
 
-Each row is ``scripts/demo.py`` with the shared settings below plus the row's own overrides, so
+Each row is ``medusa-train demo`` (its current defaults: configs/commands/demo.yaml, experiment=demo) with the
+shared settings below plus the row's own overrides, so
 every row trains on the same distilled file (distilled once, by the first row), fits its tree the
 same way and is evaluated on the same 24 MT-Bench prompts. The demo skips finished stages and
-training resumes from its last checkpoint, so re-running this command after a kill picks up where it stopped. After each row, ``docs/results/medusa2.json`` is rewritten
-with every finished row, those recorded by earlier sessions included (commit it: outputs/ does not
-outlive a session's machine); a partial table is still a true one.
-
-The shared settings run the backbone in float32: on CPUs without native bf16 (AVX2 only, as here;
-``lscpu | grep avx512_bf16`` prints nothing) bf16 matmuls are ~5x slower than float32.
+training resumes from its last checkpoint, so re-running this command after a kill picks up where it stopped. After
+each row, ``docs/results/medusa2.json`` is rewritten with every finished row, those recorded by earlier sessions with
+the same overrides included (commit it: outputs/ does not outlive a session's machine); a partial table is still a
+true one. Rows recorded with other settings (the demo's defaults of their day, each row's ``overrides`` says which)
+stay in the file under ``earlier``: a row is never compared with one trained otherwise.
 """
 
 from __future__ import annotations
@@ -26,14 +26,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_DIR = "outputs/medusa2-compare"
-# tree.nodes=64: the heads' quality is compared at the demo's former fixed 64-node tree, not a machine-sized one
-# eval.dtype, train.vocab_size, the distillation's size and the epochs: the demo's defaults when the rows were measured
-SHARED = [f"output_dir={OUTPUT_DIR}", "distill.dtype=float32", "train.dtype=float32", "eval.dtype=float32",
-          "train.vocab_size=null", "tree.nodes=64", "distill.num_prompts=400", "distill.max_new_tokens=256",
-          "distill.batch_size=16", "train.epochs=6", "medusa2.stage1_epochs=5", "train.targets=text"]
+# tree.nodes=64: the heads' quality is compared at one fixed tree, not at a size chosen for each row's speed
+SHARED = [f"output_dir={OUTPUT_DIR}", "tree.nodes=64"]
 ROWS: dict[str, list[str]] = {
     "medusa1": ["recipe=medusa1"],
-    # 5 epochs of heads on the frozen 4-bit backbone, then 1 joint epoch (LoRA lr 1e-4, lambda 0.2)
+    # heads on the frozen 4-bit backbone for medusa2.stage1_epochs, then joint epochs (LoRA lr 1e-4, lambda 0.2)
     "m2-default": ["recipe=medusa2"],
     "m2-faithful": ["recipe=medusa2", "medusa2.lr=3.0e-5"],  # the backbone moves less
     "m2-heads-first": ["recipe=medusa2", "medusa2.lr=3.0e-4", "medusa2.head_weight=1.0"],  # heads' loss counts more
@@ -44,7 +41,7 @@ RESULTS = ROOT / "docs" / "results" / "medusa2.json"
 
 
 def demo_paths(overrides: list[str]) -> dict[str, Path]:
-    """Where scripts/demo.py with ``overrides`` writes (its ``stage_paths``)."""
+    """Where ``medusa-train demo`` with ``overrides`` writes (its ``stage_paths``)."""
     from hydra import compose, initialize_config_dir
 
     from medusa_train.backbone.load import native_bf16
@@ -69,7 +66,7 @@ def row_result(name: str, overrides: list[str]) -> dict | None:
     recipe = next(o.split("=", 1)[1] for o in overrides if o.startswith("recipe="))
     return {
         "name": name, "recipe": recipe, "overrides": overrides,
-        "command": " ".join([".venv/bin/python scripts/demo.py", *overrides]),
+        "command": " ".join(["medusa-train demo", *overrides]),
         "mean_accepted_length": report["mean_accepted_length"],
         "per_head_acceptance": report["per_head_acceptance"],
         "greedy_agreement": drift["greedy_agreement"], "mean_kl": drift["mean_kl"],
@@ -79,26 +76,36 @@ def row_result(name: str, overrides: list[str]) -> dict | None:
     }
 
 
-def finished_rows(shared: list[str]) -> list[dict]:
-    """Every row with a report here, and the rows recorded earlier whose outputs this machine lacks.
+def settings(overrides: list[str]) -> list[str]:
+    """A row's settings: its overrides but the thread count (which changes speed, not what trains)."""
+    return [o for o in overrides if not o.startswith("threads=")]
+
+
+def finished_rows(shared: list[str]) -> tuple[list[dict], list[dict]]:
+    """(rows, earlier): every row with a report here or recorded with the same settings, and the recorded rows
+    measured with other settings (kept, never mixed into the table).
 
     A session's outputs/ does not outlive it (a fresh machine starts from the repository), so a row
     measured in an earlier session is kept from ``docs/results/medusa2.json`` unless it was re-run
     here, in which case the new figures replace it.
     """
-    recorded = {r["name"]: r for r in json.loads(RESULTS.read_text())["rows"]} if RESULTS.exists() else {}
-    rows = []
-    for name in ROWS:
-        row = row_result(name, shared + ROWS[name]) or recorded.get(name)
-        if row:
-            rows.append(row)
-    return rows
+    recorded = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    earlier = recorded.get("earlier", [])
+    same = {}
+    for row in recorded.get("rows", []):
+        wanted = ROWS.get(row["name"])
+        if wanted is not None and settings(row["overrides"]) == settings(shared + wanted):
+            same[row["name"]] = row
+        else:
+            earlier.append(row)
+    rows = [row for name in ROWS if (row := row_result(name, shared + ROWS[name]) or same.get(name))]
+    return rows, earlier
 
 
-def write_results(rows: list[dict]) -> None:
+def write_results(rows: list[dict], earlier: list[dict]) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     partial = RESULTS.with_suffix(".json.partial")
-    partial.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    partial.write_text(json.dumps({"rows": rows, "earlier": earlier}, indent=1) + "\n")
     partial.replace(RESULTS)
 
 
@@ -113,11 +120,11 @@ def main() -> None:
     for name in args.rows:
         overrides = shared + ROWS[name]
         print(f"\n##### {name}: {' '.join(overrides)}  ({time.strftime('%H:%M:%S')})", flush=True)
-        result = subprocess.run([sys.executable, "scripts/demo.py", *overrides], cwd=ROOT)
+        result = subprocess.run([sys.executable, "-m", "medusa_train", "demo", *overrides], cwd=ROOT)
         if result.returncode != 0:
             sys.exit(f"row {name} failed (exit {result.returncode}); re-run the same command to resume it")
-        rows = finished_rows(shared)
-        write_results(rows)
+        rows, earlier = finished_rows(shared)
+        write_results(rows, earlier)
         print(f"##### {name} done; {len(rows)} row(s) in {RESULTS.relative_to(ROOT)}", flush=True)
 
 

@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 
 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 "$PY" -m pytest -q -m gpu -rs 2>&1 | tee "$OUT/pytest-gpu.log"
 tests=${PIPESTATUS[0]}
-"$PY" scripts/demo.py output_dir="$OUT/demo" 2>&1 | tee "$OUT/demo.log"
+"$PY" -m medusa_train demo output_dir="$OUT/demo" 2>&1 | tee "$OUT/demo.log"
 demo=${PIPESTATUS[0]}
 "$PY" -m benchmarks decode device=cuda dtype=bfloat16 sizes=1,chain,16,32,64 \
     output="$OUT/decode-bf16.json" 2>&1 | tee "$OUT/decode.log"

@@ -75,11 +75,15 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
 @pytest.mark.parametrize("overrides, named", [
     (["recipe=medusa3"], "recipe='medusa3': must be medusa1 or medusa2"),
     (["train.dtype=float16"], "train.dtype='float16': must be auto, bfloat16 or float32"),
-    (["recipe=medusa2", "train.epochs=6", "medusa2.stage1_epochs=6"], "medusa2.stage1_epochs=6: must be in [0, train.epochs=6)"),
+    (["recipe=medusa2", 'train.overrides=["trainer.epochs=6"]', "medusa2.stage1_epochs=6"],
+     "medusa2.stage1_epochs=6: must be in [0, trainer.epochs=6)"),
+    (["recipe=medusa2", "medusa2.stage1_epochs=4"], "medusa2.stage1_epochs=4: must be in [0, trainer.epochs=4)"),
     (["recipe=medusa2", "medusa2.stage1_epochs=-1"], "medusa2.stage1_epochs=-1"),
-    (["train.epochs=two"], "train.epochs='two': expected int"),
+    (['train.overrides=["trainer.epochs=two"]'], "trainer.epochs='two': expected int"),
     (["eval.dtype=fp16"], "eval.dtype='fp16': must be auto, bfloat16 or float32"),
-    (["train.vocab_size=0"], "train.vocab_size=0: must be >= 1 or null"),
+    (['train.overrides=["heads.vocab_size=0"]'], "heads.vocab_size=0: must be >= 1"),
+    (['train.overrides=["heads.num_head=3"]'], "heads.num_head"),  # a typo in a training key: Hydra names it
+    (["train.experiment=fast"], "train.experiment='fast': must name a preset in configs/experiment/ (demo, served)"),
     (["+tree.depth=3"], "tree.depth: unknown key"),
 ])
 def test_an_impossible_demo_setting_stops_before_anything_runs_and_names_the_key(overrides, named):
@@ -109,9 +113,10 @@ def changed(before: dict, after: dict) -> set[str]:
 @pytest.mark.parametrize("override, redone", [
     ("distill.max_new_tokens=64", {"data", "run", "tree", "report"}),  # new data: everything after it again
     ("model=/models/other", {"data", "run", "tree", "report"}),
-    ("train.epochs=3", {"run", "tree", "report"}),  # the same data, new heads
+    ('train.overrides=["trainer.epochs=3"]', {"run", "tree", "report"}),  # the same data, new heads
     ("train.dtype=float32", {"run", "tree", "report"}),
-    ("train.vocab_size=null", {"run", "tree", "report"}),
+    ('train.overrides=["heads.vocab_size=null"]', {"run", "tree", "report"}),
+    ("train.experiment=served", {"run", "tree", "report"}),
     ("recipe=medusa2", {"run", "tree", "report"}),
     ("tree.nodes=64", {"tree", "report"}),  # the same heads, another tree
     ("eval.dtype=float32", {"tree", "report"}),  # an auto tree is sized in the evaluation's dtype...
@@ -142,3 +147,26 @@ def test_auto_dtype_is_bfloat16_only_where_it_runs_natively_and_keys_folders_as_
         explicit = demo_config(f"distill.dtype={dtype}", f"train.dtype={dtype}", f"eval.dtype={dtype}")
         assert demo.stage_paths(cfg) == demo.stage_paths(explicit)
     assert demo_config("train.dtype=float32").train.dtype == "float32"  # an explicit dtype stays
+
+
+def test_the_demo_trains_its_preset_as_the_train_command_composes_it():
+    """No training setting of the demo's own: every key of configs/experiment/demo.yaml reaches the training config
+    unchanged (so the README's `medusa-train train +recipe=medusa1 experiment=demo` trains what the demo measures),
+    and an override on the demo's command line reaches it too."""
+    import yaml
+
+    from medusa_train.config.demo import training_settings
+    from medusa_train.config.paths import CONFIG_DIR
+
+    preset = yaml.safe_load((CONFIG_DIR / "experiment" / "demo.yaml").read_text())
+    preset.pop("defaults", None)
+    settings = training_settings(demo_config("train.dtype=bfloat16"))
+    for section, keys in preset.items():
+        for key, value in keys.items():
+            assert settings[section][key] == value, f"{section}.{key}"
+    assert settings["model"]["dtype"] == "bfloat16" and settings["trainer"]["mixed_precision"] == "bf16"
+    changed = training_settings(demo_config("train.dtype=float32", 'train.overrides=["loss.targets=text"]'))
+    assert changed["loss"]["targets"] == "text" and changed["model"]["dtype"] == "float32"
+    assert changed["trainer"]["mixed_precision"] == "no"
+    served = training_settings(demo_config("train.dtype=bfloat16", "train.experiment=served"))
+    assert not served["heads"]["path_input"] and served["heads"]["vocab_size"] is None

@@ -2,20 +2,25 @@
 
     medusa-train demo                                   # defaults: configs/commands/demo.yaml
     medusa-train demo distill.num_prompts=2500 distill.max_new_tokens=256 distill.batch_size=16 \
-        train.epochs=4 train.targets=teacher tree.nodes=128 output_dir=outputs/scale   # the README's largest run:
-        # 2.25 tokens/step, ~85 min on 2 cores (float32 then: add the dtypes of docs/results.md to repeat it exactly)
+        tree.nodes=128 output_dir=outputs/scale   # the README's largest run: 2.25 tokens/step, ~85 min on 2 cores
+        # (float32 then: add the dtypes of docs/results.md to repeat it exactly)
     medusa-train demo recipe=medusa2   # Medusa-2 on the same data, epochs and (teacher) targets
+    medusa-train demo train.experiment=served 'train.overrides=["trainer.epochs=2"]'   # heads vLLM loads, 2 epochs
+
+The heads train as ``medusa-train train +recipe=medusa1 experiment=demo`` (configs/experiment/demo.yaml) on the
+distilled data: the demo has no training settings of its own beyond the preset, the dtype and ``train.overrides``.
 
 Stages (each prints the command it runs, which you can run yourself; each stage is ``python -m medusa_train
 <command>``, the installed package's own commands, so the demo runs from a wheel outside the checkout too):
   1. self-distill ShareGPT prompts with the backbone  -> <output_dir>/distill-<n>-<key>.jsonl
-  2. train Medusa-1 heads on it (hidden states cached) -> <output_dir>/medusa1-<key>/export
+  2. train heads on it (experiment=demo: states cached) -> <output_dir>/medusa1-<key>/export
      (recipe=medusa2: heads on the frozen 4-bit backbone    -> <output_dir>/medusa2-stage1-<key>/export,
       then LoRA and heads jointly from them                 -> <output_dir>/medusa2-<key>/export, merged/ included;
       stages 3 and 4 then work in <output_dir>/medusa2-<key>/ and the report adds the backbone's drift)
   3. fit a tree to the heads' measured accuracies      -> <output_dir>/medusa1-<key>/tree-<key>.yaml
   4. evaluate on MT-Bench against plain decoding       -> <output_dir>/medusa1-<key>/eval-<key>/report.{json,md,png}
-Each <key> hashes the settings of its stage and the stages before it, so changing a setting starts
+Each <key> hashes the settings of its stage and the stages before it (the training's: the config the train command
+composes), so changing a setting starts
 that stage afresh (earlier results are kept), and a stage whose output is complete is skipped.
 Ends with ``mean accepted length: X.XX`` and ``speedup: Y.YYx``.
 """
@@ -32,7 +37,13 @@ import time
 from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
-from medusa_train.config.demo import DemoConfig, build_demo_config, resolve_dtypes, training_flags
+from medusa_train.config.demo import (
+    DemoConfig,
+    build_demo_config,
+    resolve_dtypes,
+    training_overrides,
+    training_settings,
+)
 from medusa_train.evaluation.report import mismatch_summary
 
 ENV = dict(os.environ)
@@ -73,9 +84,10 @@ def stage_paths(cfg: DemoConfig) -> dict[str, Path]:
     tree_key = (_key(cfg.tree, cfg.eval.dtype, cfg.eval.max_new_tokens) if cfg.tree.nodes == "auto"
                 else _key(cfg.tree))
     medusa2 = cfg.medusa2 if cfg.recipe == "medusa2" else None
-    run_dir = out / f"{cfg.recipe}-{_key(cfg.model, cfg.distill, cfg.train, medusa2)}"
+    training = training_settings(cfg)
+    run_dir = out / f"{cfg.recipe}-{_key(cfg.model, cfg.distill, training, medusa2)}"
     return {"data": distill_path(out, cfg, cfg.distill.num_prompts), "run": run_dir, "export": run_dir / "export",
-            "stage1": out / f"medusa2-stage1-{_key(cfg.model, cfg.distill, cfg.train, cfg.medusa2.stage1_epochs)}",
+            "stage1": out / f"medusa2-stage1-{_key(cfg.model, cfg.distill, training, cfg.medusa2.stage1_epochs)}",
             "tree": run_dir / f"tree-{tree_key}.yaml", "report": run_dir / f"eval-{_key(cfg.tree, cfg.eval)}"}
 
 
@@ -106,16 +118,12 @@ def run(cfg: DemoConfig) -> None:
         f"filters.trim_loops={str(d.trim_loops).lower()}",
         f"output={data}"], done=distilled)
 
-    heads_flags = ["data=jsonl", f"model.name_or_path={cfg.model}", f"data.source={data}", *training_flags(t),
-                   "trainer.save_every=20",  # ~10 min of a CPU's joint (medusa2) steps: a killed demo resumes there
-                   "trainer.eval_every=100"]
     if cfg.recipe == "medusa1":
-        times["train"] = stage("2/4 train heads (medusa1)", [
-            *py, "train", "+recipe=medusa1", *heads_flags, "data.cache_hidden_states=true",
-            f"trainer.epochs={t.epochs}", f"optim.lr={t.lr}", f"trainer.output_dir={run_dir}"],
+        times["train"] = stage(f"2/4 train heads (medusa1, experiment={t.experiment})", [
+            *py, "train", *training_overrides(cfg), f"data.source={data}", f"trainer.output_dir={run_dir}"],
             done=newer(export / "training_config.json", data))
     else:
-        times["train"] = train_medusa2(cfg, py, heads_flags, data, run_dir, paths["stage1"])
+        times["train"] = train_medusa2(cfg, py, data, run_dir, paths["stage1"])
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
         *py, "build-tree", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
@@ -144,28 +152,29 @@ def run(cfg: DemoConfig) -> None:
     print(f"speedup: {result['speedup']:.2f}x")
 
 
-def train_medusa2(cfg: DemoConfig, py: list[str], heads_flags: list[str], data: Path, run_dir: Path, stage1: Path) -> float:
-    """Medusa-2 on the demo's data and step budget: ``train.epochs`` in all, two stages by default.
+def train_medusa2(cfg: DemoConfig, py: list[str], data: Path, run_dir: Path, stage1: Path) -> float:
+    """Medusa-2 on the demo's data and step budget: the preset's ``trainer.epochs`` in all, two stages by default.
 
-    Stage 1 trains the heads on the frozen 4-bit backbone from cached hidden states (as medusa1
-    does on the bf16 one) for ``medusa2.stage1_epochs``; stage 2 trains LoRA and heads jointly, from
+    Stage 1 trains the heads on the frozen 4-bit backbone from cached hidden states (as medusa1 does on the bf16
+    one) for ``medusa2.stage1_epochs`` at the preset's learning rate; stage 2 trains LoRA and heads jointly, from
     stage 1's heads, for the remaining epochs. ``medusa2.stage1_epochs=0`` trains jointly from the start.
     """
-    t, m = cfg.train, cfg.medusa2
-    joint_epochs = t.epochs - m.stage1_epochs
+    m, settings = cfg.medusa2, training_settings(cfg)
+    joint_epochs = settings["trainer"]["epochs"] - m.stage1_epochs
     spent, inputs = 0.0, [data]
-    joint = [*py, "train", "+recipe=medusa2", *heads_flags, f"trainer.epochs={joint_epochs}",
+    common = [*training_overrides(cfg), f"data.source={data}"]
+    joint = [*py, "train", *common, f"trainer.epochs={joint_epochs}", "data.cache_hidden_states=false",
              f"optim.lr={m.lr}", f"optim.head_lr_multiplier={m.head_lr / m.lr}", f"loss.head_weight={m.head_weight}",
              f"loss.head_warmup_steps={m.head_warmup_steps}", f"peft.r={m.lora_r}", f"peft.alpha={2 * m.lora_r}",
              "peft.gradient_checkpointing=false",  # 135M on a CPU: the activations fit, recomputing them costs ~1/3
              f"trainer.output_dir={run_dir}"]
     if m.stage1_epochs:
         spent += stage("2/4 train heads on the frozen 4-bit backbone (medusa2 stage 1)", [
-            *py, "train", "+recipe=medusa2", "stage=1", *heads_flags, "data.cache_hidden_states=true",
-            f"trainer.epochs={m.stage1_epochs}", f"optim.lr={t.lr}", "optim.head_lr_multiplier=1",
-            "trainer.merge_export=false", f"trainer.output_dir={stage1}"],
+            *py, "train", *common, "stage=1", "data.cache_hidden_states=true", f"trainer.epochs={m.stage1_epochs}",
+            f"optim.lr={settings['optim']['lr']}", "optim.head_lr_multiplier=1", "trainer.merge_export=false",
+            f"trainer.output_dir={stage1}"],
             done=newer(stage1 / "export" / "training_config.json", data))
-        joint[len(py) + 2:len(py) + 2] = ["stage=2", f"heads.init_from={stage1 / 'export'}"]
+        joint[len(py) + 1 + len(common):len(py) + 1 + len(common)] = ["stage=2", f"heads.init_from={stage1 / 'export'}"]
         inputs.append(stage1 / "export" / "training_config.json")  # new stage-1 heads: stage 2 runs again
     spent += stage("2/4 train LoRA and heads jointly (medusa2)", joint,
                    done=newer(run_dir / "export" / "training_config.json", *inputs))

@@ -7,9 +7,11 @@ with the YAML's types: adding, renaming or retyping one moves every finished run
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from medusa_train.config.check import Problems, parse_config
+from medusa_train.config.check import ConfigError, Problems, parse_config
+from medusa_train.config.compose import compose_training
+from medusa_train.config.paths import CONFIG_DIR
 
 
 @dataclass
@@ -26,39 +28,33 @@ class DistillStage:
 
 @dataclass
 class TrainStage:
-    num_heads: int = 4
-    num_layers: int = 1
-    share_lm_head: bool = True
-    next_token_input: bool = True
-    path_input: bool = True
-    prefix_attention: bool = True
-    epochs: int = 4
-    lr: float = 2.0e-3
-    max_length: int = 512
-    batch_size: int = 8
-    head_decay: float = 0.8
-    targets: str = "teacher"  #: text | greedy | teacher (the backbone's distribution; the default since issue 21)
-    eval_size: int = 8  #: held-out conversations for the training-time eval
+    #: the training preset the train command composes (configs/experiment/<name>.yaml): the demo trains exactly
+    #: ``medusa-train train +recipe=<recipe> experiment=<name>``, on its distilled data, plus ``overrides``
+    experiment: str = "demo"
     dtype: str = "auto"  #: auto | bfloat16 | float32 (backbone weights and autocast; auto as distill.dtype)
-    vocab_size: int | None = 4096  #: heads score only the K most frequent training targets (heads.vocab_size; null = all)
+    #: more training settings, as the train command takes them: '["trainer.epochs=2","loss.targets=text"]'
+    overrides: list[str] = field(default_factory=list)
 
 
-# train section key -> the training key it sets (epochs and lr go to the recipes' own stages)
-TRAINING_KEYS = {"max_length": "data.max_length", "batch_size": "data.batch_size", "eval_size": "data.eval_size",
-                 "num_heads": "heads.num_heads", "num_layers": "heads.num_layers",
-                 "share_lm_head": "heads.share_lm_head", "next_token_input": "heads.next_token_input",
-                 "path_input": "heads.path_input", "prefix_attention": "heads.prefix_attention",
-                 "head_decay": "loss.head_decay", "targets": "loss.targets", "dtype": "model.dtype",
-                 "vocab_size": "heads.vocab_size"}
+def training_overrides(c: DemoConfig, recipe: str | None = None) -> list[str]:
+    """The train command's overrides for the demo's heads, before each stage adds its data and folder.
+
+    ``recipe`` defaults to ``c.recipe``; a resolved ``train.dtype`` (see ``resolve_dtypes``) is expected."""
+    t = c.train
+    return [f"+recipe={recipe or c.recipe}", f"experiment={t.experiment}", f"model.name_or_path={c.model}",
+            f"model.dtype={t.dtype}", f"trainer.mixed_precision={'bf16' if t.dtype == 'bfloat16' else 'no'}",
+            "trainer.save_every=20",  # ~10 min of a CPU's joint (medusa2) steps: a killed demo resumes there
+            "trainer.eval_every=100", *t.overrides]
 
 
-def training_flags(t: TrainStage) -> list[str]:
-    """The training command's overrides for the demo's train section (a resolved ``dtype``)."""
-    def yaml(value) -> str:
-        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-
-    return [f"{key}={yaml(getattr(t, name))}" for name, key in TRAINING_KEYS.items()] + [
-        f"trainer.mixed_precision={'bf16' if t.dtype == 'bfloat16' else 'no'}"]
+def training_settings(c: DemoConfig) -> dict:
+    """The heads' training settings as the train command composes them (Medusa-1 over ``train.experiment``): what
+    the run folder is keyed by, and the epochs and learning rate Medusa-2's stages split. ``data.source`` and
+    ``trainer.output_dir`` are left out: the distilled data has a key of its own and the folder is what is keyed."""
+    settings = compose_training(training_overrides(c, "medusa1"))
+    settings["data"].pop("source")
+    settings["trainer"].pop("output_dir")
+    return settings
 
 
 @dataclass
@@ -106,13 +102,32 @@ def check_demo_config(c: DemoConfig) -> list[str]:
            "must be auto, bfloat16 or float32")
     for key, value in (("distill.dtype", c.distill.dtype), ("eval.dtype", c.eval.dtype)):
         p.need(value in ("auto", "bfloat16", "float32"), key, value, "must be auto, bfloat16 or float32")
-    p.need(c.train.vocab_size is None or c.train.vocab_size >= 1, "train.vocab_size", c.train.vocab_size,
-           "must be >= 1 or null (the whole vocabulary)")
-    p.need(c.train.epochs >= 1, "train.epochs", c.train.epochs, "must be >= 1")
-    p.need(c.recipe != "medusa2" or 0 <= c.medusa2.stage1_epochs < c.train.epochs, "medusa2.stage1_epochs",
-           c.medusa2.stage1_epochs, f"must be in [0, train.epochs={c.train.epochs}) so that at least one epoch "
-           "trains jointly")
+    p.need((CONFIG_DIR / "experiment" / f"{c.train.experiment}.yaml").is_file(), "train.experiment", c.train.experiment,
+           "must name a preset in configs/experiment/ (" + ", ".join(sorted(
+               f.stem for f in (CONFIG_DIR / "experiment").glob("*.yaml"))) + ")")
     p.need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null (all cores)")
+    if not p:  # the training settings the preset and overrides compose, checked as the train command will
+        p += training_problems(c)
+    return p
+
+
+def training_problems(c: DemoConfig) -> list[str]:
+    """What the train command would refuse in the demo's training settings (``train.experiment`` + ``train.overrides``),
+    said now rather than after distilling; and whether Medusa-2's stage 1 leaves epochs to train jointly."""
+    from medusa_train.config.train import DataConfig, build_config
+
+    probe = replace(c, train=replace(c.train, dtype="float32" if c.train.dtype == "auto" else c.train.dtype))
+    try:
+        settings = training_settings(probe)
+        settings["data"]["source"] = DataConfig.source  # the distilled data is not there yet
+        epochs = build_config(settings).trainer.epochs
+    except ConfigError as err:
+        return [f"train (experiment={c.train.experiment}, overrides {c.train.overrides}): {problem}"
+                for problem in err.problems]
+    p = Problems()
+    p.need(c.recipe != "medusa2" or 0 <= c.medusa2.stage1_epochs < epochs, "medusa2.stage1_epochs",
+           c.medusa2.stage1_epochs, f"must be in [0, trainer.epochs={epochs}) (the training's epochs: stage 1's "
+           "and the joint ones) so that at least one epoch trains jointly")
     return p
 
 
