@@ -42,15 +42,12 @@ RESULTS = ROOT / "docs" / "results" / "medusa2.json"
 
 def demo_paths(overrides: list[str]) -> dict[str, Path]:
     """Where ``medusa-train demo`` with ``overrides`` writes (its ``stage_paths``)."""
-    from hydra import compose, initialize_config_dir
-
     from medusa_train.backbone.load import native_bf16
     from medusa_train.cli.demo import stage_paths
-    from medusa_train.cli.entry import COMMANDS_DIR
+    from medusa_train.config.compose import compose_config
     from medusa_train.config.demo import build_demo_config, resolve_dtypes
 
-    with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
-        return stage_paths(resolve_dtypes(build_demo_config(compose("demo", overrides)), native_bf16()))
+    return stage_paths(resolve_dtypes(build_demo_config(compose_config("demo", overrides)), native_bf16()))
 
 
 def row_result(name: str, overrides: list[str]) -> dict | None:

@@ -10,10 +10,8 @@ import os
 import resource
 import sys
 
-from hydra import compose, initialize_config_dir
-
 from medusa_train.cli.launch import relaunch_cpu_processes_if_asked
-from medusa_train.config.paths import CONFIG_DIR
+from medusa_train.config.compose import compose_config
 from medusa_train.config.train import build_config
 from medusa_train.training import loop
 from medusa_train.training.medusa1 import Medusa1Recipe
@@ -21,8 +19,7 @@ from medusa_train.training.medusa1 import Medusa1Recipe
 
 def main() -> None:
     relaunch_cpu_processes_if_asked()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = build_config(compose("train", overrides=sys.argv[1:]))
+    cfg = build_config(compose_config("train", sys.argv[1:]))
     recipe = Medusa1Recipe(cfg)
     recipe.setup()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 from helpers.distill import KEEP_ALL, make_multiturn_jsonl, read_jsonl, tiny_config
 from helpers.training import make_model_dir
-from hydra import compose, initialize_config_dir
 
 from medusa_train.backbone.load import load_backbone
 from medusa_train.cli import demo
-from medusa_train.cli.entry import COMMANDS_DIR
 from medusa_train.config.check import ConfigError, parse_config
-from medusa_train.config.demo import DemoConfig, build_demo_config
+from medusa_train.config.compose import compose_config
+from medusa_train.config.demo import DemoConfig
 from medusa_train.data.distill import build_distill_config, distill
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -26,8 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 def demo_config(*overrides: str) -> DemoConfig:
     """configs/commands/demo.yaml with command-line overrides, read as the demo reads it (its run()
     then turns dtype=auto into this machine's fast dtype)."""
-    with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
-        return build_demo_config(compose("demo", list(overrides)))
+    return demo.build(compose_config("demo", list(overrides)))
 
 
 def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_equals_an_uninterrupted_run(tmp_path):
@@ -139,8 +137,7 @@ def test_auto_dtype_is_bfloat16_only_where_it_runs_natively_and_keys_folders_as_
     assert native_bf16("cpu", "flags : fpu avx2 avx512f avx512_bf16 amx_tile")
     assert native_bf16("cpu", "flags : fpu sse avx2 amx_bf16")
     assert not native_bf16("cpu", "flags : fpu sse sse2 avx avx2 fma")  # AVX2 only: bf16 is emulated
-    with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
-        raw = compose("demo", [])
+    raw = compose_config("demo")
     for native, dtype in ((True, "bfloat16"), (False, "float32")):
         cfg = resolve_dtypes(parse_config(DemoConfig, raw, lambda c: []), bf16=native)
         assert (cfg.distill.dtype, cfg.train.dtype, cfg.eval.dtype) == (dtype, dtype, dtype)
@@ -155,18 +152,17 @@ def test_the_demo_trains_its_preset_as_the_train_command_composes_it():
     and an override on the demo's command line reaches it too."""
     import yaml
 
-    from medusa_train.config.demo import training_settings
     from medusa_train.config.paths import CONFIG_DIR
 
     preset = yaml.safe_load((CONFIG_DIR / "experiment" / "demo.yaml").read_text())
     preset.pop("defaults", None)
-    settings = training_settings(demo_config("train.dtype=bfloat16"))
+    settings = demo.training_settings(demo_config("train.dtype=bfloat16"))
     for section, keys in preset.items():
         for key, value in keys.items():
             assert settings[section][key] == value, f"{section}.{key}"
     assert settings["model"]["dtype"] == "bfloat16" and settings["trainer"]["mixed_precision"] == "bf16"
-    changed = training_settings(demo_config("train.dtype=float32", 'train.overrides=["loss.targets=text"]'))
+    changed = demo.training_settings(demo_config("train.dtype=float32", 'train.overrides=["loss.targets=text"]'))
     assert changed["loss"]["targets"] == "text" and changed["model"]["dtype"] == "float32"
     assert changed["trainer"]["mixed_precision"] == "no"
-    served = training_settings(demo_config("train.dtype=bfloat16", "train.experiment=served"))
+    served = demo.training_settings(demo_config("train.dtype=bfloat16", "train.experiment=served"))
     assert not served["heads"]["path_input"] and served["heads"]["vocab_size"] is None

@@ -19,21 +19,18 @@ INSTALLED_CHECK = """
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
 import medusa_train
 from medusa_train import MedusaTree
-from medusa_train.cli.entry import COMMANDS_DIR
+from medusa_train.config.compose import compose_config
 from medusa_train.config.paths import CONFIG_DIR
 
 site = Path(sys.argv[1]).resolve()
 assert Path(medusa_train.__file__).resolve().is_relative_to(site), medusa_train.__file__
 assert CONFIG_DIR.resolve() == site / "medusa_train" / "configs", CONFIG_DIR
-with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-    train = compose("train", overrides=["+recipe=medusa1"])
+train = compose_config("train", ["+recipe=medusa1", "debug=smoke"])
 assert train.method == "medusa1" and train.heads.num_heads == 4, (train.method, train.heads)
-with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
-    evaluate = compose("evaluate", overrides=["heads=somewhere", "tree=small"])
+assert train.trainer.max_steps == 12 and train.data.max_length == 256, train  # a preset over the defaults
+evaluate = compose_config("evaluate", ["heads=somewhere", "tree=small"])
 assert (evaluate.heads, evaluate.tree) == ("somewhere", "small")
 tree = MedusaTree.from_name("default")
 assert tree.num_nodes == 64, tree

@@ -37,13 +37,9 @@ import time
 from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
-from medusa_train.config.demo import (
-    DemoConfig,
-    build_demo_config,
-    resolve_dtypes,
-    training_overrides,
-    training_settings,
-)
+from medusa_train.config.check import ConfigError, Problems
+from medusa_train.config.compose import compose_training
+from medusa_train.config.demo import DemoConfig, build_demo_config, resolve_dtypes
 from medusa_train.evaluation.report import mismatch_summary
 
 ENV = dict(os.environ)
@@ -72,7 +68,61 @@ def main() -> None:
     """Entry point: ``configs/commands/demo.yaml`` with the command line's ``key=value`` overrides."""
     from medusa_train.cli.entry import run_command
 
-    run_command("demo", build_demo_config, run)
+    run_command("demo", build, run)
+
+
+def build(raw) -> DemoConfig:
+    """The demo's validated config (``config.demo.build_demo_config``), its training settings checked too: what the
+    train command would refuse is said before anything runs, not after distilling.
+
+    Raises:
+        ConfigError: listing each problem with the key to change.
+    """
+    cfg = build_demo_config(raw)
+    if problems := training_problems(cfg):
+        raise ConfigError(problems)
+    return cfg
+
+
+def training_overrides(c: DemoConfig, recipe: str | None = None) -> list[str]:
+    """The train command's overrides for the demo's heads, before each stage adds its data and folder.
+
+    ``recipe`` defaults to ``c.recipe``; a resolved ``train.dtype`` (see ``resolve_dtypes``) is expected."""
+    t = c.train
+    return [f"+recipe={recipe or c.recipe}", f"experiment={t.experiment}", f"model.name_or_path={c.model}",
+            f"model.dtype={t.dtype}", f"trainer.mixed_precision={'bf16' if t.dtype == 'bfloat16' else 'no'}",
+            "trainer.save_every=20",  # ~10 min of a CPU's joint (medusa2) steps: a killed demo resumes there
+            "trainer.eval_every=100", *t.overrides]
+
+
+def training_settings(c: DemoConfig) -> dict:
+    """The heads' training settings as the train command composes them (Medusa-1 over ``train.experiment``): what
+    the run folder is keyed by, and the epochs and learning rate Medusa-2's stages split. ``data.source`` and
+    ``trainer.output_dir`` are left out: the distilled data has a key of its own and the folder is what is keyed."""
+    settings = compose_training(training_overrides(c, "medusa1"))
+    settings["data"].pop("source")
+    settings["trainer"].pop("output_dir")
+    return settings
+
+
+def training_problems(c: DemoConfig) -> list[str]:
+    """What the train command would refuse in the demo's training settings (``train.experiment`` + ``train.overrides``),
+    said now rather than after distilling; and whether Medusa-2's stage 1 leaves epochs to train jointly."""
+    from medusa_train.config.train import DataConfig, build_config
+
+    probe = replace(c, train=replace(c.train, dtype="float32" if c.train.dtype == "auto" else c.train.dtype))
+    try:
+        settings = training_settings(probe)
+        settings["data"]["source"] = DataConfig.source  # the distilled data is not there yet
+        epochs = build_config(settings).trainer.epochs
+    except ConfigError as err:
+        return [f"train (experiment={c.train.experiment}, overrides {c.train.overrides}): {problem}"
+                for problem in err.problems]
+    p = Problems()
+    p.need(c.recipe != "medusa2" or 0 <= c.medusa2.stage1_epochs < epochs, "medusa2.stage1_epochs",
+           c.medusa2.stage1_epochs, f"must be in [0, trainer.epochs={epochs}) (the training's epochs: stage 1's "
+           "and the joint ones) so that at least one epoch trains jointly")
+    return p
 
 
 def stage_paths(cfg: DemoConfig) -> dict[str, Path]:

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.config.check import ConfigError
-from medusa_train.config.paths import CONFIG_DIR
+from medusa_train.config.compose import register_defaults
+from medusa_train.config.paths import COMMANDS_DIR
 from medusa_train.engine.client import EngineError
-
-COMMANDS_DIR = CONFIG_DIR / "commands"
 
 
 def run_command(config_name: str, build: Callable[[Any], Any], run: Callable[[Any], Any],
@@ -42,6 +41,7 @@ def run_command(config_name: str, build: Callable[[Any], Any], run: Callable[[An
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: where a hung run waits
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    register_defaults()  # the dataclasses' defaults, which every command's YAML lists first
     for name, fn in (resolvers or {}).items():
         OmegaConf.register_new_resolver(name, fn, replace=True)
 

@@ -1,16 +1,16 @@
 """Typed configuration of the demo (``medusa_train/cli/demo.py``, ``make demo``; ``configs/commands/demo.yaml``) and its checks.
 
-Each section holds the settings of one pipeline stage. The demo keys its output folders by hashing
-whole sections (``cli/demo.py: _key``), so a section's fields must stay exactly the YAML's keys,
-with the YAML's types: adding, renaming or retyping one moves every finished run's folder.
+Each section holds the settings of one pipeline stage; these dataclasses are the defaults (the YAML only lists
+them, ``config/compose.py``). The training settings are not here: the demo trains the train command's preset
+(``train.experiment``). The demo keys its output folders by hashing whole sections (``cli/demo.py: _key``) and the
+composed training config, so adding, renaming or retyping a field moves every finished run's folder.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from medusa_train.config.check import ConfigError, Problems, parse_config
-from medusa_train.config.compose import compose_training
+from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.paths import CONFIG_DIR
 
 
@@ -21,8 +21,10 @@ class DistillStage:
     keep_truncated: bool = True  #: replies cut at max_new_tokens are still the model's own text
     trim_loops: bool = True  #: a reply stuck in a loop is kept up to where the loop began
     max_turns: int = 1
+    #: as long as the evaluation's answers: more prompts, fewer replies lost to loops
+    #: (docs/results.md#the-demos-data-epochs-and-targets)
     max_new_tokens: int = 128
-    batch_size: int = 32
+    batch_size: int = 32  #: faster than 16 or 64 in bf16 here (docs/results.md#distilling-through-the-engine)
     dtype: str = "auto"  #: auto: bfloat16 where it runs natively (GPU, AVX512-BF16/AMX CPU), else float32
 
 
@@ -34,27 +36,6 @@ class TrainStage:
     dtype: str = "auto"  #: auto | bfloat16 | float32 (backbone weights and autocast; auto as distill.dtype)
     #: more training settings, as the train command takes them: '["trainer.epochs=2","loss.targets=text"]'
     overrides: list[str] = field(default_factory=list)
-
-
-def training_overrides(c: DemoConfig, recipe: str | None = None) -> list[str]:
-    """The train command's overrides for the demo's heads, before each stage adds its data and folder.
-
-    ``recipe`` defaults to ``c.recipe``; a resolved ``train.dtype`` (see ``resolve_dtypes``) is expected."""
-    t = c.train
-    return [f"+recipe={recipe or c.recipe}", f"experiment={t.experiment}", f"model.name_or_path={c.model}",
-            f"model.dtype={t.dtype}", f"trainer.mixed_precision={'bf16' if t.dtype == 'bfloat16' else 'no'}",
-            "trainer.save_every=20",  # ~10 min of a CPU's joint (medusa2) steps: a killed demo resumes there
-            "trainer.eval_every=100", *t.overrides]
-
-
-def training_settings(c: DemoConfig) -> dict:
-    """The heads' training settings as the train command composes them (Medusa-1 over ``train.experiment``): what
-    the run folder is keyed by, and the epochs and learning rate Medusa-2's stages split. ``data.source`` and
-    ``trainer.output_dir`` are left out: the distilled data has a key of its own and the folder is what is keyed."""
-    settings = compose_training(training_overrides(c, "medusa1"))
-    settings["data"].pop("source")
-    settings["trainer"].pop("output_dir")
-    return settings
 
 
 @dataclass
@@ -106,28 +87,6 @@ def check_demo_config(c: DemoConfig) -> list[str]:
            "must name a preset in configs/experiment/ (" + ", ".join(sorted(
                f.stem for f in (CONFIG_DIR / "experiment").glob("*.yaml"))) + ")")
     p.need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null (all cores)")
-    if not p:  # the training settings the preset and overrides compose, checked as the train command will
-        p += training_problems(c)
-    return p
-
-
-def training_problems(c: DemoConfig) -> list[str]:
-    """What the train command would refuse in the demo's training settings (``train.experiment`` + ``train.overrides``),
-    said now rather than after distilling; and whether Medusa-2's stage 1 leaves epochs to train jointly."""
-    from medusa_train.config.train import DataConfig, build_config
-
-    probe = replace(c, train=replace(c.train, dtype="float32" if c.train.dtype == "auto" else c.train.dtype))
-    try:
-        settings = training_settings(probe)
-        settings["data"]["source"] = DataConfig.source  # the distilled data is not there yet
-        epochs = build_config(settings).trainer.epochs
-    except ConfigError as err:
-        return [f"train (experiment={c.train.experiment}, overrides {c.train.overrides}): {problem}"
-                for problem in err.problems]
-    p = Problems()
-    p.need(c.recipe != "medusa2" or 0 <= c.medusa2.stage1_epochs < epochs, "medusa2.stage1_epochs",
-           c.medusa2.stage1_epochs, f"must be in [0, trainer.epochs={epochs}) (the training's epochs: stage 1's "
-           "and the joint ones) so that at least one epoch trains jointly")
     return p
 
 

@@ -18,4 +18,5 @@ def _config_dir() -> Path:
 
 
 CONFIG_DIR: Path = _config_dir()
+COMMANDS_DIR: Path = CONFIG_DIR / "commands"  # every command but train and capture: a config root of its own
 TREE_DIR: Path = CONFIG_DIR / "tree"  # built-in trees: tree=default | chain | small

@@ -1,7 +1,7 @@
 """Medusa-1: a frozen backbone; only the heads (and their prefix layer, if any) train.
 
     accelerate launch train.py +recipe=medusa1                 # frozen backbone, heads train
-    accelerate launch train.py +recipe=medusa1 trainer=smoke   # a few steps, minutes on CPU
+    accelerate launch train.py +recipe=medusa1 debug=smoke   # a few steps, minutes on CPU
     python train.py +recipe=medusa1 data.cache_hidden_states=true trainer.epochs=6
 
 setup -> train -> save_export -> cleanup, as torchtune's recipes; the parts both recipes need

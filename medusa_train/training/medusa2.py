@@ -1,7 +1,7 @@
 """Medusa-2: a 4-bit (QLoRA) backbone trained jointly with the heads.
 
     accelerate launch train.py +recipe=medusa2                   # NF4 backbone + LoRA + heads, jointly
-    accelerate launch train.py +recipe=medusa2 trainer=smoke     # a few steps on CPU
+    accelerate launch train.py +recipe=medusa2 debug=smoke     # a few steps on CPU
     accelerate launch train.py +recipe=medusa2 stage=1 trainer.output_dir=outputs/m2-s1   # heads only
     accelerate launch train.py +recipe=medusa2 stage=2 heads.init_from=outputs/m2-s1/export \\
         trainer.output_dir=outputs/m2-s2                         # then jointly, from stage 1's heads

@@ -212,15 +212,13 @@ def test_config_errors_are_reported_together(tmp_path):
 
 
 def test_command_line_names():
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from medusa_train.cli.entry import COMMANDS_DIR
+    from medusa_train.config.compose import compose_config
 
     # heads= and tree= are plain keys of the command's own config root, not training's config groups
     OmegaConf.register_new_resolver("default_output_dir", default_output_dir, replace=True)
-    with initialize_config_dir(str(COMMANDS_DIR), version_base="1.3"):
-        raw = compose("evaluate", ["heads=/x/run/export", "tree=t.yaml", "bench.limit=2"])
+    raw = compose_config("evaluate", ["heads=/x/run/export", "tree=t.yaml", "bench.limit=2"])
     assert (raw.heads, raw.tree, raw.bench.limit) == ("/x/run/export", "t.yaml", 2)
     assert raw.output_dir == os.path.join("outputs", "eval", "run")
     assert default_output_dir("/runs/medusa1/export") == os.path.join("outputs", "eval", "medusa1")

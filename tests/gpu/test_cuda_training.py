@@ -48,7 +48,7 @@ def _overrides(data, out, **extra) -> list[str]:
 
 
 def _train_cmd(data, out, **extra) -> list[str]:
-    return [sys.executable, "train.py", "+recipe=medusa1", "trainer=smoke",
+    return [sys.executable, "train.py", "+recipe=medusa1", "debug=smoke",
             *_overrides(data, out, **{"trainer.max_steps": 40, "trainer.save_every": 5, "trainer.eval_every": 0,
                                       "trainer.keep_last": 20, "data.batch_size": 2, **extra})]
 
@@ -148,7 +148,7 @@ def test_capture_then_training_on_states_equals_training_online(chats, tmp_path)
     common = {"trainer.max_steps": 6, "trainer.eval_every": 3, "trainer.save_every": 0, "data.batch_size": 4,
               "data.cache_dir": tmp_path / "states", "data.shard_bytes": 64 * 1160}  # 64 tokens of bf16 at 576
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    captured = subprocess.run([sys.executable, "scripts/capture.py", "+recipe=medusa1", "trainer=smoke",
+    captured = subprocess.run([sys.executable, "scripts/capture.py", "+recipe=medusa1", "debug=smoke",
                                *_overrides(chats, tmp_path / "capture", **common)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert captured.returncode == 0, captured.stderr[-3000:]

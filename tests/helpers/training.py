@@ -48,14 +48,11 @@ def train_overrides(model_dir: Path, data: Path, output_dir: Path, **extra) -> l
 
 def compose_config(overrides: list[str], recipe: str = "medusa1"):
     """The real training config (configs/train.yaml + recipe + the smoke trainer), validated, with
-    ``overrides`` applied last: what ``train.py +recipe=<recipe> trainer=smoke <overrides>`` would run."""
-    from hydra import compose, initialize_config_dir
-
-    from medusa_train.config.paths import CONFIG_DIR
+    ``overrides`` applied last: what ``train.py +recipe=<recipe> debug=smoke <overrides>`` would run."""
+    from medusa_train.config.compose import compose_config
     from medusa_train.config.train import build_config
 
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return build_config(compose("train", overrides=[f"+recipe={recipe}", "trainer=smoke", *overrides]))
+    return build_config(compose_config("train", [f"+recipe={recipe}", "debug=smoke", *overrides]))
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
 
 
 def launch(script: str, overrides: list[str], processes: int, recipe: str = "medusa1") -> subprocess.CompletedProcess:
-    args = [script, f"+recipe={recipe}", "trainer=smoke", *overrides]
+    args = [script, f"+recipe={recipe}", "debug=smoke", *overrides]
     cmd = accelerate_cmd(processes, *args) if processes > 1 else [sys.executable, *args]
     result = run_launched(cmd, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -93,7 +93,7 @@ def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(ti
     overrides = train_overrides(model_dir, data, tmp_path / "run", **{"trainer.max_steps": 4, "trainer.save_every": 2,
                                                                       "trainer.eval_every": 0})
     launch("train.py", [*overrides, "trainer.max_steps=2"], 1)  # leaves checkpoints/step-0000002
-    result = run_launched(accelerate_cmd(2, "train.py", "+recipe=medusa1", "trainer=smoke", *overrides), timeout=600)
+    result = run_launched(accelerate_cmd(2, "train.py", "+recipe=medusa1", "debug=smoke", *overrides), timeout=600)
     assert result.returncode != 0
     assert "was written by 1 process(es), this run has 2: resume with --num_processes 1" in result.stderr
 
@@ -118,7 +118,7 @@ def test_killing_one_rank_and_rerunning_resumes_every_rank_from_the_same_step(ti
     model_dir, data = tiny
     common = {"trainer.max_steps": 40, "trainer.eval_every": 0, "trainer.save_every": 4, "data.batch_size": 2,
               "trainer.log_every": 4}
-    cmd = accelerate_cmd(2, "train.py", "+recipe=medusa1", "trainer=smoke",
+    cmd = accelerate_cmd(2, "train.py", "+recipe=medusa1", "debug=smoke",
                          *train_overrides(model_dir, data, tmp_path / "killed", **common))
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
@@ -190,7 +190,7 @@ def test_accelerates_fsdp_without_a_gpu_is_refused_instead_of_running_each_proce
     config = tmp_path / "fsdp.yaml"
     config.write_text((ROOT / "configs/accelerate/fsdp.yaml").read_text().replace("use_cpu: false", "use_cpu: true"))
     result = run_launched([ACCELERATE, "launch", "--config_file", str(config), "--num_processes", "2",
-                           "--main_process_port", str(free_port()), "train.py", "+recipe=medusa1", "trainer=smoke",
+                           "--main_process_port", str(free_port()), "train.py", "+recipe=medusa1", "debug=smoke",
                            *train_overrides(model_dir, data, tmp_path / "run")], timeout=600)
     assert result.returncode != 0
     assert "2 processes were launched but accelerate made each a run of its own" in result.stderr

@@ -28,7 +28,7 @@ COMMON = {"trainer.max_steps": 8, "trainer.eval_every": 4, "trainer.save_every":
 
 
 def launch(overrides: list[str], processes: int):
-    args = ["train.py", "+recipe=medusa2", "trainer=smoke", *overrides]
+    args = ["train.py", "+recipe=medusa2", "debug=smoke", *overrides]
     cmd = accelerate_cmd(processes, *args) if processes > 1 else [sys.executable, *args]
     result = run_launched(cmd, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

@@ -89,7 +89,7 @@ def test_training_writes_metrics_and_an_export_and_heads_improve(tiny_setup, tmp
 
 
 def _train_cmd(model_dir, data, out, **extra):
-    return [sys.executable, "train.py", "+recipe=medusa1", "trainer=smoke",
+    return [sys.executable, "train.py", "+recipe=medusa1", "debug=smoke",
             *train_overrides(model_dir, data, out, **{"trainer.max_steps": 60, "trainer.save_every": 5,
                                                       "trainer.eval_every": 0, "trainer.keep_last": 20,
                                                       "data.batch_size": 2, **extra})]
@@ -135,7 +135,7 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny_setup, 
 @pytest.mark.integration
 def test_two_processes_train_on_different_shards_and_write_one_export(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
-    result = run_launched(accelerate_cmd(2, "train.py", "+recipe=medusa1", "trainer=smoke",
+    result = run_launched(accelerate_cmd(2, "train.py", "+recipe=medusa1", "debug=smoke",
                                          *train_overrides(model_dir, data, tmp_path,
                                                           **{"trainer.max_steps": 6, "trainer.eval_every": 3})),
                           timeout=600)

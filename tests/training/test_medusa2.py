@@ -426,7 +426,7 @@ BLOCKED_LOAD = textwrap.dedent("""
 def test_smoke_run_through_accelerate_launch_exports_a_merged_backbone_that_needs_no_peft(tiny_setup, tmp_path):
     model_dir, data = tiny_setup
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    cmd = [accelerate, "launch", "train.py", "+recipe=medusa2", "trainer=smoke",
+    cmd = [accelerate, "launch", "train.py", "+recipe=medusa2", "debug=smoke",
            *train_overrides(model_dir, data, tmp_path, **{"model.dtype": "bfloat16", "trainer.max_steps": 4,
                                                           "trainer.eval_every": 0, "peft.r": 4, "peft.alpha": 8,
                                                           "loss.head_warmup_steps": 2,

@@ -16,7 +16,7 @@ from medusa_train.training.resume import differences, resume_problems
 
 
 def _train(model_dir, data, out, *extra):
-    cmd = [sys.executable, "train.py", "+recipe=medusa1", "trainer=smoke",
+    cmd = [sys.executable, "train.py", "+recipe=medusa1", "debug=smoke",
            *train_overrides(model_dir, data, out, **{"trainer.max_steps": 4, "trainer.save_every": 2,
                                                      "trainer.eval_every": 0, "data.max_samples": 40}), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,

@@ -11,12 +11,11 @@ import torch
 from helpers import ROOT
 from helpers.distill import KEEP_ALL, WORDS, make_multiturn_jsonl, read_jsonl, tiny_config
 from helpers.training import make_model_dir
-from hydra import compose, initialize_config_dir
 
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.backbone.load import load_backbone
-from medusa_train.cli.entry import COMMANDS_DIR
 from medusa_train.config.check import ConfigError
+from medusa_train.config.compose import compose_config
 from medusa_train.data import build_datasets, load_conversations
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
 from medusa_train.data.distill import (
@@ -110,14 +109,13 @@ def test_a_torn_last_line_is_dropped_and_finished_lines_are_kept(tmp_path):
 
 
 def test_the_yaml_composes_and_every_invalid_value_is_reported_at_once():
-    with initialize_config_dir(config_dir=str(COMMANDS_DIR), version_base="1.3"):
-        cfg = build_distill_config(compose("distill"))
-        assert cfg.model.name_or_path == "packaged:smollm2-135m-instruct" and cfg.generation.temperature == 0.0
-        assert cfg.exclude_benchmark == "packaged:mt-bench" and cfg.filters.skip_truncated
-        assert default_output(cfg) == Path("outputs/distill/smollm2-135m-instruct-400.jsonl")
-        with pytest.raises(ConfigError) as err:
-            build_distill_config(compose("distill", overrides=["batch_size=0", "generation.top_p=0", "max_turns=x",
-                                                               "source=/nonexistent/chats.jsonl"]))
+    cfg = build_distill_config(compose_config("distill"))
+    assert cfg.model.name_or_path == "packaged:smollm2-135m-instruct" and cfg.generation.temperature == 0.0
+    assert cfg.exclude_benchmark == "packaged:mt-bench" and cfg.filters.skip_truncated
+    assert default_output(cfg) == Path("outputs/distill/smollm2-135m-instruct-400.jsonl")
+    with pytest.raises(ConfigError) as err:
+        build_distill_config(compose_config("distill", ["batch_size=0", "generation.top_p=0", "max_turns=x",
+                                                        "source=/nonexistent/chats.jsonl"]))
     problems = err.value.problems
     assert [p for p in problems if not p.startswith("source=")] == [
         "max_turns='x': expected int", "batch_size=0: must be >= 1", "generation.top_p=0.0: must be in (0, 1]"]
@@ -125,15 +123,14 @@ def test_the_yaml_composes_and_every_invalid_value_is_reported_at_once():
 
 
 def test_engine_settings_are_checked_before_anything_starts():
-    with initialize_config_dir(config_dir=str(COMMANDS_DIR), version_base="1.3"):
-        assert build_distill_config(compose("distill", overrides=["engine=openai", "url=[http://a:1,http://b:2]"])).url \
-            == ["http://a:1", "http://b:2"]
-        assert build_distill_config(compose("distill", overrides=["engine=openai", "url=http://a:1"])).url == "http://a:1"
-        with pytest.raises(ConfigError) as err:
-            build_distill_config(compose("distill", overrides=[
-                "engine=openai", "concurrency=0", "server.startup_timeout=0", "model.quantization=nf4"]))
-        with pytest.raises(ConfigError) as other:
-            build_distill_config(compose("distill", overrides=["engine=sglang", "url=http://a:1"]))
+    assert build_distill_config(compose_config("distill", ["engine=openai", "url=[http://a:1,http://b:2]"])).url \
+        == ["http://a:1", "http://b:2"]
+    assert build_distill_config(compose_config("distill", ["engine=openai", "url=http://a:1"])).url == "http://a:1"
+    with pytest.raises(ConfigError) as err:
+        build_distill_config(compose_config("distill", [
+            "engine=openai", "concurrency=0", "server.startup_timeout=0", "model.quantization=nf4"]))
+    with pytest.raises(ConfigError) as other:
+        build_distill_config(compose_config("distill", ["engine=sglang", "url=http://a:1"]))
     assert err.value.problems == [
         "url=None: engine=openai needs url=http://host:port (or a list)", "concurrency=0: must be >= 1",
         "model.quantization='nf4': the server loads the model itself; quantize it there (server.args) and leave this null",
