@@ -30,12 +30,15 @@ def build(raw) -> TrainConfig:
 
 
 def run(cfg: TrainConfig) -> dict:
-    """setup -> train -> save_export -> cleanup of the recipe ``cfg.method`` names; the last eval record."""
+    """setup -> train -> export (``export/run.py``) -> cleanup of the recipe ``cfg.method`` names; the last
+    eval record."""
+    from medusa_train.export.run import save_run_export
+
     recipe = recipe_class(cfg.method)(cfg)
     recipe.setup()
     try:
         metrics = recipe.train()
-        recipe.save_export()
+        save_run_export(recipe)
     finally:
         recipe.cleanup()
     return metrics

@@ -4,7 +4,7 @@
     accelerate launch train.py +recipe=medusa1 debug=smoke   # a few steps, minutes on CPU
     python train.py +recipe=medusa1 data.cache_hidden_states=true trainer.epochs=6
 
-setup -> train -> save_export -> cleanup, as torchtune's recipes; the parts both recipes need
+setup -> train -> cleanup, as torchtune's recipes (``export/run.py`` writes the export in between); the parts both recipes need
 are free functions in ``loop.py``. With ``data.cache_hidden_states`` the frozen backbone runs once
 over the data and the heads train from its stored hidden states.
 """
@@ -75,18 +75,6 @@ class Medusa1Recipe:
                                    f"{loop.top1_summary(record, self.model.num_heads)}"
                  + (f"; greedy targets keep {kept} of the text's" if kept else ""))
         return record
-
-    def save_export(self) -> Path | None:
-        """Write the trained heads (native layout) and the training config to ``<output_dir>/export``."""
-        if not self.cfg.trainer.export:
-            return None
-        target = Path(self.cfg.trainer.output_dir) / "export"
-        if self.accelerator.is_main_process:
-            self.model.save_pretrained(target)
-            loop.write_training_config(self.cfg, target)
-            loop.say(self.accelerator, f"exported heads to {target}")
-        self.accelerator.wait_for_everyone()
-        return target
 
     def cleanup(self) -> None:
         loop.finish(self.run)

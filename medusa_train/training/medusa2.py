@@ -18,36 +18,28 @@ Memory stays capped as in Medusa-1: the backbone's hidden states are detached to
 loss and then each head backpropagate into that leaf chunk by chunk, and one
 ``hidden.backward(leaf.grad)`` carries the sum into the LoRA weights.
 
-The export (``<output_dir>/export``) holds the heads (native layout), the LoRA adapter
-(``adapter/``, peft), ``backbone.json`` (how to rebuild the backbone), and with
-``trainer.merge_export=true`` a standalone backbone (``merged/``: the LoRA merged into the original weights,
-or with ``trainer.merge_into=dequantized`` into the 4-bit weights dequantized, plus the tokenizer) that needs
-neither peft nor bitsandbytes; the heads' config then
-names it (``"merged"``, relative to the heads folder). ``model/load.py``'s ``load_medusa2_export`` loads either form and
-measures how far the backbone moved from the original model.
+The export (``<output_dir>/export``: heads, LoRA adapter, ``backbone.json``, optionally a merged backbone) is
+written by ``export/run.py`` from the trained recipe.
 
 With several processes and ``model.fsdp=true`` (or accelerate's FSDP) the 4-bit backbone's decoder layers,
 LoRA included, are sharded over the processes (FSDP-QLoRA, ``shard.py``): every process loads the 4-bit
 backbone itself, keeps 1/N of each layer, and the heads stay whole, averaged by DDP as without sharding.
 Checkpoints and the adapter export hold the LoRA weights whole, gathered from every process.
 
-setup -> train -> save_export -> cleanup; shared parts are free functions in ``loop.py`` (this
+setup -> train -> cleanup (``export/run.py`` writes the export in between); shared parts are free functions in ``loop.py`` (this
 recipe inherits from none).
 """
 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from medusa_train.backbone import assets
 from medusa_train.backbone.lora import add_lora
-from medusa_train.backbone.merge import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR, merge_backbone
 from medusa_train.config.train import TrainConfig
 from medusa_train.model.layouts import MEDUSA_PARAMETERS
 from medusa_train.training import loop, setup
@@ -232,48 +224,6 @@ class Medusa2Recipe:
         self.run.metrics.write(record)
         loop.say(acc, f"{message}; top-1 by head {loop.top1_summary(record, k_heads)}")
         return record
-
-    # ------------------------------------------------------------------------------------ save
-    def save_export(self) -> Path | None:
-        """Write heads, adapter, ``backbone.json`` (and ``merged/`` with ``trainer.merge_export``) atomically."""
-        if not self.cfg.trainer.export:
-            return None
-        cfg, m = self.cfg, self.cfg.model
-        target = Path(cfg.trainer.output_dir) / "export"
-        adapter = self.whole_adapter() if self.joint else None  # every process takes part in gathering it
-        if self.accelerator.is_main_process:
-            merge = cfg.trainer.merge_export
-            tmp = assets.atomic_dir(target)
-            reference = self.model.config.base_model_name_or_path
-            # Heads trained with an adapter must not silently load on the original backbone: they name
-            # the merged folder, or nothing (then load_medusa2_export reads backbone.json).
-            self.model.config.base_model_name_or_path = MERGED_DIR if merge else (None if self.joint else reference)
-            try:
-                self.model.save_pretrained(tmp)
-            finally:
-                self.model.config.base_model_name_or_path = reference
-            if self.joint:
-                # embeddings are never adapted; "auto" would look the base model up on the hub
-                self.peft_model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False, state_dict=adapter)
-            if merge:
-                merged = merge_backbone(self.model.backbone, tmp / ADAPTER_DIR if self.joint else None,
-                                        m.name_or_path, dtype=m.dtype, into=cfg.trainer.merge_into,
-                                        trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
-                merged.save_pretrained(tmp / MERGED_DIR, safe_serialization=True)
-                self.tokenizer.save_pretrained(tmp / MERGED_DIR)
-                del merged
-            info = {"base_model_name_or_path": str(m.name_or_path), "quantization": m.quantization,
-                    "dtype": m.dtype, "bnb_compute_dtype": m.bnb_compute_dtype,
-                    "bnb_double_quant": m.bnb_double_quant, "adapter": ADAPTER_DIR if self.joint else None,
-                    "merged": MERGED_DIR if merge else None, "merged_from": cfg.trainer.merge_into if merge else None,
-                    "stage": cfg.stage}
-            (tmp / BACKBONE_INFO).write_text(json.dumps(info, indent=2) + "\n")
-            loop.write_training_config(cfg, tmp)
-            assets.replace_dir(tmp, target)
-            loop.say(self.accelerator, f"exported heads{', adapter' if self.joint else ''}"
-                                       f"{', merged backbone' if merge else ''} to {target}")
-        self.accelerator.wait_for_everyone()
-        return target
 
     def whole_adapter(self) -> dict[str, torch.Tensor] | None:
         """The LoRA weights whole, gathered from every process, when they are sharded (``None`` when they are not:

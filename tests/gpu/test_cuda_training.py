@@ -107,6 +107,7 @@ def test_medusa2_on_bitsandbytes_cuda_trains_lora_and_heads_and_merges_into_the_
     import bitsandbytes as bnb
 
     from medusa_train.backbone.merge import read_backbone_info
+    from medusa_train.export.run import save_run_export
     from medusa_train.model.load import load_medusa2_export
     from medusa_train.training.medusa2 import Medusa2Recipe
 
@@ -124,7 +125,7 @@ def test_medusa2_on_bitsandbytes_cuda_trains_lora_and_heads_and_merges_into_the_
     torch.cuda.reset_peak_memory_stats()
     record = recipe.train()
     print(f"medusa2 on CUDA: peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB; last eval {record}")
-    recipe.save_export()
+    save_run_export(recipe)
     recipe.cleanup()
 
     train = [m for m in read_metrics(tmp_path) if m["split"] == "train"]

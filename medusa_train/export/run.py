@@ -1,0 +1,77 @@
+"""What a finished training run leaves in ``<trainer.output_dir>/export``: the recipe trains, this writes.
+
+- Medusa-1: the heads (native layout) and ``training_config.json``.
+- Medusa-2: the heads, the LoRA adapter (``adapter/``, peft), ``backbone.json`` (how to rebuild the backbone:
+  base model, quantization, adapter, merged folder), and with ``trainer.merge_export=true`` a standalone
+  backbone (``merged/``: the LoRA merged into the original weights, or with ``trainer.merge_into=dequantized``
+  into the 4-bit weights dequantized, plus the tokenizer; ``backbone/merge.py``) that needs neither peft nor
+  bitsandbytes, which the heads' config then names. ``model/load.py``'s ``load_medusa2_export`` loads either form.
+
+Every process calls ``save_run_export`` (a sharded adapter is gathered from all of them); the main process writes,
+Medusa-2's folder atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from medusa_train.backbone import assets
+from medusa_train.backbone.merge import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR, merge_backbone
+from medusa_train.training import loop
+
+
+def save_run_export(recipe) -> Path | None:
+    """Write ``recipe``'s trained model (a ``Medusa1Recipe`` or ``Medusa2Recipe`` after ``train()``) to
+    ``<output_dir>/export``; ``None`` with ``trainer.export=false``. A collective: every process calls it."""
+    cfg = recipe.cfg
+    if not cfg.trainer.export:
+        return None
+    target = Path(cfg.trainer.output_dir) / "export"
+    medusa2 = cfg.method == "medusa2"
+    adapter = recipe.whole_adapter() if medusa2 and recipe.joint else None
+    if recipe.accelerator.is_main_process:
+        if medusa2:
+            write_medusa2_export(recipe, target, adapter)
+        else:
+            recipe.model.save_pretrained(target)
+            loop.write_training_config(cfg, target)
+            loop.say(recipe.accelerator, f"exported heads to {target}")
+    recipe.accelerator.wait_for_everyone()
+    return target
+
+
+def write_medusa2_export(recipe, target: Path, adapter: dict | None) -> None:
+    """Heads, adapter (``adapter``: its weights gathered whole, or None for peft to read them from the model),
+    ``backbone.json`` and, with ``trainer.merge_export``, ``merged/``: into a temporary folder, then renamed."""
+    cfg, m, model, joint = recipe.cfg, recipe.cfg.model, recipe.model, recipe.joint
+    merge = cfg.trainer.merge_export
+    tmp = assets.atomic_dir(target)
+    reference = model.config.base_model_name_or_path
+    # Heads trained with an adapter must not silently load on the original backbone: they name
+    # the merged folder, or nothing (then load_medusa2_export reads backbone.json).
+    model.config.base_model_name_or_path = MERGED_DIR if merge else (None if joint else reference)
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        model.config.base_model_name_or_path = reference
+    if joint:
+        # embeddings are never adapted; "auto" would look the base model up on the hub
+        recipe.peft_model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False, state_dict=adapter)
+    if merge:
+        merged = merge_backbone(model.backbone, tmp / ADAPTER_DIR if joint else None,
+                                m.name_or_path, dtype=m.dtype, into=cfg.trainer.merge_into,
+                                trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
+        merged.save_pretrained(tmp / MERGED_DIR, safe_serialization=True)
+        recipe.tokenizer.save_pretrained(tmp / MERGED_DIR)
+        del merged
+    info = {"base_model_name_or_path": str(m.name_or_path), "quantization": m.quantization,
+            "dtype": m.dtype, "bnb_compute_dtype": m.bnb_compute_dtype,
+            "bnb_double_quant": m.bnb_double_quant, "adapter": ADAPTER_DIR if joint else None,
+            "merged": MERGED_DIR if merge else None, "merged_from": cfg.trainer.merge_into if merge else None,
+            "stage": cfg.stage}
+    (tmp / BACKBONE_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    loop.write_training_config(cfg, tmp)
+    assets.replace_dir(tmp, target)
+    loop.say(recipe.accelerator, f"exported heads{', adapter' if joint else ''}"
+                                 f"{', merged backbone' if merge else ''} to {target}")
