@@ -18,16 +18,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from helpers import ROOT
 from helpers.backbones import PACKAGED_MODEL
-from helpers.training import compose_config, make_chat_jsonl, read_metrics, train_overrides
+from helpers.training import (
+    compose_config,
+    kill_after_checkpoint,
+    make_chat_jsonl,
+    read_metrics,
+    resumed_at,
+    train_overrides,
+)
 
 from medusa_train.cli.train import run
 from medusa_train.config.train import flash_attention_available
@@ -66,20 +71,13 @@ def test_medusa1_bf16_killed_and_rerun_resumes_on_the_gpu(chats, tmp_path):
     assert "train: peak GPU memory" in reference.stdout  # every command says what it held on the GPU
 
     crashed = tmp_path / "crashed"
-    proc = subprocess.Popen(_train_cmd(chats, crashed), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while not (crashed / "checkpoints/step-0000010").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (crashed / "export").exists(), "the run finished before it could be killed"
+    kill_after_checkpoint(_train_cmd(chats, crashed), crashed, 10, env, timeout=600)
     before = read_metrics(crashed)
 
     resumed = subprocess.run(_train_cmd(chats, crashed), cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    step = int(resumed.stdout.split("resumed from")[1].split("at step ")[1].split()[0])
+    step = resumed_at(resumed.stdout)
     assert step >= 10
     after = read_metrics(crashed)
     assert after[:len(before)] == before

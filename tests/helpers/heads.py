@@ -13,3 +13,37 @@ def randomise(model, seed: int = 0, scale: float = 0.3, part: str = "heads"):
             p.add_(torch.randn(p.shape, generator=g) * scale)
     return model
 
+
+
+#: a small tree with side branches and depth 3 (the step-state tests' tree)
+STEP_TREE = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (2,)]
+
+
+def prefix_heads_model():
+    """A tiny model whose heads read the next token, their tree path and the prefix (attention), every weight away
+    from its start: the model whose decode state has the most parts."""
+    from helpers.backbones import make_tiny_backbone
+    from medusa_train import MedusaModel
+
+    model = MedusaModel.from_backbone(make_tiny_backbone(), num_heads=3, next_token_input=True, path_input=True,
+                                      prefix_attention=True).eval()
+    return randomise(randomise(model), part="prefix")
+
+
+def assert_steps_keep_decode_state(steps, context: int, calls) -> None:
+    """Each of ``calls`` (run twice, in order) leaves ``steps``' state (a ``DecodeSteps`` or its benchmark
+    breakdown, set up at ``context`` cached tokens) exactly as it found it: the backbone's KV cache and the heads'
+    own prefix-attention cache, so each step can be timed alone, in any order."""
+    def snapshot():
+        layers = [(layer.keys.clone(), layer.values.clone()) for layer in steps.cache.layers]
+        return layers, steps.heads_state.prefix_cache.keys.clone(), steps.heads_state.prefix_cache.values.clone()
+
+    before = snapshot()
+    for call in calls:
+        for _ in range(2):
+            call()
+            assert steps.cache.get_seq_length() == context
+            after = snapshot()
+            for (k0, v0), (k1, v1) in zip(before[0], after[0]):
+                assert torch.equal(k0, k1) and torch.equal(v0, v1)
+            assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])

@@ -58,3 +58,27 @@ def compose_config(overrides: list[str], recipe: str = "medusa1"):
 def read_metrics(output_dir: Path) -> list[dict]:
     """The records a run appended to ``<output_dir>/metrics.jsonl``, in order."""
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_after_checkpoint(cmd: list[str], output_dir: Path, step: int, env: dict, timeout: float) -> None:
+    """Start the training command ``cmd`` and SIGKILL it as soon as its checkpoint at ``step`` exists in
+    ``output_dir`` (a crash at the worst moment: no chance to clean up); it must not have finished by then."""
+    import signal
+    import subprocess
+    import time
+
+    from helpers import ROOT
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = output_dir / "checkpoints" / f"step-{step:07d}"
+    deadline = time.time() + timeout
+    while not checkpoint.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (output_dir / "export").exists(), "the run finished before it could be killed"
+
+
+def resumed_at(stdout: str) -> int:
+    """The step a resumed training run says it continued from (``resumed from <checkpoint> at step N``)."""
+    return int(stdout.split("resumed from")[1].split("at step ")[1].split()[0])

@@ -1,17 +1,23 @@
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import ROOT
 from helpers.launch import accelerate_cmd, run_launched
-from helpers.training import compose_config, make_chat_jsonl, make_model_dir, read_metrics, train_overrides
+from helpers.training import (
+    compose_config,
+    kill_after_checkpoint,
+    make_chat_jsonl,
+    make_model_dir,
+    read_metrics,
+    resumed_at,
+    train_overrides,
+)
 
 from medusa_train import MedusaModel
 from medusa_train.cli.train import run
@@ -104,21 +110,14 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny_setup, 
     assert reference.returncode == 0, reference.stderr[-2000:]
 
     crashed = tmp_path / "crashed"
-    proc = subprocess.Popen(_train_cmd(model_dir, data, crashed), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (crashed / "checkpoints/step-0000010").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (crashed / "export").exists(), "the run finished before it could be killed"
+    kill_after_checkpoint(_train_cmd(model_dir, data, crashed), crashed, 10, env, timeout=300)
     before = read_metrics(crashed)
     assert before, "metrics written before the crash must survive it"
 
     resumed = subprocess.run(_train_cmd(model_dir, data, crashed), cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    step = int(resumed.stdout.split("resumed from")[1].split("at step ")[1].split()[0])
+    step = resumed_at(resumed.stdout)
     assert step >= 10
     after = read_metrics(crashed)
     assert after[:len(before)] == before  # nothing earlier lost

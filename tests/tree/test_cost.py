@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import yaml
 from helpers.training import make_model_dir
 
@@ -109,32 +108,16 @@ def test_every_timed_step_leaves_the_decode_state_as_it_found_it():
     """The cost curve times each step from the same state, in any order: the backbone's cache and the heads'
     own (prefix attention) cache must come back exactly as they were (the benchmark's breakdown of a step:
     tests/benchmarks/test_steps.py)."""
-    from helpers.backbones import make_tiny_backbone
-    from helpers.heads import randomise
+    from helpers.heads import STEP_TREE, assert_steps_keep_decode_state, prefix_heads_model
 
     from medusa_train.tree.cost import DecodeSteps
 
-    model = MedusaModel.from_backbone(make_tiny_backbone(), num_heads=3, next_token_input=True, path_input=True,
-                                      prefix_attention=True).eval()
-    randomise(randomise(model), part="prefix")  # both the heads and the prefix layer away from their start
     context = 24
-    steps = DecodeSteps(model, context)
-    tree = MedusaTree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (2,)])
-
-    def snapshot():
-        layers = [(layer.keys.clone(), layer.values.clone()) for layer in steps.cache.layers]
-        return layers, steps.heads_state.prefix_cache.keys.clone(), steps.heads_state.prefix_cache.values.clone()
-
-    before = snapshot()
-    for step in (steps.plain_step, lambda: steps.plain_step(explicit_mask=True), steps.verify_step(tree),
-                 steps.verify_step(MedusaTree([]))):
-        for _ in range(2):
-            step()
-            assert steps.cache.get_seq_length() == context
-            after = snapshot()
-            for (k0, v0), (k1, v1) in zip(before[0], after[0]):
-                assert torch.equal(k0, k1) and torch.equal(v0, v1)
-            assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+    steps = DecodeSteps(prefix_heads_model(), context)
+    tree = MedusaTree(STEP_TREE)
+    assert_steps_keep_decode_state(steps, context, (
+        steps.plain_step, lambda: steps.plain_step(explicit_mask=True), steps.verify_step(tree),
+        steps.verify_step(MedusaTree([]))))
 
 
 def test_the_cost_curve_is_made_nondecreasing_from_two_nodes_by_pooling_the_runs_timed_out_of_order():
