@@ -107,10 +107,22 @@ def base_term(base: BaseMetrics | None, kind: str | None) -> float:
     return base.ce if kind == "ce" else base.kl
 
 
-def base_record(bases: list[BaseMetrics]) -> dict[str, float]:
-    """Token-weighted means of base figures, keyed ``base/ce``, ``base/kl``, ``base/top1``, ``base/agreement``."""
-    n = sum(b.count for b in bases)
-    if not n:
-        return {}
-    return {f"base/{name}": sum(getattr(b, name) * b.count for b in bases) / n
-            for name in ("ce", "kl", "top1", "agreement")}
+BASE_FIGURES = ("ce", "kl", "top1", "agreement")
+
+
+def base_sums(bases: list[BaseMetrics]) -> torch.Tensor:
+    """``[tokens, ce, kl, top1, agreement]``, each figure times its tokens, summed over ``bases`` (float64): what
+    micro-batches and processes add up (``accelerator.reduce(..., "sum")``) before ``from_sums`` takes the means."""
+    return torch.tensor([sum(b.count for b in bases)] + [sum(getattr(b, k) * b.count for b in bases)
+                                                         for k in BASE_FIGURES], dtype=torch.float64)
+
+
+def from_sums(sums: torch.Tensor) -> BaseMetrics:
+    """The token-weighted means of ``base_sums``' totals."""
+    count = int(sums[0].item())
+    return BaseMetrics(**{k: sums[i + 1].item() / max(count, 1) for i, k in enumerate(BASE_FIGURES)}, count=count)
+
+
+def base_record(base: BaseMetrics) -> dict[str, float]:
+    """``base``'s figures keyed ``base/ce``, ``base/kl``, ``base/top1``, ``base/agreement`` (none without tokens)."""
+    return {f"base/{k}": getattr(base, k) for k in BASE_FIGURES} if base.count else {}

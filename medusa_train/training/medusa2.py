@@ -43,7 +43,14 @@ from medusa_train.backbone.lora import add_lora
 from medusa_train.config.train import TrainConfig
 from medusa_train.model.layouts import MEDUSA_PARAMETERS
 from medusa_train.training import loop, setup
-from medusa_train.training.backbone_loss import BaseMetrics, base_loss_backward, base_record, base_term
+from medusa_train.training.backbone_loss import (
+    BaseMetrics,
+    base_loss_backward,
+    base_record,
+    base_sums,
+    base_term,
+    from_sums,
+)
 from medusa_train.training.losses import LossResult
 from medusa_train.training.shard import full, is_sharded, shard_backbone
 
@@ -180,23 +187,20 @@ class Medusa2Recipe:
         window, self.window = self.window, []
         self.step_metrics = {"lr_heads": self.run.scheduler.get_last_lr()[-1]}
         if window:
-            names = ("ce", "kl", "top1", "agreement")
-            bases = [r.base for r in window if r.base is not None]
-            sums = torch.tensor([sum(r.heads_loss for r in window), len(window), sum(b.count for b in bases)]
-                                + [sum(getattr(b, k) * b.count for b in bases) for k in names], dtype=torch.float64)
+            heads = torch.tensor([sum(r.heads_loss for r in window), len(window)], dtype=torch.float64)
+            sums = torch.cat([heads, base_sums([r.base for r in window if r.base is not None])])
             acc = self.accelerator
             if acc.num_processes > 1:  # every process's micro-batches, as the step's loss is
                 sums = acc.reduce(sums.to(acc.device), reduction="sum").cpu()
-            heads_loss, micro, n, *totals = sums.tolist()
-            self.step_metrics.update(heads_loss=heads_loss / micro, head_weight=window[-1].head_weight,
-                                     **({f"base/{k}": t / n for k, t in zip(names, totals)} if n else {}))
+            self.step_metrics.update(heads_loss=sums[0].item() / sums[1].item(), head_weight=window[-1].head_weight,
+                                     **base_record(from_sums(sums[2:])))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Heads' loss and accuracy; jointly also the backbone's CE, KL to the original and agreement with it."""
         cfg, acc, k_heads = self.cfg, self.accelerator, self.model.num_heads
         sums = loop.HeadEvalSums(k_heads)
-        base_sums = torch.zeros(5, dtype=torch.float64)  # ce, kl, top1, agreement, n (all times n)
+        base_totals = base_sums([])
         for batch in loop.eval_batches(self.run):
             original = self.original_hidden_states(batch) if self.joint else None
             hidden = loop.hidden_states(self.run, batch)
@@ -205,19 +209,16 @@ class Medusa2Recipe:
                 with acc.autocast():
                     base = base_loss_backward(self.model.base_logits, hidden, batch["labels"], None, original,
                                               cfg.loss.chunk_size, backward=None)
-                base_sums += torch.tensor([base.ce, base.kl, base.top1, base.agreement, 1.0],
-                                          dtype=torch.float64) * base.count
+                base_totals += base_sums([base])
         record = sums.record(self.run)
         message = f"eval @ step {self.run.step}: loss {record['loss']:.4f}"
         if self.joint:
             if acc.num_processes > 1:
-                base_sums = acc.reduce(base_sums.to(acc.device), reduction="sum").cpu()
-            n = max(base_sums[4].item(), 1.0)
-            base = BaseMetrics(ce=base_sums[0].item() / n, kl=base_sums[1].item() / n, top1=base_sums[2].item() / n,
-                               agreement=base_sums[3].item() / n, count=int(base_sums[4].item()))
+                base_totals = acc.reduce(base_totals.to(acc.device), reduction="sum").cpu()
+            base = from_sums(base_totals)
             lam = self.head_weight()
             heads_loss = record["loss"]
-            record.update(heads_loss=heads_loss, head_weight=lam, **base_record([base]))
+            record.update(heads_loss=heads_loss, head_weight=lam, **base_record(base))
             record["loss"] = base_term(base, cfg.loss.base) + lam * heads_loss
             message = (f"eval @ step {self.run.step}: loss {record['loss']:.4f}; backbone KL to original {base.kl:.5f}, "
                        f"CE {base.ce:.4f}, top-1 agreement {base.agreement:.4f}")
