@@ -23,7 +23,7 @@ from typing import Any
 
 from medusa_train.data.sources import NORMALISED_FORMAT_VERSION, SkipStats, load_conversations
 
-CACHE_FORMAT = 1  # bump when what a cached example holds, or how it is made, changes
+CACHE_FORMAT = 2  # bump when what a cached example holds, or how it is made, changes
 SPLITS = ("train", "eval")
 CONVERSATIONS_PER_PROCESS = 1000  # below this, one process tokenises faster than starting more
 
@@ -36,6 +36,7 @@ class TokenizedData:
     train: Any
     evals: Any
     stats: SkipStats
+    selected: int  #: conversations read and selected (after max_samples), before tokenising skipped any
     folder: Path
     from_cache: bool
     seconds: float
@@ -153,6 +154,7 @@ def tokenized_splits(tokenizer: Any, source: str, max_length: int, max_samples: 
     from_cache = (folder / "stats.json").is_file()
     if not from_cache:
         conversations, stats = load_conversations(source, max_samples=max_samples)
+        selected = len(conversations)
         indices = dict(zip(SPLITS, split_indices(len(conversations), eval_size, seed)))
         support = template_support(tokenizer)
         partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
@@ -163,7 +165,7 @@ def tokenized_splits(tokenizer: Any, source: str, max_length: int, max_samples: 
                                 num_proc or default_num_proc(), partial / split, stats, f"tokenizing {split}")
             del conversations
             (partial / "stats.json").write_text(json.dumps({
-                "stats": stats.to_dict(), "source": source, "max_length": max_length, "max_samples": max_samples,
+                "stats": stats.to_dict(), "selected": selected, "source": source, "max_length": max_length, "max_samples": max_samples,
                 "eval_size": eval_size, "seed": seed, "tokenizer": getattr(tokenizer, "name_or_path", ""),
                 "seconds": round(time.perf_counter() - started, 2)}, indent=2) + "\n")
             try:
@@ -173,6 +175,7 @@ def tokenized_splits(tokenizer: Any, source: str, max_length: int, max_samples: 
                     raise
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-    stats = SkipStats.from_dict(json.loads((folder / "stats.json").read_text())["stats"])
+    recorded = json.loads((folder / "stats.json").read_text())
     train, evals = (datasets.load_from_disk(str(folder / split)) for split in SPLITS)
-    return TokenizedData(train, evals, stats, folder, from_cache, time.perf_counter() - started)
+    return TokenizedData(train, evals, SkipStats.from_dict(recorded["stats"]), recorded["selected"], folder,
+                         from_cache, time.perf_counter() - started)

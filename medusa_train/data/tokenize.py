@@ -218,9 +218,6 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int)
     return labelled_example(input_ids, offsets, spans)
 
 
-# Skip reasons of tokenising (the others are the reader's): a conversation read but not usable.
-TOKENIZE_SKIPS = ("template_error", "tool_turns_unsupported", "tool_calls_unsupported", "no_assistant_after_truncation")
-
 PROBE_TOOL = "medusa_probe_result_7f3a"  # marker texts no template writes by itself
 PROBE_CALL = "medusa_probe_call_7f3a"
 

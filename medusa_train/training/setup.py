@@ -206,10 +206,7 @@ def read_chat_template(value: str) -> str:
 
 def data_lines(cfg: TrainConfig, data) -> list[str]:
     """What the log says about the data: used of available, what was left out (capped, cut, skipped), from where."""
-    from medusa_train.data.tokenize import TOKENIZE_SKIPS
-
-    d, st = cfg.data, data.stats
-    selected = st.kept + sum(st.skipped[reason] for reason in TOKENIZE_SKIPS)
+    d, st, selected = cfg.data, data.stats, data.selected
     used = f"data: {selected:,} of {selected + st.capped:,} conversations selected"
     if st.capped:
         used += f" (capped by data.max_samples={d.max_samples}; null reads them all)"

@@ -37,10 +37,11 @@ def test_whole_file_tokenised_once_and_read_back(packaged_tokenizer, user_file, 
     assert st.kept + st.total_skipped == 3000 and set(st.skipped) <= {"no_assistant_after_truncation"}
     assert len(first.train) + len(first.evals) == st.kept and 0 < len(first.evals) <= 64  # 64 held out, less skips
     assert st.truncated > 0  # 256 tokens cut many of them, and that is counted
+    assert first.selected == 3000  # all read and selected; tokenising then skipped some, each with its reason
 
     second = tokenized_splits(packaged_tokenizer, str(user_file), 256, None, 64, 0, num_proc=2, cache_root=tmp_path)
     assert second.from_cache and second.folder == first.folder and second.stats == first.stats
-    assert second.seconds < first.seconds / 5
+    assert second.selected == first.selected
     for a, b in ((first.train, second.train), (first.evals, second.evals)):
         assert a["input_ids"][:] == b["input_ids"][:] and a["labels"][:] == b["labels"][:]
 
@@ -55,7 +56,7 @@ def test_whole_file_tokenised_once_and_read_back(packaged_tokenizer, user_file, 
 @pytest.mark.slow
 def test_capped_read_counts_what_was_left_out(packaged_tokenizer, user_file, tmp_path):
     data = tokenized_splits(packaged_tokenizer, str(user_file), 256, 500, 10, 0, num_proc=1, cache_root=tmp_path)
-    assert data.stats.capped == 2500
+    assert data.stats.capped == 2500 and data.selected == 500
     assert data.stats.kept + data.stats.total_skipped == 500
 
 
