@@ -144,14 +144,20 @@ def test_greedy_parity_oracle_heads_long_paths(arch, attn):
     assert max(all_lengths) >= 4
 
 
+def oracle_model(arch: str, seed: int, prompt_seed: int, new_tokens: int = 40):
+    """A tiny backbone and 4 heads that know its greedy continuation of one prompt: (model, ids, reference)."""
+    backbone = make_tiny_backbone(arch, seed=seed)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    ids = prompts(1, seed=prompt_seed)[0]
+    ref = hf_greedy(backbone, ids, new_tokens, eos_token_id=[])
+    install_oracle_heads(model, ref)
+    return model, ids, ref
+
+
 def test_oracle_paths_take_side_branches():
     """The accepted nodes are not always a prefix of the node order, so KV entries really move."""
-    backbone = make_tiny_backbone("llama", seed=4)
-    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    model, ids, ref = oracle_model("llama", seed=4, prompt_seed=7)
     tree = MedusaTree.from_name("default")
-    ids = prompts(1, seed=7)[0]
-    ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
-    install_oracle_heads(model, ref)
     moved = []
     import medusa_train.decoding.generate as generate_module
 
@@ -191,12 +197,8 @@ def test_eos_mid_accepted_path_is_kept_and_ends_generation():
 
 
 def test_max_new_tokens_is_exact():
-    backbone = make_tiny_backbone("gpt_neox", seed=8)
-    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    model, ids, ref = oracle_model("gpt_neox", seed=8, prompt_seed=13)
     tree = MedusaTree.from_name("default")
-    ids = prompts(1, seed=13)[0]
-    ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
-    install_oracle_heads(model, ref)
     truncated = 0
     for n in range(1, 25):
         out = medusa_generate(model, ids, tree, max_new_tokens=n, eos_token_id=[])
@@ -325,10 +327,7 @@ def test_errors(tiny_llama):
 
 
 def test_output_statistics():
-    backbone = make_tiny_backbone("llama", seed=4)
-    model = MedusaModel.from_backbone(backbone, num_heads=4)
-    ids = prompts(1, seed=7)[0]
-    install_oracle_heads(model, hf_greedy(backbone, ids, 30, eos_token_id=[]))
+    model, ids, _ = oracle_model("llama", seed=4, prompt_seed=7, new_tokens=30)
     out = medusa_generate(model, ids, "default", max_new_tokens=30, eos_token_id=[])
     rates = out.head_acceptance_rates(num_heads=4)
     assert len(rates) == 4 and all(a >= b for a, b in zip(rates, rates[1:]))  # deeper needs shallower
