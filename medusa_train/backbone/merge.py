@@ -8,7 +8,7 @@ the default: the user's model plus what training learnt, nothing lost to quantiz
 weights dequantized (``dequantized``: exactly the model that trained), loadable by plain transformers.
 Nothing here imports peft or bitsandbytes unless the adapter form is asked for.
 
-- ``merge_backbone``: write-side, builds ``merged/`` from the trained model (``training/medusa2.py``);
+- ``merge_backbone``: write-side, builds ``merged/`` from the trained model (``export/run.py``);
 - ``read_backbone_info`` / ``merged_from``: what ``backbone.json`` says.
 
 Loading either form is ``medusa_train.model.load.load_medusa2_export``; how far the backbone moved,

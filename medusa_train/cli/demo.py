@@ -213,7 +213,8 @@ def train_medusa2(cfg: DemoConfig, py: list[str], data: Path, run_dir: Path, sta
     joint_epochs = settings["trainer"]["epochs"] - m.stage1_epochs
     spent, inputs = 0.0, [data]
     common = [*training_overrides(cfg), f"data.source={data}"]
-    joint = [*py, "train", *common, f"trainer.epochs={joint_epochs}", "data.cache_hidden_states=false",
+    from_stage1 = ["stage=2", f"heads.init_from={stage1 / 'export'}"] if m.stage1_epochs else []
+    joint = [*py, "train", *common, *from_stage1, f"trainer.epochs={joint_epochs}", "data.cache_hidden_states=false",
              f"optim.lr={m.lr}", f"optim.head_lr_multiplier={m.head_lr / m.lr}", f"loss.head_weight={m.head_weight}",
              f"loss.head_warmup_steps={m.head_warmup_steps}", f"peft.r={m.lora_r}", f"peft.alpha={2 * m.lora_r}",
              "peft.gradient_checkpointing=false",  # 135M on a CPU: the activations fit, recomputing them costs ~1/3
@@ -224,7 +225,6 @@ def train_medusa2(cfg: DemoConfig, py: list[str], data: Path, run_dir: Path, sta
             f"optim.lr={settings['optim']['lr']}", "optim.head_lr_multiplier=1", "trainer.merge_export=false",
             f"trainer.output_dir={stage1}"],
             done=newer(stage1 / "export" / "training_config.json", data))
-        joint[len(py) + 1 + len(common):len(py) + 1 + len(common)] = ["stage=2", f"heads.init_from={stage1 / 'export'}"]
         inputs.append(stage1 / "export" / "training_config.json")  # new stage-1 heads: stage 2 runs again
     spent += stage("2/4 train LoRA and heads jointly (medusa2)", joint,
                    done=newer(run_dir / "export" / "training_config.json", *inputs))

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa_train.backbone import assets
+from medusa_train.training.shard import full, is_sharded
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -97,17 +98,11 @@ def onto(device: torch.device):
     return restore
 
 
-def _is_sharded(tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
 def full_state(parameters: dict[str, torch.nn.Parameter], optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     """``(trainable weights, optimizer state dict)`` whole, on the CPU: sharded parameters and their optimizer
     state gathered from every process, one tensor at a time. A collective: every process calls it."""
     def whole(tensor: torch.Tensor) -> torch.Tensor:
-        return (tensor.full_tensor() if _is_sharded(tensor) else tensor).detach().cpu()
+        return full(tensor).detach().cpu()
 
     weights = {name: whole(param) for name, param in parameters.items()}
     state = optimizer.state_dict()
@@ -139,12 +134,12 @@ def load_checkpoint(path: str | Path, parameters: dict[str, torch.nn.Parameter],
                          "or another trainer.output_dir to start afresh")
     with torch.no_grad():
         for name, param in parameters.items():
-            param.copy_(_shard_like(tensors[name], param) if _is_sharded(param) else tensors[name])
+            param.copy_(_shard_like(tensors[name], param) if is_sharded(param) else tensors[name])
     states = torch.load(path / "optimizer.pt", map_location=onto(parameter_device(optimizer)), weights_only=False)
     ordered = [p for group in optimizer.param_groups for p in group["params"]]  # the state dict's indices
     for index, values in states["optimizer"]["state"].items():
         param = ordered[index] if index < len(ordered) else None
-        if param is not None and _is_sharded(param):
+        if param is not None and is_sharded(param):
             for key, value in values.items():
                 if isinstance(value, torch.Tensor) and value.shape == param.shape:  # (AdamW's step is a scalar)
                     values[key] = _shard_like(value, param)

@@ -24,6 +24,8 @@ from typing import TypeVar
 
 import torch
 
+from medusa_train.training.shard import is_sharded
+
 R = TypeVar("R")
 
 
@@ -37,11 +39,11 @@ class OneBackward(torch.nn.Module):
         # frozen weights (4-bit ones too) and buffers are the same everywhere: DDP need not broadcast them;
         # sharded ones (DTensors) are FSDP's
         self._ddp_params_and_buffers_to_ignore = (
-            [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad or _sharded(p)]
+            [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad or is_sharded(p)]
             + [f"model.{n}" for n, _ in model.named_buffers()])
 
     def forward(self, step: Callable[[], R]) -> tuple[torch.Tensor, R]:
-        params = [p for p in self.model.parameters() if p.requires_grad and not _sharded(p)]
+        params = [p for p in self.model.parameters() if p.requires_grad and not is_sharded(p)]
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -54,8 +56,3 @@ class OneBackward(torch.nn.Module):
         surrogate = torch.stack([(p * g).sum() for p, g in zip(params, grads)]).sum()
         return surrogate, result
 
-
-def _sharded(param: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(param, DTensor)
