@@ -4,7 +4,8 @@ Training composes ``configs/train.yaml`` with its config groups; every other com
 config root (``configs/commands/``), so an option such as ``heads=`` or ``tree=`` is a plain key
 there and never collides with training's groups. ``build`` parses and checks the composed config
 (``config.check.parse_config``): a ``ConfigError`` prints every problem with its key and exits 2
-before anything heavy loads. A serving engine that fails (``engine.EngineError``) exits 3 with its
+before anything heavy loads (one the run finds later, e.g. a data source with no usable conversation, exits 2
+the same way). A serving engine that fails (``engine.EngineError``) exits 3 with its
 message and log, not a traceback.
 """
 
@@ -55,6 +56,9 @@ def run_command(config_name: str, build: Callable[[Any], Any], run: Callable[[An
         try:
             run(cfg)
             report_gpu_memory(config_name)
+        except ConfigError as err:  # found once the data is read (e.g. data.source holds no usable conversation)
+            print(err, file=sys.stderr)
+            sys.exit(2)
         except EngineError as err:  # a server stopped answering or never started: say so, no traceback
             print(f"{config_name}: the serving engine failed: {err}\nEverything written before it is kept; "
                   "run the same command again to continue.", file=sys.stderr)
