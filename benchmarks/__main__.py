@@ -6,10 +6,10 @@
     python -m benchmarks vocab data=...  # what a draft vocabulary (heads.vocab_size) costs the heads
     python -m benchmarks rounding  # how often a multi-token bf16 pass picks another greedy token
     python -m benchmarks loop heads=... tree=...  # the real decode loop against the timed verify step
-    python -m benchmarks vllm_k heads=...  # vLLM's num_speculative_tokens swept 0..heads, the fastest kept
     python -m benchmarks tokenize  # the data's tokenisation: first run, cached run, peak memory
 
-Extra ``key=value`` arguments are passed to the chosen benchmark.
+Extra ``key=value`` arguments are passed to the chosen benchmark. vLLM's num_speculative_tokens is chosen by the
+installed command, ``medusa-train choose-k heads=...`` (one server per K, the fastest kept in serving.json).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import importlib
 import sys
 
 BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
-              "rounding": "bench_rounding", "loop": "bench_loop",
-              "vllm_k": "bench_vllm_k", "tokenize": "bench_tokenize"}
+              "rounding": "bench_rounding", "loop": "bench_loop", "tokenize": "bench_tokenize"}
 
 
 def main(argv: list[str]) -> int:
