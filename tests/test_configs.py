@@ -8,6 +8,7 @@ import yaml
 
 from medusa_train.config.build_tree import BuildTreeConfig
 from medusa_train.config.check import parse_config
+from medusa_train.config.choose_k import ChooseKConfig
 from medusa_train.config.compose import compose_config
 from medusa_train.config.demo import DemoConfig, build_demo_config
 from medusa_train.config.distill import DistillConfig, build_distill_config
@@ -27,6 +28,7 @@ def no_checks(cls):
     ("build_tree", no_checks(BuildTreeConfig), BuildTreeConfig(heads="h")),
     ("export", no_checks(ExportConfig), ExportConfig()),
     ("demo", build_demo_config, DemoConfig()),
+    ("choose_k", no_checks(ChooseKConfig), ChooseKConfig()),
 ])
 def test_a_command_with_no_overrides_composes_exactly_its_dataclass_defaults(name, build, expected):
     overrides = ["heads=h"] if name == "build_tree" else []

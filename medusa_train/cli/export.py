@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from medusa_train.config.check import parse_config
 from medusa_train.config.export import ExportConfig, check_export_config
+from medusa_train.evaluation.choose_k import SERVING_NAME  # serving.json: the K `medusa-train choose-k` measured
 
 
 def build_export_config(raw) -> ExportConfig:
@@ -37,13 +38,10 @@ def run(cfg: ExportConfig) -> None:
         print(serve_command(path, heads=cfg.heads))
 
 
-SERVING_NAME = "serving.json"  # written into a vllm export by `python -m benchmarks vllm_k` (the measured K)
-
-
 def serve_command(path, heads=None) -> str:
     """How to serve a vllm export: ``vllm serve`` with the base model's folder (``packaged:`` names resolved,
     a folder as its absolute path), the export's dtype and ``--speculative-config``; K is the fastest measured
-    by ``python -m benchmarks vllm_k`` when it ran (``serving.json``), else 1 (vLLM's own per-step cost makes more a
+    by ``medusa-train choose-k`` when it ran (``serving.json``), else 1 (vLLM's own per-step cost makes more a
     loss until measured). ``heads``: the folder the export was made from, where a Medusa-2 export's base
     (``merged``, relative to it) lies."""
     import json
@@ -69,7 +67,7 @@ def serve_command(path, heads=None) -> str:
                      f"({path / SERVING_NAME})")
     else:
         k = 1
-        lines.append(f"K=1 until measured: choose K in 1..{heads_count} with `python -m benchmarks vllm_k "
+        lines.append(f"K=1 until measured: choose K in 1..{heads_count} with `medusa-train choose-k "
                      f"heads={path}` (one server per K; it writes {SERVING_NAME} here)")
     spec = json.dumps({"method": "medusa", "model": str(path.resolve()), "num_speculative_tokens": k})
     lines.append(f"vllm serve {base} --dtype {dtype} --speculative-config '{spec}'")

@@ -6,6 +6,7 @@
     medusa-train build-tree heads=outputs/medusa1/export nodes=auto
     medusa-train evaluate heads=outputs/medusa1/export
     medusa-train export heads=outputs/medusa1/export format=vllm output=outputs/medusa1/vllm
+    medusa-train choose-k heads=outputs/medusa1/vllm dtype=bfloat16    # vLLM's K: one server per K, fastest kept
     medusa-train demo                                              # all of it on the packaged model
 
 Each command composes its own configs (``configs/train.yaml`` for train and capture, ``configs/commands/<name>.yaml``
@@ -26,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "build-tree": ("medusa_train.cli.build_tree", "fit a decoding tree to the heads, sized for this machine"),
     "evaluate": ("medusa_train.cli.evaluate", "accepted length, speedup and greedy parity (engine=vllm: served)"),
     "export": ("medusa_train.cli.export", "write the heads for vLLM, TensorRT-LLM / original Medusa, or ours"),
+    "choose-k": ("medusa_train.cli.choose_k", "serve each vLLM K (num_speculative_tokens), keep the fastest (serving.json)"),
     "demo": ("medusa_train.cli.demo", "distill -> train -> build-tree -> evaluate on the packaged model"),
 }
 

@@ -23,6 +23,7 @@ from medusa_train.config.paths import COMMANDS_DIR, CONFIG_DIR
 def defaults_nodes() -> dict[str, dict]:
     """ConfigStore name -> the defaults it holds (a dataclass instance's fields, as plain values)."""
     from medusa_train.config.build_tree import BuildTreeConfig
+    from medusa_train.config.choose_k import ChooseKConfig
     from medusa_train.config.demo import DemoConfig
     from medusa_train.config.distill import DistillConfig
     from medusa_train.config.evaluate import EvalConfig
@@ -30,7 +31,7 @@ def defaults_nodes() -> dict[str, dict]:
     from medusa_train.config.train import LoggerConfig, TrainConfig
 
     schemas = {"train": TrainConfig, "logger": LoggerConfig, "distill": DistillConfig, "evaluate": EvalConfig,
-               "build_tree": BuildTreeConfig, "export": ExportConfig, "demo": DemoConfig}
+               "build_tree": BuildTreeConfig, "export": ExportConfig, "demo": DemoConfig, "choose_k": ChooseKConfig}
     return {f"{name}_defaults": dataclasses.asdict(cls()) for name, cls in schemas.items()}
 
 
@@ -44,7 +45,7 @@ def register_defaults() -> None:
 
 
 def compose_config(name: str, overrides: list[str] = ()):
-    """The ``DictConfig`` command ``name`` (train, distill, evaluate, build_tree, export, demo) composes with
+    """The ``DictConfig`` command ``name`` (train, distill, evaluate, build_tree, export, demo, choose_k) composes with
     ``overrides``, unresolved (a command registers its own resolvers).
 
     Raises:

@@ -1,0 +1,52 @@
+"""``medusa-train choose-k``: measure vLLM's ``num_speculative_tokens`` (K) for a set of heads and keep the fastest.
+
+    medusa-train choose-k heads=<heads dir> dtype=bfloat16 [ks=[0,1,2]] [limit=24] [concurrency=8]
+
+One vLLM server per K (0 = no speculation), MT-Bench first turns greedy at concurrency 1 and at ``concurrency``;
+the fastest K at concurrency 1 goes to ``serving.json`` in the vllm export, and the serve line printed here (and by
+``medusa-train export``) uses it. Options: ``configs/commands/choose_k.yaml`` (schema:
+``medusa_train.config.choose_k.ChooseKConfig``); the work is ``medusa_train.evaluation.choose_k.choose_k``.
+"""
+
+from __future__ import annotations
+
+from medusa_train.config.check import Problems, parse_config
+from medusa_train.config.choose_k import ChooseKConfig, check_choose_k_config, check_ks
+
+
+def build_choose_k_config(raw) -> ChooseKConfig:
+    """A validated ``ChooseKConfig``: the schema's range checks and those that read the heads folder (K within
+    its head count, a base model to serve), every problem reported at once (``ConfigError``)."""
+    return parse_config(ChooseKConfig, raw, lambda c: check_choose_k_config(c) + check_choose_k_inputs(c))
+
+
+def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
+    """The checks that need the heads folder."""
+    from medusa_train.model.load import check_heads
+
+    p = Problems()
+    num_heads, base = check_heads(c.heads, p)
+    if num_heads is not None and not (c.model or base):
+        p.append(f"model: required; the heads' config.json ({c.heads}) names no base model: pass model=<base model>")
+    p.extend(check_ks(c.ks, num_heads))
+    return p
+
+
+def run(cfg: ChooseKConfig) -> dict:
+    """Serve and measure each K, write ``serving.json``, print the verdict and the serve line."""
+    from medusa_train.cli.export import serve_command
+    from medusa_train.evaluation.choose_k import choose_k, verdict
+    from medusa_train.model.load import read_export_config
+
+    num_heads, base = read_export_config(cfg.heads)
+    export, record = choose_k(cfg, num_heads, cfg.model or base)
+    print(verdict(record))
+    print(serve_command(export, heads=cfg.heads))
+    return record
+
+
+def main() -> None:
+    """Entry point of ``medusa-train choose-k``."""
+    from medusa_train.cli.entry import run_command
+
+    run_command("choose_k", build_choose_k_config, run)

@@ -1,0 +1,54 @@
+"""Typed configuration of ``medusa-train choose-k`` (``configs/commands/choose_k.yaml``) and its range checks.
+
+The check that needs the heads folder (how many heads there are: K above it fails to load in vLLM) is
+``check_ks``, which the command (``medusa_train.cli.choose_k``) runs with the count it reads, together with these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from medusa_train.config.check import Problems
+from medusa_train.config.engine import ServerConfig, check_server
+
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ChooseKConfig:
+    heads: str | None = None  #: folder of heads, any layout (not a vllm export: one is written to <heads>/../vllm-export-<dtype>)
+    model: str | None = None  #: base model to serve (null: the heads' base_model_name_or_path)
+    dtype: str = "bfloat16"  #: float32 | bfloat16 | float16: the served dtype (the serve line repeats it)
+    ks: list[int] | None = None  #: K values served, e.g. [0,1,2] (0 = no speculation; null: 0..heads)
+    limit: int = 24  #: MT-Bench first turns sent to each server (greedy)
+    max_tokens: int = 128  #: reply length per request
+    concurrency: int = 8  #: the higher concurrency measured beside 1 (K is chosen at concurrency 1)
+    output: str | None = None  #: also write the result (serving.json's content) to this JSON file
+    server: ServerConfig = field(default_factory=ServerConfig)  #: how each server is started
+
+
+def check_choose_k_config(c: ChooseKConfig) -> list[str]:
+    """Range checks that need only the values; every problem names its key."""
+    p = Problems()
+    if not c.heads:
+        p.append("heads: required; pass heads=<folder of heads>")
+    p.need(c.dtype in SERVED_DTYPES, "dtype", c.dtype, f"must be one of {', '.join(SERVED_DTYPES)}")
+    p.need(c.limit >= 1, "limit", c.limit, "must be >= 1")
+    p.need(c.max_tokens >= 1, "max_tokens", c.max_tokens, "must be >= 1")
+    p.need(c.concurrency >= 1, "concurrency", c.concurrency, "must be >= 1")
+    p.extend(check_server(c.server))
+    return p
+
+
+def check_ks(ks: list[int] | None, num_heads: int | None) -> list[str]:
+    """``ks`` against the heads' count: whole numbers in 0..num_heads, at least one that speculates."""
+    p = Problems()
+    if ks is None:
+        return p
+    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in ks):
+        p.need(False, "ks", ks, "must list whole numbers >= 0 (0 = no speculation), e.g. ks=[0,1,2]")
+        return p
+    p.need(any(k >= 1 for k in ks), "ks", ks, "must hold at least one K >= 1 to choose from")
+    above = [k for k in ks if num_heads and k > num_heads]
+    p.need(not above, "ks", ks, f"{above} above the heads' {num_heads} (vLLM fails to load more)")
+    return p

@@ -1,0 +1,164 @@
+"""Choose vLLM's ``num_speculative_tokens`` (K) by measuring it: one server per K, the same prompts each time.
+
+    medusa-train choose-k heads=<heads> dtype=bfloat16      # what ``medusa_train.cli.choose_k`` runs
+
+vLLM fixes K at start-up and fails to load K above the head count, so each K (0..heads by default; 0 is the
+server without speculation) is served in turn, sent MT-Bench first turns greedily at concurrency 1 and at
+``concurrency`` (``served.measure_phase``), and stopped. The fastest K at concurrency 1 is recommended (none when
+no K beats serving without speculation) and written to ``serving.json`` in the vllm export, which the serve line
+of ``medusa-train export`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from medusa_train.config.choose_k import ChooseKConfig
+
+SERVING_NAME = "serving.json"  #: written into a vllm export: the measured K (read by ``cli.export.serve_command``)
+BENCHMARK = "packaged:mt-bench"
+WARMUP_TOKENS = 8
+
+
+def ks_to_serve(ks: Sequence[int] | None, num_heads: int) -> list[int]:
+    """The K values served, in order: ``ks`` as given, or 0 (no speculation) then every K up to ``num_heads``."""
+    return list(ks) if ks is not None else list(range(0, num_heads + 1))
+
+
+def choose(rows: Sequence[dict]) -> tuple[dict, dict | None, bool]:
+    """``(fastest speculating row, the row without speculation or None, whether the fastest beats it)``, by
+    tokens/s at concurrency 1.
+
+    Raises:
+        ValueError: no row with K >= 1.
+    """
+    speculating = [r for r in rows if r["k"]]
+    if not speculating:
+        raise ValueError("no K >= 1 was measured: nothing to choose")
+    best = max(speculating, key=lambda r: r["tokens_per_s"])
+    plain = next((r for r in rows if r["k"] == 0), None)
+    return best, plain, plain is None or best["tokens_per_s"] > plain["tokens_per_s"]
+
+
+def serving_record(rows: Sequence[dict], settings: dict, base_model: str, export: str | os.PathLike,
+                   device: str) -> dict:
+    """``serving.json``'s content: the recommended K (``None`` when serving without speculation is faster), the
+    fastest K, every row, and how they were measured (``settings["dtype"]`` is the dtype the serve line uses)."""
+    best, _, faster = choose(rows)
+    return {"recommended_num_speculative_tokens": best["k"] if faster else None,
+            "fastest_num_speculative_tokens": best["k"], "rows": list(rows), "settings": dict(settings),
+            "base_model": base_model, "export": str(export), "device": device}
+
+
+def write_json(path: str | os.PathLike, record: dict) -> Path:
+    """Write ``record`` to ``path`` through a temporary file in the same folder and ``os.replace``: a crash never
+    leaves a half file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def format_row(row: dict, concurrency: int) -> str:
+    """One table line: K, tokens/s at concurrency 1 and at ``concurrency``, acceptance length, start-up."""
+    accepted = f"{row['mean_acceptance_length']:.3f}" if row["mean_acceptance_length"] else "-"
+    return (f"K={row['k']}: {row['tokens_per_s']:.1f} tokens/s at concurrency 1, "
+            f"{row[f'tokens_per_s_c{concurrency}']:.1f} at {concurrency}; acceptance length {accepted}; "
+            f"start-up {row['startup_s']:.0f} s")
+
+
+def verdict(record: dict) -> str:
+    """The line that says which K was kept and how it compares with serving without speculation."""
+    rows = record["rows"]
+    best, plain, faster = choose(rows)
+    if faster:
+        versus = f", {best['tokens_per_s'] / plain['tokens_per_s']:.2f}x without speculation" if plain else ""
+        return f"fastest at concurrency 1: K={best['k']} ({best['tokens_per_s']:.1f} tokens/s{versus})"
+    return (f"no K beats serving without speculation here (best K={best['k']}: "
+            f"{best['tokens_per_s'] / plain['tokens_per_s']:.2f}x); serve the base model alone")
+
+
+def vllm_export(cfg: ChooseKConfig) -> Path:
+    """The vllm export the servers load: ``heads`` when it is one, else one written beside it
+    (``<heads>/../vllm-export-<dtype>``, replaced whole)."""
+    from medusa_train.export.write import export_folder
+    from medusa_train.model.layouts import detect_format, read_config_json
+
+    heads = Path(cfg.heads).expanduser()
+    if detect_format(read_config_json(heads)) == "vllm":
+        return heads
+    export = heads.parent / f"vllm-export-{cfg.dtype}"
+    print(f"[medusa_train] choose-k: {heads} is not a vllm export; writing one to {export}", flush=True)
+    return export_folder(heads, export, "vllm", model=cfg.model, dtype=cfg.dtype)
+
+
+def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[list[dict]], eos: Sequence[int],
+              cfg: ChooseKConfig) -> dict:
+    """Serve the base model with the first ``k`` heads (``k=0``: without speculation), measure it, stop it."""
+    from medusa_train.engine import serve
+    from medusa_train.evaluation.served import measure_phase
+
+    spec = {"method": "medusa", "model": str(export.resolve()), "num_speculative_tokens": k} if k else None
+    with serve(served_model, dtype=cfg.dtype, speculative_config=spec, log_path=export.parent / f"vllm-k{k}.log",
+               **cfg.server.server_kwargs()) as client:
+        client.timeout = cfg.server.request_timeout
+        client.chat(conversations[0], max_tokens=WARMUP_TOKENS, stop_token_ids=eos)  # untimed warm-up
+        one = measure_phase(client, conversations, cfg.max_tokens, eos)
+        many = measure_phase(client, conversations, cfg.max_tokens, eos, concurrency=cfg.concurrency)
+        startup = client.server.startup_seconds
+    return {"k": k, "startup_s": round(startup, 1), "tokens_per_s": one["tokens_per_s"],
+            f"tokens_per_s_c{cfg.concurrency}": many["tokens_per_s"],
+            "mean_acceptance_length": one["mean_acceptance_length"],
+            "per_position_acceptance": one["per_position_acceptance"], "tokens": one["tokens"]}
+
+
+def choose_k(cfg: ChooseKConfig, num_heads: int, base_model: str,
+             progress: Callable[[str], None] = lambda line: print(line, flush=True)) -> tuple[Path, dict]:
+    """Serve every K, measure each, write ``serving.json`` (and ``cfg.output``); returns ``(export, record)``.
+
+    Args:
+        cfg: A validated ``ChooseKConfig`` (``ks`` within 0..num_heads).
+        num_heads: The heads' count (K's default range).
+        base_model: The base model (``cfg.model``, else the heads' ``base_model_name_or_path`` resolved).
+        progress: Gets each row's table line as it is measured.
+    """
+    from medusa_train.backbone.load import load_without_weights
+    from medusa_train.data.benchmarks import load_benchmark
+
+    export = vllm_export(cfg)
+    _, eos, _, served_model = load_without_weights(base_model)
+    conversations = [[{"role": "user", "content": p.turns[0]}] for p in load_benchmark(BENCHMARK, cfg.limit)]
+    rows = []
+    for k in ks_to_serve(cfg.ks, num_heads):
+        progress(f"[medusa_train] choose-k: serving K={k} ({served_model}, dtype {cfg.dtype}) ...")
+        rows.append(measure_k(k, export, str(served_model), conversations, eos, cfg))
+        progress(format_row(rows[-1], cfg.concurrency))
+    settings = {"dtype": cfg.dtype, "limit": cfg.limit, "max_tokens": cfg.max_tokens,
+                "concurrency": cfg.concurrency, "benchmark": BENCHMARK}
+    record = serving_record(rows, settings, base_model, export, device_description())
+    write_json(export / SERVING_NAME, record)
+    if cfg.output:
+        write_json(cfg.output, record)
+    return export, record
+
+
+def device_description() -> str:
+    """What the servers ran on: the GPU's name where CUDA is, else the CPU and its core count."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible)"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"

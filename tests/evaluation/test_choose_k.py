@@ -1,0 +1,150 @@
+"""``medusa-train choose-k``: its config composes and is checked (K within the heads' count, every problem with its
+key), and what it does with the measured rows: the fastest K kept, ``serving.json`` written whole and read back by
+the serve line ``medusa-train export`` prints. The served sweep itself (one vLLM server per K, ~90 s each on a CPU)
+is not run here: the rows are the demo's measured ones (docs/results.md, K chosen by measurement)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT
+from helpers.training import make_model_dir
+
+from medusa_train.cli.choose_k import build_choose_k_config
+from medusa_train.cli.export import serve_command
+from medusa_train.cli.main import COMMANDS, usage
+from medusa_train.config.check import ConfigError
+from medusa_train.config.choose_k import ChooseKConfig
+from medusa_train.config.compose import compose_config
+from medusa_train.evaluation.choose_k import (
+    SERVING_NAME,
+    choose,
+    format_row,
+    ks_to_serve,
+    serving_record,
+    verdict,
+    vllm_export,
+    write_json,
+)
+
+# docs/results.md's sweep on the demo's heads (bf16, 16 MT-Bench first turns, 2-core CPU)
+ROWS = [{"k": 0, "startup_s": 88.0, "tokens_per_s": 22.6, "tokens_per_s_c8": 142.4, "mean_acceptance_length": None,
+         "per_position_acceptance": [], "tokens": 2048},
+        {"k": 1, "startup_s": 91.0, "tokens_per_s": 23.7, "tokens_per_s_c8": 139.2, "mean_acceptance_length": 1.234,
+         "per_position_acceptance": [0.234], "tokens": 2048},
+        {"k": 2, "startup_s": 93.0, "tokens_per_s": 20.1, "tokens_per_s_c8": 103.7, "mean_acceptance_length": 1.271,
+         "per_position_acceptance": [0.236, 0.035], "tokens": 2048}]
+SETTINGS = {"dtype": "bfloat16", "limit": 16, "max_tokens": 128, "concurrency": 8, "benchmark": "packaged:mt-bench"}
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    """``(native heads folder, its vllm export)``: two heads with their own output layers on a tiny saved backbone."""
+    from medusa_train import MedusaModel, load_backbone
+    from medusa_train.export.write import export_folder
+
+    root = tmp_path_factory.mktemp("choose_k")
+    backbone, _ = load_backbone(make_model_dir(root / "model"), dtype="float32")
+    MedusaModel.from_backbone(backbone, 2, 1, share_lm_head=False, dtype="float32").save_pretrained(root / "native")
+    return root / "native", export_folder(root / "native", root / "vllm", "vllm")
+
+
+def test_the_fastest_k_at_concurrency_1_is_kept_and_the_serve_line_uses_it(heads):
+    _, export = heads
+    best, plain, faster = choose(ROWS)
+    assert (best["k"], plain["k"], faster) == (1, 0, True)
+    record = serving_record(ROWS, SETTINGS, "base", export, "test CPU, 2 cores")
+    assert record["recommended_num_speculative_tokens"] == record["fastest_num_speculative_tokens"] == 1
+    assert record["rows"] == ROWS and record["settings"] == SETTINGS and record["export"] == str(export)
+    write_json(export / SERVING_NAME, record)
+    assert json.loads((export / SERVING_NAME).read_text()) == record
+    assert not [p.name for p in export.iterdir() if p.name.endswith(".tmp")]
+
+    line = serve_command(export)
+    spec = json.loads(line.split("--speculative-config '", 1)[1].split("'", 1)[0])
+    assert spec == {"method": "medusa", "model": str(export.resolve()), "num_speculative_tokens": 1}
+    assert "--dtype bfloat16 " in line and "K=1: the fastest of K=1..2 measured on test CPU, 2 cores" in line
+    assert verdict(record) == "fastest at concurrency 1: K=1 (23.7 tokens/s, 1.05x without speculation)"
+    assert format_row(ROWS[1], 8) == ("K=1: 23.7 tokens/s at concurrency 1, 139.2 at 8; acceptance length 1.234; "
+                                      "start-up 91 s")
+    assert "acceptance length -;" in format_row(ROWS[0], 8)
+
+
+def test_when_no_k_beats_serving_without_speculation_none_is_recommended(heads):
+    _, export = heads
+    rows = [dict(ROWS[0], tokens_per_s=30.0), *ROWS[1:]]
+    record = serving_record(rows, SETTINGS, "base", export, "cpu")
+    assert (record["recommended_num_speculative_tokens"], record["fastest_num_speculative_tokens"]) == (None, 1)
+    assert verdict(record).startswith("no K beats serving without speculation here (best K=1: 0.79x)")
+    write_json(export / SERVING_NAME, record)
+    assert "no K is faster than serving" in serve_command(export)
+    # without a K=0 row the fastest K is recommended; with no K >= 1 there is nothing to choose
+    assert serving_record(ROWS[1:], SETTINGS, "base", export, "cpu")["recommended_num_speculative_tokens"] == 1
+    with pytest.raises(ValueError, match="no K >= 1"):
+        choose(ROWS[:1])
+
+
+def test_serving_json_is_replaced_whole_or_not_at_all(tmp_path):
+    path = write_json(tmp_path / SERVING_NAME, {"recommended_num_speculative_tokens": 2})
+    with pytest.raises(TypeError):
+        write_json(path, {"rows": [object()]})  # fails half-way through the JSON
+    assert json.loads(path.read_text()) == {"recommended_num_speculative_tokens": 2}
+    assert os.listdir(tmp_path) == [SERVING_NAME]
+
+
+def test_ks_default_to_every_k_from_no_speculation_to_every_head():
+    assert ks_to_serve(None, 3) == [0, 1, 2, 3]
+    assert ks_to_serve([2, 0], 3) == [2, 0]
+
+
+def test_heads_not_in_the_vllm_layout_are_exported_beside_them(heads):
+    native, export = heads
+    assert vllm_export(ChooseKConfig(heads=str(export))) == export
+    written = vllm_export(ChooseKConfig(heads=str(native), dtype="float32"))
+    assert written == native.parent / "vllm-export-float32"
+    assert json.loads((written / "config.json").read_text())["num_heads"] == 2
+
+
+def test_config_composes_and_refuses_k_above_the_heads(heads):
+    native, export = heads
+    cfg = build_choose_k_config(compose_config("choose_k", [f"heads={export}", "ks=[0,2]", "server.kv_cache_gib=4"]))
+    assert (cfg.heads, cfg.ks, cfg.dtype, cfg.server.kv_cache_gib) == (str(export), [0, 2], "bfloat16", 4)
+    for folder in (native, export):
+        with pytest.raises(ConfigError) as err:
+            build_choose_k_config(compose_config("choose_k", [f"heads={folder}", "ks=[0,1,3]"]))
+        assert err.value.problems == ["ks=[0, 1, 3]: [3] above the heads' 2 (vLLM fails to load more)"]
+
+
+def test_every_bad_key_is_named():
+    overrides = ["dtype=fp8", "limit=0", "max_tokens=0", "concurrency=0", "ks=[0]", "server.port=70000",
+                 "+colour=red"]
+    with pytest.raises(ConfigError) as err:
+        build_choose_k_config(compose_config("choose_k", overrides))
+    keys = [p.split("=")[0].split(":")[0] for p in err.value.problems]
+    assert keys == ["colour", "heads", "dtype", "limit", "max_tokens", "concurrency", "server.port", "ks"], keys
+    with pytest.raises(ConfigError, match="ks=\\[-1, 'x'\\]: must list whole numbers"):
+        build_choose_k_config(compose_config("choose_k", ["heads=nowhere", "ks=[-1,x]"]))
+
+
+def test_medusa_train_lists_the_command():
+    assert COMMANDS["choose-k"][0] == "medusa_train.cli.choose_k"
+    assert "\n  choose-k " in usage()
+
+
+@pytest.mark.integration
+def test_the_command_checks_before_it_serves(heads):
+    """From the command line: K above the heads' count exits 2 naming ``ks``, before any server starts."""
+    _, export = heads
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MEDUSA_TRAIN_VLLM_PYTHON": "/nonexistent/python"}
+    run = [sys.executable, "-m", "medusa_train", "choose-k"]
+    done = subprocess.run([*run, f"heads={export}", "ks=[1,5]"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "ks=[1, 5]: [5] above the heads' 2" in done.stderr
+    helped = subprocess.run([*run, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and "medusa-train choose-k heads=<heads dir>" in helped.stdout
+    assert all(f"\n{key}:" in helped.stdout for key in ("heads", "dtype", "ks", "limit", "concurrency", "server"))
