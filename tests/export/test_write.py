@@ -330,7 +330,7 @@ def test_script_converts_a_native_export_end_to_end(tmp_path):
     assert json.loads((tmp_path / "vllm/config.json").read_text())["topk"] == 4
     serve = next(line for line in done.stdout.splitlines() if line.startswith("vllm serve "))
     spec = json.loads(serve.split("--speculative-config ", 1)[1].strip("'"))
-    # K=1 until `python -m benchmarks vllm_k` has measured one (serving.json); the base model as a folder vLLM can load
+    # K=1 until `medusa-train choose-k` has measured one (serving.json); the base model as a folder vLLM can load
     assert spec == {"method": "medusa", "model": str((tmp_path / "vllm").resolve()), "num_speculative_tokens": 1}
     assert serve.startswith(f"vllm serve {backbone.name_or_path} --dtype float32 ")
     assert "python -m vllm.entrypoints.openai.api_server --model " in done.stdout
