@@ -88,8 +88,16 @@ def test_the_wheel_carries_configs_and_trees_and_works_without_the_checkout(tmp_
     listed = subprocess.run([str(command), "--help"], cwd=elsewhere, env=run_env, capture_output=True, text=True,
                             timeout=120)
     assert listed.returncode == 0, listed.stderr[-3000:]
-    for name in ("distill", "capture", "train", "build-tree", "evaluate", "export", "demo"):
+    for name in ("distill", "capture", "train", "build-tree", "evaluate", "export", "choose-k", "demo"):
         assert f"\n  {name} " in listed.stdout, listed.stdout
+    # the K sweep the export's serve line points to runs from the wheel (benchmarks/ is not in it)
+    helped = subprocess.run([str(command), "choose-k", "--help"], cwd=elsewhere, env=run_env, capture_output=True,
+                            text=True, timeout=120)
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert "medusa-train choose-k heads=<heads dir>" in helped.stdout, helped.stdout
+    for key in ("heads", "model", "dtype", "ks", "limit", "max_tokens", "concurrency", "output", "server"):
+        assert f"\n{key}:" in helped.stdout, (key, helped.stdout)
+    assert "  kv_cache_gib: 2" in helped.stdout, helped.stdout  # the server's keys, from ServerConfig
     composed = subprocess.run([str(command), "train", "experiment=demo", "--cfg", "job"], cwd=elsewhere, env=run_env,
                               capture_output=True, text=True, timeout=120)
     assert composed.returncode == 0, composed.stderr[-3000:]
