@@ -8,6 +8,7 @@ reason it is dropped (a :class:`~medusa_train.data.sources.SkipStats` key). Read
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 Message = dict[str, Any]  # role, content (str); tool_calls, name, tool_call_id where given
@@ -26,6 +27,7 @@ ROLE_ALIASES: dict[str, str] = {
 }
 # Tool / function results (OpenAI "tool" and older "function", glaive's "observation", Llama's "ipython").
 TOOL_ROLES = ("tool", "function", "observation", "ipython")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Skip(ValueError):
@@ -39,6 +41,8 @@ class Skip(ValueError):
 def _text(content: Any) -> str:
     """A turn's text: a string as it is, an OpenAI content-part list flattened to its text parts."""
     if isinstance(content, str):
+        if _SURROGATE.search(content):  # bytes that were not UTF-8, or a lone \ud800 escape: not encodable text
+            raise Skip("not_utf8")
         return content
     if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
         raise Skip("malformed")
@@ -51,7 +55,7 @@ def _text(content: Any) -> str:
             raise Skip("malformed")
         else:  # an image, audio or file: the text alone would misstate the turn
             raise Skip("non_text_content")
-    return "\n".join(texts)  # as vLLM and OpenAI's chat endpoint join text parts
+    return _text("\n".join(texts))  # as vLLM and OpenAI's chat endpoint join text parts
 
 
 def _tool_calls(turn: dict) -> list[dict] | None:
@@ -94,7 +98,7 @@ def normalise_record(record: Any) -> Conversation:
         The conversation as ``[{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...]``.
 
     Raises:
-        ValueError: the record is dropped; its ``reason`` attribute is ``malformed``, ``empty``,
+        ValueError: the record is dropped; its ``reason`` attribute is ``malformed``, ``not_utf8``, ``empty``,
             ``unknown_role``, ``non_text_content`` or ``no_assistant``.
     """
     if not isinstance(record, dict):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from medusa_train.backbone.assets import is_packaged, packaged_data_file
-from medusa_train.config.check import looks_like_path
+from medusa_train.config.check import ConfigError, looks_like_path
 from medusa_train.data.records import Conversation, Skip, normalise_record
 
 # Packaged sources that hold conversations (packaged:mt-bench holds questions, not conversations).
@@ -31,6 +31,9 @@ CONVERSATION_PACKAGES = ("packaged:sharegpt-v3",)
 # Bump when the normalisation rules change, so stale converted files are not reused.
 NORMALISED_FORMAT_VERSION = 2
 
+# Local files read through datasets.load_dataset; any other file is read here as JSON / JSON lines.
+DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
 _SEPARATOR = re.compile(r"[\s,]*")  # whitespace and the commas between array items
 
 
@@ -38,7 +41,8 @@ _SEPARATOR = re.compile(r"[\s,]*")  # whitespace and the commas between array it
 class SkipStats:
     """Counts of records kept, left out by ``max_samples`` and skipped, by reason.
 
-    Reasons used: ``malformed`` (not JSON, or not a conversation record), ``empty`` (no turn
+    Reasons used: ``malformed`` (not JSON, or not a conversation record), ``not_utf8`` (a line or text that is
+    not UTF-8: random bytes, another encoding), ``empty`` (no turn
     with text), ``unknown_role``, ``non_text_content`` (an image, audio or file part), ``no_assistant``
     (no assistant turn with text), ``truncated_source`` (a partial record at the end of a cut-off file),
     ``no_assistant_after_truncation`` (no assistant token left within ``max_length``),
@@ -97,21 +101,27 @@ def _collect(records: Iterable[Any], stats: SkipStats, max_samples: int | None) 
 
 
 class _Broken:
-    """Stands for a record that could not be parsed (counted as ``malformed`` or ``truncated_source``)."""
+    """Stands for a record that could not be parsed (counted as ``malformed``, ``not_utf8`` or ``truncated_source``)."""
 
     def __init__(self, reason: str):
         self.reason = reason
 
 
 def _iter_jsonl(path: Path) -> Iterator[Any]:
-    """Records of a JSON-lines file; a line that is not valid JSON yields a ``_Broken``."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    """Records of a JSON-lines file, read as bytes: a line that is not UTF-8 yields ``_Broken("not_utf8")``, one
+    that is not valid JSON ``_Broken("malformed")``; neither stops the reading."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8-sig" if number == 0 else "utf-8")
+            except UnicodeDecodeError:
+                yield _Broken("not_utf8")
+                continue
             if not line.strip():
                 continue
             try:
                 yield json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # JSONDecodeError, or nesting too deep to parse
                 yield _Broken("malformed")
 
 
@@ -126,7 +136,7 @@ def _iter_json_array(text: str) -> Iterator[Any]:
     while pos < len(text) and text[pos] != "]":
         try:
             item, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, or nesting too deep to parse
             yield _Broken("truncated_source")
             return
         yield item
@@ -137,17 +147,18 @@ def _iter_json_array(text: str) -> Iterator[Any]:
 
 def _iter_json_file(path: Path) -> Iterator[Any]:
     """Records of a ``.json`` file: a (possibly truncated) array, a single object, or JSON lines."""
-    text = path.read_text(encoding="utf-8")
-    start = text.lstrip()[:1]
-    if start == "[":
-        yield from _iter_json_array(text)
+    # Bytes that are not UTF-8 become lone surrogates, so an item holding them is skipped as ``not_utf8``
+    # (normalise_record) instead of the whole file failing to decode.
+    text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
+    if not text.lstrip().startswith("["):
+        try:
+            single = json.loads(text)
+        except (ValueError, RecursionError):
+            yield from _iter_jsonl(path)  # JSON lines under a .json name: line by line
+            return
+        yield single
         return
-    try:
-        single = json.loads(text)
-    except json.JSONDecodeError:
-        yield from _iter_jsonl(path)  # JSON lines under a .json name
-        return
-    yield single
+    yield from _iter_json_array(text)
 
 
 def _unwrap(records: Iterable[Any], stats: SkipStats) -> Iterator[Any]:
@@ -170,11 +181,17 @@ def _load_with_datasets(source: str, local: bool) -> Iterator[Any]:
 
     if local:
         path = Path(source)
-        if path.is_dir():
-            dataset = datasets.load_dataset(str(path), split="train")
-        else:
-            builder = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}.get(path.suffix.lower(), "json")
-            dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
+        try:
+            if path.is_dir():
+                dataset = datasets.load_dataset(str(path), split="train")
+            else:
+                dataset = datasets.load_dataset(DATASETS_BUILDERS[path.suffix.lower()], data_files=str(path),
+                                                split="train")
+        except Exception as err:  # a broken parquet/csv/arrow file or folder: say which, with datasets' reason
+            reason = (str(err).strip().splitlines() or [""])[0][:300]
+            raise ConfigError([f"data.source={source!r}: could not be read as a dataset "
+                               f"({type(err).__name__}: {reason}). Use a .json/.jsonl file of ShareGPT or messages "
+                               "records, or a folder / .parquet / .csv file that datasets.load_dataset reads"]) from err
     else:
         offline_hint = (
             f"data.source={source!r} is not a local file, so it was taken as a hub dataset id. Point "
@@ -261,9 +278,11 @@ def load_conversations(
     """Read conversations from a local file, a hub dataset id or a packaged set.
 
     Records may be ShareGPT (``{"conversations": [{"from": "human"|"gpt"|..., "value"}]}``)
-    or messages (``{"messages": [{"role", "content"}]}``). Local ``.json`` / ``.jsonl`` files
-    are parsed here, record by record, so a broken line or a cut-off array is a counted skip;
-    directories, ``.parquet`` / ``.csv`` files and hub ids go through ``datasets.load_dataset``.
+    or messages (``{"messages": [{"role", "content"}]}``). Local files (``.json``, ``.jsonl`` or any other name)
+    are parsed here, record by record, so a line that is not UTF-8 (``not_utf8``) or not JSON (``malformed``),
+    or a cut-off array, is a counted skip, never an exception; directories, ``.parquet`` / ``.csv`` / ``.arrow``
+    files and hub ids go through ``datasets.load_dataset``. An empty result is not an error here
+    (``usable.check_selected`` refuses it, naming the skips).
 
     Args:
         source: a path, a hub dataset id (online only), or ``packaged:sharegpt-v3``.
@@ -276,6 +295,7 @@ def load_conversations(
 
     Raises:
         FileNotFoundError: ``source`` looks like a path and does not exist.
+        ConfigError: a local folder / parquet / csv / arrow file that ``datasets`` cannot read.
         ConnectionError: ``source`` looks like a hub id and the hub cannot be reached.
         ValueError: an unknown ``packaged:`` name.
     """
@@ -285,7 +305,7 @@ def load_conversations(
     path = Path(source).expanduser()
     if path.is_file() and path.suffix.lower() == ".jsonl":
         records: Iterable[Any] = _iter_jsonl(path)
-    elif path.is_file() and path.suffix.lower() == ".json":
+    elif path.is_file() and path.suffix.lower() not in DATASETS_BUILDERS:  # .json, or any other name: read as JSON
         records = _iter_json_file(path)
     elif path.exists():
         records = _load_with_datasets(str(path), local=True)

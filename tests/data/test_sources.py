@@ -97,6 +97,54 @@ def test_json_lines_under_a_json_name(tmp_path, write_jsonl):
     assert len(conversations) == 2 and dict(stats.skipped) == {"malformed": 1}
 
 
+def test_undecodable_lines_are_counted_not_fatal(tmp_path):
+    good = json.dumps(sharegpt(("human", "q"), ("gpt", "a"))).encode()
+    path = tmp_path / "bytes.jsonl"
+    path.write_bytes(b"\n".join([
+        b"\xef\xbb\xbf" + good,  # a byte-order mark on the first line is not an error
+        b"\xff\xfe\x00\x01 random bytes",  # not UTF-8
+        "caf\xe9".encode("latin-1"),  # another encoding
+        b'{"messages": [{"role": "user", "content": "\xc3"}, {"role": "assistant", "content": "a"}]}',  # bad byte inside JSON
+        b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "a"}]}',  # lone surrogate
+        b"{not json",
+        b"[" * 100_000,  # nesting too deep to parse
+        good,
+    ]) + b"\n")
+    conversations, stats = load_conversations(path)
+    assert conversations == [[user("q"), assistant("a")]] * 2
+    assert dict(stats.skipped) == {"not_utf8": 4, "malformed": 2}
+
+
+@pytest.mark.parametrize("name", ["noise.jsonl", "noise.json", "noise.txt", "noise"])
+def test_random_bytes_under_any_name_are_counted_skips(tmp_path, name):
+    import random
+
+    path = tmp_path / name
+    path.write_bytes(random.Random(0).randbytes(5_000))
+    conversations, stats = load_conversations(path)
+    assert conversations == [] and stats.kept == 0
+    assert stats.total_skipped > 0 and set(stats.skipped) <= {"not_utf8", "malformed"} and stats.skipped["not_utf8"]
+
+
+def test_a_json_array_with_bytes_that_are_not_utf8_skips_only_that_item(tmp_path):
+    ok = json.dumps(sharegpt(("human", "q"), ("gpt", "a"))).encode()
+    path = tmp_path / "array.json"
+    path.write_bytes(b"[" + ok + b", " + ok.replace(b'"a"', b'"\xff\xfe"') + b", " + ok + b"]")
+    conversations, stats = load_conversations(path)
+    assert len(conversations) == 2 and dict(stats.skipped) == {"not_utf8": 1}
+
+
+def test_a_broken_parquet_file_names_data_source(tmp_path):
+    from medusa_train.config.check import ConfigError
+
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(ConfigError) as info:
+        load_conversations(path)
+    [problem] = info.value.problems
+    assert problem.startswith(f"data.source='{path}': could not be read as a dataset (")
+
+
 def test_parquet_goes_through_datasets(tmp_path):
     datasets = pytest.importorskip("datasets")
     records = [
