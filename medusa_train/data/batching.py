@@ -13,6 +13,7 @@ import torch
 from medusa_train.data.records import Conversation
 from medusa_train.data.sources import SkipStats, load_conversations
 from medusa_train.data.tokenize import IGNORE_INDEX, template_support, tokenize_batch
+from medusa_train.data.usable import check_selected, check_tokenized, eval_count
 
 Example = dict[str, list[int]]
 
@@ -134,14 +135,7 @@ def split_indices(n: int, eval_size: int | float, seed: int) -> tuple[list[int],
     Returns:
         ``(train_indices, eval_indices)``, each in ascending order.
     """
-    if isinstance(eval_size, float):
-        if not 0.0 <= eval_size < 1.0:
-            raise ValueError(f"data.eval_size={eval_size}: a fraction must be in [0, 1)")
-        n_eval = math.ceil(eval_size * n)
-    else:
-        if eval_size < 0:
-            raise ValueError(f"data.eval_size={eval_size}: must be >= 0")
-        n_eval = min(int(eval_size), n)
+    n_eval = eval_count(n, eval_size)
     order = list(range(n))
     random.Random(seed).shuffle(order)
     return sorted(order[n_eval:]), sorted(order[:n_eval])
@@ -207,11 +201,17 @@ def build_datasets(
         work with ``DataLoader(examples, batch_sampler=LengthGroupedBatchSampler(...),
         collate_fn=MedusaCollator(tokenizer.pad_token_id))``; ``stats`` counts every skip,
         and ``stats.kept == len(train) + len(eval)``.
+
+    Raises:
+        ConfigError: no usable conversation, or none left to train on by ``eval_size`` (see ``usable.py``);
+            ``eval_size=0`` trains on every conversation with an empty eval list.
     """
     if max_length < 1:
         raise ValueError(f"data.max_length={max_length}: must be >= 1")
     conversations, stats = load_conversations(source, max_samples=max_samples)
+    check_selected(str(source), stats, len(conversations), eval_size, max_samples)
     train_idx, eval_idx = split_indices(len(conversations), eval_size, seed)
     train = tokenize_conversations(tokenizer, [conversations[i] for i in train_idx], max_length, stats, "tokenizing train")
     evals = tokenize_conversations(tokenizer, [conversations[i] for i in eval_idx], max_length, stats, "tokenizing eval")
+    check_tokenized(str(source), stats, len(train), len(evals), eval_size)
     return train, evals, stats

@@ -17,11 +17,12 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from medusa_train.data.sources import NORMALISED_FORMAT_VERSION, SkipStats, load_conversations
+from medusa_train.data.usable import check_selected, check_tokenized, split_notes
 
 CACHE_FORMAT = 2  # bump when what a cached example holds, or how it is made, changes
 SPLITS = ("train", "eval")
@@ -40,6 +41,7 @@ class TokenizedData:
     folder: Path
     from_cache: bool
     seconds: float
+    notes: list[str] = field(default_factory=list)  #: log lines for a run with no evaluation, saying why
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -95,14 +97,19 @@ def _tokenize_rows(rows: dict, tokenizer: Any, max_length: int, support: dict) -
 
 
 def _tokenize_split(tokenizer: Any, conversations: list, max_length: int, support: dict, num_proc: int,
-                    target: Path, stats: SkipStats, desc: str) -> None:
-    """Tokenise one split into ``target`` (``save_to_disk``), counting skips and truncations in ``stats``."""
+                    target: Path, stats: SkipStats, desc: str) -> int:
+    """Tokenise one split into ``target`` (``save_to_disk``), counting skips and truncations in ``stats``; the
+    number of examples kept."""
     import datasets
 
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "labels": datasets.Sequence(datasets.Value("int32")),
                                   "length": datasets.Value("int32"), "skip": datasets.Value("string"),
                                   "truncated": datasets.Value("bool")})
+    if not conversations:  # data.eval_size=0: an empty split (datasets.map of no rows returns no columns)
+        empty = datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+        _save(empty.remove_columns(["skip", "truncated"]), target)
+        return 0
     rows = datasets.Dataset.from_dict({"messages": [json.dumps(c, ensure_ascii=False) for c in conversations]})
     procs = max(1, min(num_proc, len(conversations) // CONVERSATIONS_PER_PROCESS))
     scratch = target.with_name(f"{target.name}.map")
@@ -118,9 +125,15 @@ def _tokenize_split(tokenizer: Any, conversations: list, max_length: int, suppor
             stats.skip(reason)
             stats.kept -= 1
     stats.truncated += sum(1 for i in kept if truncated[i])
-    done.select(kept).remove_columns(["skip", "truncated"]).save_to_disk(str(target))
+    _save(done.select(kept).remove_columns(["skip", "truncated"]), target)
     del done
     shutil.rmtree(scratch, ignore_errors=True)
+    return len(kept)
+
+
+def _save(dataset: Any, target: Path) -> None:
+    """``save_to_disk``; an empty split in one (empty) shard, as ``load_from_disk`` cannot read zero shards."""
+    dataset.save_to_disk(str(target), num_shards=None if len(dataset) else 1)
 
 
 def default_num_proc() -> int:
@@ -139,7 +152,13 @@ def tokenized_splits(tokenizer: Any, source: str, max_length: int, max_samples: 
         cache_root: where the folders go (default ``$MEDUSA_TRAIN_CACHE/tokenized``).
 
     Returns:
-        A :class:`TokenizedData`; ``stats.kept == len(train) + len(evals)``.
+        A :class:`TokenizedData`; ``stats.kept == len(train) + len(evals)``; ``len(train) >= 1``.
+
+    Raises:
+        ConfigError: before tokenising, a source with no usable conversation (empty, or every record skipped:
+            the error names ``data.source`` and the skips by reason) or a ``data.eval_size`` that holds out every
+            conversation; after it, no training example left. ``eval_size=0`` is not refused: every
+            conversation trains, no evaluation runs, and ``notes`` says so (see ``usable.py``).
     """
     import datasets
 
@@ -155,15 +174,17 @@ def tokenized_splits(tokenizer: Any, source: str, max_length: int, max_samples: 
     if not from_cache:
         conversations, stats = load_conversations(source, max_samples=max_samples)
         selected = len(conversations)
+        check_selected(source, stats, selected, eval_size, max_samples)
         indices = dict(zip(SPLITS, split_indices(len(conversations), eval_size, seed)))
         support = template_support(tokenizer)
         partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         try:
-            for split in SPLITS:
-                _tokenize_split(tokenizer, [conversations[i] for i in indices[split]], max_length, support,
-                                num_proc or default_num_proc(), partial / split, stats, f"tokenizing {split}")
+            kept = [_tokenize_split(tokenizer, [conversations[i] for i in indices[split]], max_length, support,
+                                    num_proc or default_num_proc(), partial / split, stats, f"tokenizing {split}")
+                    for split in SPLITS]
             del conversations
+            check_tokenized(source, stats, *kept, eval_size)  # nothing useless is cached
             (partial / "stats.json").write_text(json.dumps({
                 "stats": stats.to_dict(), "selected": selected, "source": source, "max_length": max_length, "max_samples": max_samples,
                 "eval_size": eval_size, "seed": seed, "tokenizer": getattr(tokenizer, "name_or_path", ""),
@@ -178,4 +199,4 @@ def tokenized_splits(tokenizer: Any, source: str, max_length: int, max_samples: 
     recorded = json.loads((folder / "stats.json").read_text())
     train, evals = (datasets.load_from_disk(str(folder / split)) for split in SPLITS)
     return TokenizedData(train, evals, SkipStats.from_dict(recorded["stats"]), recorded["selected"], folder,
-                         from_cache, time.perf_counter() - started)
+                         from_cache, time.perf_counter() - started, split_notes(eval_size, len(train), len(evals)))

@@ -211,7 +211,7 @@ def data_lines(cfg: TrainConfig, data) -> list[str]:
     if st.capped:
         used += f" (capped by data.max_samples={d.max_samples}; null reads them all)"
     lines = [f"{used}; {st.kept:,} usable after tokenising: {len(data.train):,} train, {len(data.evals):,} held out "
-             "for evaluation (data.eval_size)"]
+             "for evaluation (data.eval_size)"] + data.notes
     if st.skipped:
         lines.append(f"data: skipped {st.total_skipped:,} records: "
                      + ", ".join(f"{reason} {n:,}" for reason, n in sorted(st.skipped.items())))
