@@ -17,11 +17,16 @@ from medusa_train.evaluation.choose_k import SERVING_NAME  # serving.json: the K
 
 
 def build_export_config(raw) -> ExportConfig:
-    """A validated ``ExportConfig``: required keys, the layout and its options, every problem at once."""
+    """A validated ``ExportConfig``: required keys, the layout and its options, an ``output`` that may be
+    written (absent, empty, or heads of ours: ``model.folder.output_problem``), every problem at once."""
     from medusa_train.export.write import option_problems
+    from medusa_train.model.folder import output_problem
 
-    return parse_config(ExportConfig, raw, lambda c: check_export_config(c) + option_problems(
-        c.format, c.lm_head_pt, c.max_paths, c.topk))
+    def problems(c: ExportConfig) -> list[str]:
+        found = check_export_config(c) + option_problems(c.format, c.lm_head_pt, c.max_paths, c.topk)
+        return found + [p for p in [c.output and output_problem(c.output, "output")] if p]
+
+    return parse_config(ExportConfig, raw, problems)
 
 
 def run(cfg: ExportConfig) -> None:
@@ -43,10 +48,12 @@ def serve_command(path, heads=None) -> str:
     a folder as its absolute path), the export's dtype and ``--speculative-config``; K is the fastest measured
     by ``medusa-train choose-k`` when it ran (``serving.json``), else 1 (vLLM's own per-step cost makes more a
     loss until measured). ``heads``: the folder the export was made from, where a Medusa-2 export's base
-    (``merged``, relative to it) lies."""
+    (``merged``, relative to it) lies. An export that carries the chat template its heads were trained with
+    (``chat_template.jinja``) is served with it (``--chat-template``)."""
     import json
     from pathlib import Path
 
+    from medusa_train.model.folder import CHAT_TEMPLATE_NAME
     from medusa_train.model.layouts import read_config_json
 
     path = Path(path)
@@ -70,9 +77,11 @@ def serve_command(path, heads=None) -> str:
         lines.append(f"K=1 until measured: choose K in 1..{heads_count} with `medusa-train choose-k "
                      f"heads={path}` (one server per K; it writes {SERVING_NAME} here)")
     spec = json.dumps({"method": "medusa", "model": str(path.resolve()), "num_speculative_tokens": k})
-    lines.append(f"vllm serve {base} --dtype {dtype} --speculative-config '{spec}'")
+    template = path / CHAT_TEMPLATE_NAME
+    template = f" --chat-template {template.resolve()}" if template.is_file() else ""
+    lines.append(f"vllm serve {base} --dtype {dtype}{template} --speculative-config '{spec}'")
     lines.append(f"  (vLLM's CPU build, whose `vllm` script is broken: python -m vllm.entrypoints.openai.api_server "
-                 f"--model {base} --dtype {dtype} --enforce-eager --speculative-config '{spec}')")
+                 f"--model {base} --dtype {dtype}{template} --enforce-eager --speculative-config '{spec}')")
     return "serve it with vLLM:\n" + "\n".join(lines)
 
 

@@ -1,6 +1,8 @@
 """What a finished training run leaves in ``<trainer.output_dir>/export``: the recipe trains, this writes.
 
 - Medusa-1: the heads (native layout) and ``training_config.json``.
+- Both: ``chat_template.jinja``, the template the run rendered its data with (``data.chat_template`` when set,
+  else the tokenizer's), which ``model.load.load_heads`` sets on the tokenizer again.
 - Medusa-2: the heads, the LoRA adapter (``adapter/``, peft), ``backbone.json`` (how to rebuild the backbone:
   base model, quantization, adapter, merged folder), and with ``trainer.merge_export=true`` a standalone
   backbone (``merged/``: the LoRA merged into the original weights, or with ``trainer.merge_into=dequantized``
@@ -8,7 +10,7 @@
   bitsandbytes, which the heads' config then names. ``model/load.py``'s ``load_medusa2_export`` loads either form.
 
 Every process calls ``save_run_export`` (a sharded adapter is gathered from all of them); the main process writes,
-Medusa-2's folder atomically.
+atomically (``model.folder.replace_folder``: an ``export`` folder holding files of someone else's is refused).
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from medusa_train.backbone import assets
+from medusa_train.backbone.chat_template import resolve_chat_template, tokenizer_template
 from medusa_train.backbone.merge import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR, merge_backbone
+from medusa_train.model.folder import replace_folder, write_heads_files
 from medusa_train.training import loop
+
+OPTION = "trainer.output_dir"  # what names <output_dir>/export, for the message when it is refused
 
 
 def save_run_export(recipe) -> Path | None:
@@ -34,27 +39,42 @@ def save_run_export(recipe) -> Path | None:
         if medusa2:
             write_medusa2_export(recipe, target, adapter)
         else:
-            recipe.model.save_pretrained(target)
-            loop.write_training_config(cfg, target)
+            def fill(tmp: Path) -> None:
+                write_heads_files(tmp, *recipe.model.native_files(), chat_template=run_chat_template(recipe))
+                loop.write_training_config(cfg, tmp)
+
+            replace_folder(target, fill, OPTION)
             loop.say(recipe.accelerator, f"exported heads to {target}")
     recipe.accelerator.wait_for_everyone()
     return target
 
 
+def run_chat_template(recipe) -> str | None:
+    """The template ``recipe``'s data was rendered with: ``data.chat_template`` when set, else the tokenizer's."""
+    value = recipe.cfg.data.chat_template
+    return resolve_chat_template(value) if value else tokenizer_template(recipe.tokenizer)
+
+
 def write_medusa2_export(recipe, target: Path, adapter: dict | None) -> None:
     """Heads, adapter (``adapter``: its weights gathered whole, or None for peft to read them from the model),
     ``backbone.json`` and, with ``trainer.merge_export``, ``merged/``: into a temporary folder, then renamed."""
+    replace_folder(target, lambda tmp: _fill_medusa2_export(recipe, tmp, adapter), OPTION)
+    loop.say(recipe.accelerator, f"exported heads{', adapter' if recipe.joint else ''}"
+                                 f"{', merged backbone' if recipe.cfg.trainer.merge_export else ''} to {target}")
+
+
+def _fill_medusa2_export(recipe, tmp: Path, adapter: dict | None) -> None:
     cfg, m, model, joint = recipe.cfg, recipe.cfg.model, recipe.model, recipe.joint
     merge = cfg.trainer.merge_export
-    tmp = assets.atomic_dir(target)
     reference = model.config.base_model_name_or_path
     # Heads trained with an adapter must not silently load on the original backbone: they name
     # the merged folder, or nothing (then load_medusa2_export reads backbone.json).
     model.config.base_model_name_or_path = MERGED_DIR if merge else (None if joint else reference)
     try:
-        model.save_pretrained(tmp)
+        files, config = model.native_files()
     finally:
         model.config.base_model_name_or_path = reference
+    write_heads_files(tmp, files, config, chat_template=run_chat_template(recipe))
     if joint:
         # embeddings are never adapted; "auto" would look the base model up on the hub
         recipe.peft_model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False, state_dict=adapter)
@@ -72,6 +92,3 @@ def write_medusa2_export(recipe, target: Path, adapter: dict | None) -> None:
             "stage": cfg.stage}
     (tmp / BACKBONE_INFO).write_text(json.dumps(info, indent=2) + "\n")
     loop.write_training_config(cfg, tmp)
-    assets.replace_dir(tmp, target)
-    loop.say(recipe.accelerator, f"exported heads{', adapter' if joint else ''}"
-                                 f"{', merged backbone' if merge else ''} to {target}")

@@ -4,22 +4,20 @@ merged in ``backbone/merge.py``.
 
     python scripts/export.py heads=out/run/export format=vllm output=out/heads-vllm
 
-Every write goes to a temporary folder beside the target and is renamed into place.
+Every write goes to a temporary folder beside the target and is renamed into place; only a heads folder
+of ours is replaced, a folder holding anything else is refused (``model.folder.replace_folder``). The
+chat template the heads were trained with (``chat_template.jinja``) travels with them into every layout.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from medusa_train.backbone import assets
+from medusa_train.model.folder import check_output, read_chat_template, write_heads_folder
 from medusa_train.model.layouts import (
-    CONFIG_NAME,
     LAYOUTS,
     MEDUSA_V1_PT_NAME,
     MEDUSA_V1_WEIGHTS_NAME,
@@ -37,35 +35,41 @@ from medusa_train.model.medusa import MedusaModel
 
 
 def export_heads(model: MedusaModel, directory: str | os.PathLike, format: str, lm_head_pt: bool = False,
-                 max_paths: int = 64, topk: int = 10) -> Path:
+                 max_paths: int = 64, topk: int = 10, chat_template: str | None = None,
+                 option: str | None = None) -> Path:
     """Write ``model``'s heads to ``directory`` in ``format``.
 
     Args:
         model: The heads (and, when they share it, the backbone's LM head) to write.
-        directory: Target folder; replaced whole if it exists.
+        directory: Target folder; an existing one is replaced whole if it is a heads folder of ours (its
+            ``serving.json`` kept), and refused if it holds anything else.
         format: ``native``, ``medusa_v1`` or ``vllm``.
         lm_head_pt: ``medusa_v1`` only: also write ``medusa_lm_head.pt`` (a ``torch.save`` of the same
             tensors), the only file the original Medusa loader reads.
         max_paths: ``vllm`` only: written to ``config.json`` for vLLM.
         topk: ``vllm`` only: written to ``config.json`` for vLLM.
+        chat_template: The template the heads were trained with, written as ``chat_template.jinja``.
+        option: The setting that names ``directory`` (``output``), for the message when it is refused.
 
     Returns:
         The folder written.
     """
     lm_head = model.lm_head.weight if model.config.share_lm_head else None
     return write_heads(model.config, model.heads_state_dict(), directory, format, lm_head_weight=lm_head,
-                       lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk)
+                       lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk, chat_template=chat_template,
+                       option=option)
 
 
 def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], directory: str | os.PathLike,
                 format: str, lm_head_weight: torch.Tensor | None = None, lm_head_pt: bool = False,
-                max_paths: int = 64, topk: int = 10) -> Path:
+                max_paths: int = 64, topk: int = 10, chat_template: str | None = None,
+                option: str | None = None) -> Path:
     """Write native-keyed head tensors in ``format`` (what ``export_heads`` does, without a model).
 
     Args:
         config: The heads' config.
         tensors: Native-keyed tensors (``heads.{h}.…``), exactly those ``config`` describes.
-        directory: Target folder; replaced whole if it exists.
+        directory: Target folder; see ``export_heads``.
         format: ``native``, ``medusa_v1`` or ``vllm``.
         lm_head_weight: The backbone's LM head, required when ``config.share_lm_head`` and
             ``format`` is not native: ``medusa_v1`` gets a copy per head, ``vllm`` one copy (the whole
@@ -73,14 +77,17 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
         lm_head_pt: See ``export_heads``.
         max_paths: See ``export_heads``.
         topk: See ``export_heads``.
+        chat_template: See ``export_heads``.
+        option: See ``export_heads``.
 
     Raises:
-        ValueError: an unknown format or bad option, tensors that do not match ``config``, a
+        ValueError: a ``directory`` that holds files of someone else's, an unknown format or bad option, tensors that do not match ``config``, a
             shared LM head that is missing, heads with a native-only feature
             (``MedusaConfig.native_only_features``) for a layout other than native, a draft vocabulary for ``medusa_v1``, or a draft vocabulary
             with the heads' own output layers for ``vllm`` (``MedusaConfig.vllm_problem``).
     """
     _check_options(format, lm_head_pt, max_paths, topk)
+    check_output(directory, option)
     for key, what in config.native_only_features().items():
         if format != "native":
             raise ValueError(f"format={format}: these heads {what} ({key}), which the {format} layout has no "
@@ -110,7 +117,7 @@ def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], director
         files, meta = _medusa_v1(config, tensors, lm_head_weight, lm_head_pt)
     else:
         files, meta = _vllm(config, tensors, lm_head_weight, max_paths, topk, dtype)
-    return _write_folder(Path(directory), files, meta)
+    return write_heads_folder(directory, files, meta, chat_template=chat_template, option=option)
 
 
 def option_problems(format: str | None, lm_head_pt: bool = False, max_paths: int = 64, topk: int = 10) -> list[str]:
@@ -169,33 +176,19 @@ def _vllm(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None, max
     return {VLLM_WEIGHTS_NAME: state}, meta
 
 
-def _write_folder(final: Path, files: dict[str, dict[str, torch.Tensor]], config: dict) -> Path:
-    tmp = assets.atomic_dir(final)
-    try:
-        for name, state in files.items():
-            if name.endswith(".pt"):
-                torch.save(state, tmp / name)
-            else:
-                save_file(state, str(tmp / name), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        assets.replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
-
-
 def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: str, lm_head_pt: bool = False,
                   max_paths: int = 64, topk: int = 10, model: str | None = None, dtype: str | None = None) -> Path:
     """Convert a heads folder (any layout) to ``format``; what ``scripts/export.py`` runs.
 
     The backbone is loaded only when it is needed: when the heads share its LM head and the target
     layout stores a copy of it. It is then the one named in the heads' ``config.json`` unless
-    ``model`` is given, in ``dtype`` (default: the heads' dtype).
+    ``model`` is given, in ``dtype`` (default: the heads' dtype). The chat template the heads carry
+    (``model.folder.read_chat_template``) is written with them.
 
     Args:
         heads: Folder to read (``native``, ``medusa_v1`` or ``vllm``).
-        output: Folder to write; replaced whole if it exists.
+        output: Folder to write; an existing one is replaced whole if it is a heads folder of ours (its
+            ``serving.json`` kept), and refused, naming ``output=``, if it holds anything else.
         format: ``native``, ``medusa_v1`` or ``vllm``.
         lm_head_pt: See ``export_heads``.
         max_paths: See ``export_heads``.
@@ -204,8 +197,10 @@ def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: s
         dtype: Dtype to load the backbone in.
     """
     _check_options(format, lm_head_pt, max_paths, topk)
+    check_output(output, "output")
     config, tensors = read_heads(heads)
-    options = dict(lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk)
+    options = dict(lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk, chat_template=read_chat_template(heads),
+                   option="output")
     if not (config.share_lm_head and format != "native"):
         tensors.pop(SHARED_LM_HEAD_KEY, None)  # a native shared-head export stores no LM head
         return write_heads(config, tensors, output, format, **options)

@@ -4,7 +4,8 @@ build-tree, export).
 - ``read_export_config``: ``(num_heads, base model)`` from a heads folder's ``config.json`` (any layout,
   read by ``model.layouts.read_config_json``, as every command reads it);
 - ``check_heads``: the same as config problems (``heads=<dir>``), for a command's checks;
-- ``load_heads``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given);
+- ``load_heads``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given), the
+  tokenizer rendering chats with the template the heads were trained with (``read_chat_template``);
 - ``load_medusa2_export``: the same for a Medusa-2 export, its backbone merged or as trained (4-bit + LoRA).
 """
 
@@ -17,7 +18,11 @@ import torch
 
 from medusa_train.config.check import Problems
 from medusa_train.config.evaluate import EvalModelConfig
+from medusa_train.model.folder import read_chat_template
 from medusa_train.model.layouts import CONFIG_NAME, read_config_json, resolve_base_model
+
+__all__ = ["check_heads", "load_heads", "load_medusa2_export", "read_chat_template", "read_export_config",
+           "use_export_template"]
 
 
 def read_export_config(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
@@ -44,13 +49,25 @@ def check_heads(heads: str | None, p: Problems) -> tuple[int | None, str | None]
         return None, None
 
 
-def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = None, device: str | None = None):
+def use_export_template(tokenizer, heads_dir: str | os.PathLike):
+    """Set ``tokenizer.chat_template`` to the template ``heads_dir`` records (``read_chat_template``), if any;
+    returns ``tokenizer``."""
+    template = read_chat_template(heads_dir)
+    if template:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = None, device: str | None = None,
+               export_template: bool = True):
     """Load a backbone and the heads in ``heads_dir``, in the backbone's dtype, on ``device``.
 
     Args:
         heads_dir: Folder of exported heads (any layout ``MedusaModel.from_pretrained`` reads).
         model: Backbone settings; its ``name_or_path`` defaults to the base model of the heads.
         device: ``cuda`` when available, else ``cpu`` by default.
+        export_template: Render chats with the template the heads were trained with, when the folder records
+            one (``read_chat_template``); ``False`` keeps the tokenizer's own.
 
     Returns:
         ``(MedusaModel, tokenizer)`` in eval mode.
@@ -61,8 +78,9 @@ def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = Non
     model = model or EvalModelConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model.form == "adapter":  # Medusa-2: the 4-bit base + LoRA, as in training (peft and bitsandbytes)
-        medusa, tokenizer = load_medusa2_export(heads_dir, "adapter", dtype=model.dtype,
-                                                device_map=device, attn_implementation=model.attn_implementation)
+        medusa, tokenizer = load_medusa2_export(heads_dir, "adapter", dtype=model.dtype, device_map=device,
+                                                attn_implementation=model.attn_implementation,
+                                                export_template=export_template)
         return medusa.eval(), tokenizer
     name = model.name_or_path or read_export_config(heads_dir)[1]
     backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
@@ -71,11 +89,12 @@ def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = Non
     medusa = MedusaModel.from_pretrained(heads_dir, backbone=backbone)
     for part in medusa.medusa_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)
-    return medusa.eval(), tokenizer
+    return medusa.eval(), use_export_template(tokenizer, heads_dir) if export_template else tokenizer
 
 
 def load_medusa2_export(directory: str | os.PathLike, form: str = "merged", dtype: str | None = None,
-                        device_map: str | dict | None = None, attn_implementation: str | None = None):
+                        device_map: str | dict | None = None, attn_implementation: str | None = None,
+                        export_template: bool = True):
     """Load a Medusa-2 export as ``(MedusaModel, tokenizer)`` in eval mode.
 
     Args:
@@ -86,6 +105,7 @@ def load_medusa2_export(directory: str | os.PathLike, form: str = "merged", dtyp
         dtype: Backbone dtype (default: the training ``model.dtype``).
         device_map: Passed to ``from_pretrained`` for the quantized load.
         attn_implementation: ``sdpa`` / ``eager``; ``None`` keeps transformers' default.
+        export_template: See ``load_heads``.
     """
     from medusa_train.backbone.load import load_backbone
     from medusa_train.backbone.merge import read_backbone_info
@@ -112,4 +132,6 @@ def load_medusa2_export(directory: str | os.PathLike, form: str = "merged", dtyp
     else:
         raise ValueError(f"form={form!r}: must be merged or adapter")
     model = MedusaModel.from_pretrained(directory, backbone=backbone)
+    if export_template:
+        use_export_template(tokenizer, directory)
     return model.eval().requires_grad_(False), tokenizer

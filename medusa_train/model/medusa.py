@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from medusa_train.backbone import assets
 from medusa_train.model.draft_vocab import DraftVocab
+from medusa_train.model.folder import write_heads_folder
 from medusa_train.model.heads import MedusaHead
 from medusa_train.model.layouts import (
-    CONFIG_NAME,
     SHARED_LM_HEAD_KEY,
     TOKEN_MAP_KEY,
     WEIGHTS_NAME,
@@ -305,19 +302,23 @@ class MedusaModel(nn.Module):
         """The heads' tensors only (never the backbone's), keyed ``heads.{k}.…`` (and ``prefix.…``)."""
         return {name: t.detach().contiguous() for name, t in _medusa_state_dict(self).items()}
 
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write the heads as ``model.safetensors`` + ``config.json`` (atomically: temp folder, rename)."""
-        final = Path(directory)
-        tmp = assets.atomic_dir(final)
+    def save_pretrained(self, directory: str | os.PathLike, chat_template: str | None = None) -> Path:
+        """Write the heads as ``model.safetensors`` + ``config.json`` (atomically: temp folder, rename).
+
+        Args:
+            directory: Target folder; an existing one is replaced if it is heads of ours, else refused (``folder.py``).
+            chat_template: The chat template the heads were trained with, written as ``chat_template.jinja``.
+        """
+        return write_heads_folder(directory, *self.native_files(), chat_template=chat_template)
+
+    def native_files(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+        """What ``save_pretrained`` writes: ``({file name: tensors}, config.json's content)``."""
         tensors = self.heads_state_dict()
         config = self.config.to_dict()
         floats = [t for t in tensors.values() if t.is_floating_point()]
         if floats:
             config["dtype"] = _dtype_name(floats[0].dtype)
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        assets.replace_dir(tmp, final)
-        return final
+        return {WEIGHTS_NAME: tensors}, config
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, backbone: PreTrainedModel | None = None,

@@ -13,7 +13,7 @@ from helpers.backbones import make_tiny_backbone
 from safetensors.torch import load_file, save_file
 
 from medusa_train import MedusaModel
-from medusa_train.export.write import export_heads
+from medusa_train.export.write import export_folder, export_heads
 
 HIDDEN, VOCAB = 64, 256
 
@@ -291,16 +291,77 @@ def test_export_replaces_a_folder_whole_and_a_failed_write_leaves_the_old_one(tm
     export_heads(second, tmp_path / "out", "vllm")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
 
-    import medusa_train.export.write as export
+    import medusa_train.model.folder as folder
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(export, "save_file", crash)
+    monkeypatch.setattr(folder, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
         export_heads(first, tmp_path / "out", "medusa_v1")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left behind
     _assert_same_head_logits(second, MedusaModel.from_pretrained(tmp_path / "out", backbone=tiny_llama), 2)
+
+
+def test_a_folder_holding_a_file_we_did_not_write_is_never_replaced(tmp_path, tiny_llama):
+    heads = _random_heads(tiny_llama, 2)
+    heads.save_pretrained(tmp_path / "heads")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "precious.txt").write_text("mine")
+    with pytest.raises(ValueError, match=f"{mine} is not empty and holds files medusa-train did not write "
+                                         r"\(precious.txt\).*choose another output="):
+        export_folder(tmp_path / "heads", mine, "native")
+    with pytest.raises(ValueError, match=r"precious.txt.*write to another folder"):
+        export_heads(heads, mine, "vllm")
+    assert [p.name for p in mine.iterdir()] == ["precious.txt"] and (mine / "precious.txt").read_text() == "mine"
+    # Our own export with a file of the user's added: refused too, the whole folder as it was.
+    export_heads(heads, tmp_path / "ours", "vllm")
+    (tmp_path / "ours/notes.md").write_text("mine")
+    with pytest.raises(ValueError, match=r"\(notes.md\)"):
+        export_heads(heads, tmp_path / "ours", "vllm")
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["config.json", "model.safetensors", "notes.md"]
+    # A model folder (its config.json is no Medusa one): every file in it is the user's.
+    tiny_llama.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"\(config.json, generation_config.json, model.safetensors\)"):
+        export_heads(heads, tmp_path / "model", "native")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing half-written beside them
+
+
+def test_a_re_export_over_our_own_export_keeps_the_measured_serving_json(tmp_path, tiny_llama):
+    first, second = _random_heads(tiny_llama, 2, seed=1), _random_heads(tiny_llama, 2, seed=2)
+    first.save_pretrained(tmp_path / "heads")
+    export_folder(tmp_path / "heads", tmp_path / "vllm", "vllm")
+    measured = json.dumps({"recommended_num_speculative_tokens": 2, "rows": []})
+    (tmp_path / "vllm/serving.json").write_text(measured)  # what the K sweep writes there
+    second.save_pretrained(tmp_path / "heads")  # over our own: replaced
+    export_folder(tmp_path / "heads", tmp_path / "vllm", "vllm", topk=3)
+    assert sorted(p.name for p in (tmp_path / "vllm").iterdir()) == ["config.json", "model.safetensors", "serving.json"]
+    assert (tmp_path / "vllm/serving.json").read_text() == measured
+    assert json.loads((tmp_path / "vllm/config.json").read_text())["topk"] == 3
+    _assert_same_head_logits(second, MedusaModel.from_pretrained(tmp_path / "vllm", backbone=tiny_llama), 2)
+    export_heads(first, tmp_path / "vllm", "medusa_v1")  # another layout over it: the file stays too
+    assert (tmp_path / "vllm/serving.json").read_text() == measured
+
+
+def test_the_chat_template_travels_into_every_layout_and_the_serve_line(tmp_path, tiny_llama):
+    from medusa_train.cli.export import serve_command
+    from medusa_train.model.folder import read_chat_template
+
+    template = "{% for m in messages %}MARKER {{ m['content'] }}\n{% endfor %}"
+    heads = _random_heads(tiny_llama, 2, share_lm_head=False)
+    heads.save_pretrained(tmp_path / "native", chat_template=template)
+    assert (tmp_path / "native/chat_template.jinja").read_text() == template
+    for layout in ("medusa_v1", "vllm", "native"):
+        export_folder(tmp_path / "native", tmp_path / layout / "out", layout)
+        assert read_chat_template(tmp_path / layout / "out") == template, layout
+    assert read_chat_template(tmp_path / "native") == template
+    line = next(x for x in serve_command(tmp_path / "vllm/out").splitlines() if x.startswith("vllm serve "))
+    assert f" --chat-template {(tmp_path / 'vllm/out/chat_template.jinja').resolve()} " in line
+    heads.save_pretrained(tmp_path / "plain")  # no template recorded: none written, none on the serve line
+    export_folder(tmp_path / "plain", tmp_path / "plain-vllm", "vllm")
+    assert read_chat_template(tmp_path / "plain-vllm") is None
+    assert "--chat-template" not in serve_command(tmp_path / "plain-vllm")
 
 
 # ------------------------------------------------------------------------------------ the script

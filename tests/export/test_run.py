@@ -1,0 +1,46 @@
+"""A run's export carries the chat template the run trained with, and loading the heads renders with it."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.tokenizers import CHATML_TEMPLATE
+from helpers.training import compose_config, make_chat_jsonl, make_model_dir, train_overrides
+
+from medusa_train.backbone.generation import encode_chat
+from medusa_train.cli.train import run
+from medusa_train.config.evaluate import EvalModelConfig
+from medusa_train.export.write import export_folder
+from medusa_train.model.load import load_heads, read_chat_template
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+MARKER = "ZEBRA-7"
+TEMPLATE = CHATML_TEMPLATE.replace("You are a helpful AI assistant", f"You are {MARKER}")
+
+
+def test_a_trained_export_carries_its_custom_template_and_load_heads_renders_with_it(tmp_path):
+    model_dir, data = make_model_dir(tmp_path / "model"), make_chat_jsonl(tmp_path / "chat.jsonl", n=16)
+    (tmp_path / "template.jinja").write_text(TEMPLATE)
+    cfg = compose_config(train_overrides(model_dir, data, tmp_path / "run", **{
+        "trainer.max_steps": 2, "trainer.eval_every": 0, "heads.num_heads": 2,
+        "data.chat_template": tmp_path / "template.jinja"}))
+    run(cfg)
+    export = tmp_path / "run/export"
+    assert (export / "chat_template.jinja").read_text() == TEMPLATE
+    assert read_chat_template(export) == TEMPLATE
+
+    messages = [{"role": "user", "content": "Count from one."}]
+    _, tokenizer = load_heads(export, EvalModelConfig(), device="cpu")
+    assert MARKER in tokenizer.decode(encode_chat(tokenizer, messages)[0])
+    _, own = load_heads(export, EvalModelConfig(), device="cpu", export_template=False)
+    assert MARKER not in own.decode(encode_chat(own, messages)[0])  # the tokenizer's template, when asked
+
+    export_folder(export, tmp_path / "vllm", "vllm")  # a conversion keeps it
+    _, tokenizer = load_heads(tmp_path / "vllm", EvalModelConfig(), device="cpu")
+    assert MARKER in tokenizer.decode(encode_chat(tokenizer, messages)[0])
+
+    (export / "precious.txt").write_text("mine")  # a second run into it must not delete the user's file
+    with pytest.raises(ValueError, match=r"holds files medusa-train did not write \(precious.txt\).*"
+                                         "choose another trainer.output_dir="):
+        run(cfg)
+    assert (export / "precious.txt").read_text() == "mine" and (export / "chat_template.jinja").is_file()
