@@ -11,13 +11,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from medusa_train.backbone.chat_template import chat_template_problem
 from medusa_train.config.check import Problems, data_source_problem, parse_config
 from medusa_train.config.engine import ServerConfig, check_server
 from medusa_train.config.train import ModelConfig, check_model
 
 # Settings that change what a record contains: resuming an output made with others is refused.
 # The engine too: another engine's numerics give other greedy replies, so a resume never mixes them.
-RECORD_SETTINGS = ("model.name_or_path", "model.dtype", "model.quantization", "source", "max_turns",
+RECORD_SETTINGS = ("model.name_or_path", "model.dtype", "model.quantization", "chat_template", "source", "max_turns",
                    "max_prompt_tokens", "seed", "exclude_benchmark", "generation", "filters", "engine")
 
 
@@ -41,6 +42,9 @@ class FilterConfig:
 @dataclass
 class DistillConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    #: the chat template prompts are rendered with: a Jinja template's text or a file holding one (null: the
+    #: tokenizer's); the one training's data.chat_template will use, so the replies are those it trains on
+    chat_template: str | None = None
     source: str = "packaged:sharegpt-v3"  #: conversations whose user turns are the prompts (any data.source)
     num_prompts: int | None = 400  #: conversations to distill, after exclusions (null = all)
     max_turns: int = 2  #: user turns answered per conversation (system turns are kept)
@@ -82,6 +86,11 @@ def check_distill_config(c: DistillConfig) -> list[str]:
     p.need(c.engine != "openai" or bool(c.url), "url", c.url, "engine=openai needs url=http://host:port (or a list)")
     p.need(c.engine == "openai" or not c.url, "url", c.url, "only engine=openai reads url")
     p.need(c.concurrency >= 1, "concurrency", c.concurrency, "must be >= 1")
+    if problem := chat_template_problem("chat_template", c.chat_template):
+        p.append(problem)
+    p.need(c.engine != "openai" or not c.chat_template, "chat_template", c.chat_template,
+           "engine=openai renders with the server's own template: start the server with --chat-template, "
+           "and leave this null")
     p.need(not c.engine or c.model.quantization is None, "model.quantization", c.model.quantization,
            "the server loads the model itself; quantize it there (server.args) and leave this null")
     p.extend(check_server(c.server))

@@ -15,6 +15,10 @@ Files written for ``output=X.jsonl``:
 - ``X.skipped.jsonl``: ``{"id", "reason"}`` of conversations whose first reply was degenerate,
   so a re-run does not regenerate them.
 - ``X.stats.json``: the settings (written first) and the counts (rewritten at the end).
+- ``X.chat_template.jinja``: with ``engine=vllm`` and ``chat_template=``, the template the server is given.
+
+Prompts are rendered with the tokenizer's chat template, or with ``chat_template=`` (a template's text or
+a file; resolved as training resolves ``data.chat_template``): distil with the template you will train with.
 
 Re-running with the same output continues where it stopped: finished ids are skipped, and a
 line torn by a kill is dropped before appending. Conversations that quote an evaluation

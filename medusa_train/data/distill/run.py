@@ -6,6 +6,7 @@ See the package docstring (``medusa_train.data.distill``) for the files written 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 from collections import Counter
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from medusa_train.backbone.chat_template import resolve_chat_template
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.config.check import ConfigError
 from medusa_train.config.distill import DistillConfig, build_distill_config, record_settings
@@ -86,7 +88,7 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
     Args:
         config: a ``DistillConfig``, or a mapping validated with ``build_distill_config``.
         model: an already loaded backbone (default: load ``config.model``).
-        tokenizer: its tokenizer (required with ``model``).
+        tokenizer: its tokenizer (required with ``model``; ``config.chat_template`` is set on a copy of it).
 
     Returns:
         The counts of the whole output file and the speed of this run.
@@ -118,6 +120,9 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
             if model is None:
                 model, tokenizer = _load(cfg)
             limit, eos_ids = getattr(model.config, "max_position_embeddings", None), eos_token_ids(model, tokenizer)
+        if cfg.chat_template:  # what training's data.chat_template means, resolved the same way
+            tokenizer = copy.copy(tokenizer)  # the caller's keeps its own
+            tokenizer.chat_template = resolve_chat_template(cfg.chat_template)
         if limit and cfg.max_prompt_tokens + cfg.generation.max_new_tokens > limit:
             raise ConfigError([f"max_prompt_tokens + generation.max_new_tokens = "
                                f"{cfg.max_prompt_tokens + cfg.generation.max_new_tokens}: the model reads at most "

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
+from medusa_train.backbone.chat_template import resolve_chat_template
 from medusa_train.config.distill import DistillConfig
 from medusa_train.data.distill.generate import Reply
 from medusa_train.data.distill.prompts import Message, Prompt
@@ -37,8 +38,13 @@ def engine_clients(cfg: DistillConfig, model_path: str) -> Iterator[list[EngineC
     s = cfg.server
     if cfg.engine == "vllm":
         output = Path(cfg.output)
+        kwargs = s.server_kwargs()
+        if cfg.chat_template:  # the server renders the prompts; given as a file (vLLM unescapes a template's text)
+            template = output.with_name(output.stem + ".chat_template.jinja")
+            template.write_text(resolve_chat_template(cfg.chat_template), encoding="utf-8")
+            kwargs["extra_args"] = [*kwargs["extra_args"], "--chat-template", str(template.resolve())]
         server = VllmServer(model_path, dtype=cfg.model.dtype, seed=cfg.seed,
-                            log_path=output.with_name(output.stem + ".vllm.log"), **s.server_kwargs())
+                            log_path=output.with_name(output.stem + ".vllm.log"), **kwargs)
         print(f"[medusa_train] starting vLLM for distillation ({model_path}, dtype {cfg.model.dtype}; "
               f"log {server.log_path}) ...", flush=True)
         with server as client:

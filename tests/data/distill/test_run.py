@@ -150,6 +150,39 @@ def test_a_resume_never_mixes_engines(tiny, tmp_path):
                             **KEEP_ALL))
 
 
+def test_chat_template_is_checked_before_anything_starts():
+    with pytest.raises(ConfigError) as err:
+        build_distill_config(compose_config("distill", ["chat_template=nope.jinja"]))
+    assert err.value.problems == ["chat_template='nope.jinja': must be a Jinja template's text or a file holding one"]
+    with pytest.raises(ConfigError, match="engine=openai renders with the server's own template"):
+        build_distill_config({"engine": "openai", "url": "http://a:1", "chat_template": "{{ x }}"})
+
+
+def test_prompts_are_rendered_with_the_given_chat_template(tiny, tmp_path):
+    """A template with a long preamble makes every prompt too long: it is what prompts are rendered with. A resume
+    never mixes templates."""
+    from helpers.tokenizers import CHATML_TEMPLATE
+
+    model_dir, (model, tokenizer) = tiny
+    source = make_multiturn_jsonl(tmp_path / "chat.jsonl", 4)
+    long = "{{ '" + "ZEBRA " * 300 + "' }}" + CHATML_TEMPLATE
+    (tmp_path / "long.jinja").write_text(long)
+    output = tmp_path / "d.jsonl"
+    own = tokenizer.chat_template
+    stats = distill(tiny_config(model_dir, source, output, chat_template=str(tmp_path / "long.jinja"), **KEEP_ALL),
+                    model, tokenizer)
+    assert stats.selected == 0 and stats.excluded == {"prompt_too_long": 4}
+    assert stats.record_settings["chat_template"] == str(tmp_path / "long.jinja")
+    assert tokenizer.chat_template == own  # the caller's tokenizer keeps its template
+    stats = distill(tiny_config(model_dir, source, tmp_path / "own.jsonl", **KEEP_ALL), model, tokenizer)
+    assert stats.selected == 4
+    marked = "{{ 'ZEBRA ' }}" + CHATML_TEMPLATE
+    assert distill(tiny_config(model_dir, source, tmp_path / "m.jsonl", chat_template=marked, **KEEP_ALL),
+                   model, tokenizer).records
+    with pytest.raises(ConfigError, match=r"chat_template: \"\{\{ 'ZEBRA ' \}\}.* -> None"):
+        distill(tiny_config(model_dir, source, tmp_path / "m.jsonl", **KEEP_ALL), model, tokenizer)
+
+
 # ------------------------------------------------------------------------------------ tiny model
 def test_multiturn_records_answer_each_user_turn_with_the_models_own_context(tiny, tmp_path):
     model_dir, (model, tokenizer) = tiny
