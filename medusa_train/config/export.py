@@ -15,7 +15,9 @@ from medusa_train.config.check import Problems
 class ExportConfig:
     heads: str | None = None  #: folder of heads to convert, any layout (usually <trainer.output_dir>/export)
     format: str | None = None  #: native | medusa_v1 (original Medusa / TensorRT-LLM) | vllm
-    output: str | None = None  #: folder to write; replaced whole (written to a temporary name, then renamed)
+    #: folder to write (a temporary one, then renamed); an existing one is replaced only if it holds heads of ours
+    #: and nothing else (its serving.json kept), else refused: nothing of yours is deleted
+    output: str | None = None
     lm_head_pt: bool = False  #: medusa_v1 only: also write medusa_lm_head.pt (what the original Medusa loader reads)
     max_paths: int = 64  #: vllm only: config.json max_paths
     topk: int = 10  #: vllm only: config.json topk
