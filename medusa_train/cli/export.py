@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 from medusa_train.config.check import parse_config
 from medusa_train.config.export import ExportConfig, check_export_config
-from medusa_train.evaluation.choose_k import SERVING_NAME  # serving.json: the K `medusa-train choose-k` measured
+from medusa_train.model.folder import SERVING_NAME  # the K `medusa-train choose-k` measured
 
 
 def build_export_config(raw) -> ExportConfig:
