@@ -72,13 +72,13 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
 
 @pytest.mark.parametrize("overrides, named", [
     (["recipe=medusa3"], "recipe='medusa3': must be medusa1 or medusa2"),
-    (["train.dtype=float16"], "train.dtype='float16': must be auto, bfloat16 or float32"),
+    (["train.dtype=float16"], "train.dtype='float16': must be one of auto, float32, bfloat16 (or fp32, bf16)"),
     (["recipe=medusa2", 'train.overrides=["trainer.epochs=6"]', "medusa2.stage1_epochs=6"],
      "medusa2.stage1_epochs=6: must be in [0, trainer.epochs=6)"),
     (["recipe=medusa2", "medusa2.stage1_epochs=4"], "medusa2.stage1_epochs=4: must be in [0, trainer.epochs=4)"),
     (["recipe=medusa2", "medusa2.stage1_epochs=-1"], "medusa2.stage1_epochs=-1"),
     (['train.overrides=["trainer.epochs=two"]'], "trainer.epochs='two': expected int"),
-    (["eval.dtype=fp16"], "eval.dtype='fp16': must be auto, bfloat16 or float32"),
+    (["eval.dtype=fp16"], "eval.dtype='fp16': must be one of auto, float32, bfloat16 (or fp32, bf16)"),
     (['train.overrides=["heads.vocab_size=0"]'], "heads.vocab_size=0: must be >= 1"),
     (['train.overrides=["heads.num_head=3"]'], "heads.num_head"),  # a typo in a training key: Hydra names it
     (["train.experiment=fast"], "train.experiment='fast': must name a preset in configs/experiment/ (demo, served)"),

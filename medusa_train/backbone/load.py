@@ -15,20 +15,20 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from medusa_train.backbone import assets
+from medusa_train.config.dtype import ALIASES as DTYPE_ALIASES
+from medusa_train.config.dtype import DTYPES as DTYPE_NAMES
+from medusa_train.config.dtype import torch_dtype
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+#: every dtype spelling a config takes -> its torch dtype (the vocabulary is ``medusa_train.config.dtype``'s)
+DTYPES = {name: torch_dtype(name) for name in (*DTYPE_NAMES, *DTYPE_ALIASES)}
 QUANTIZATIONS = (None, "nf4", "int8")
 CONVERTED_FORMAT = 1  # bump when the packaged-model conversion changes
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map a config string (``"bfloat16"``, ``"float32"``, ...) to a ``torch.dtype``."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: must be one of {sorted(set(DTYPES))}")
-    return DTYPES[dtype]
+    """Map a config string (``"bfloat16"``, ``"bf16"``, ``"float32"``, ...) to a ``torch.dtype``
+    (``medusa_train.config.dtype.torch_dtype``: one vocabulary, one error message)."""
+    return torch_dtype(dtype)
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> tuple[str, dict]:

@@ -27,13 +27,10 @@ def build_build_tree_config(raw) -> BuildTreeConfig:
 
 def check_build_tree_inputs(c: BuildTreeConfig) -> list[str]:
     """The checks that need the heads folder or the calibration file."""
-    from medusa_train.backbone.load import DTYPES
-
     p = Problems()
     check_heads(c.heads, p)
     p.need(c.calibration in CONVERSATION_SOURCES or Path(c.calibration).expanduser().is_file(), "calibration",
            c.calibration, f"must be one of {', '.join(CONVERSATION_SOURCES)} or an existing .jsonl of prompts")
-    p.need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, "must be float32, bfloat16 or float16")
     return p
 
 

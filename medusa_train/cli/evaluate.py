@@ -36,7 +36,6 @@ def build_eval_config(raw) -> EvalConfig:
 
 def check_eval_inputs(c: EvalConfig) -> list[str]:
     """The checks that need the heads folder, the tree, the benchmark file or this machine."""
-    from medusa_train.backbone.load import DTYPES
     from medusa_train.backbone.merge import BACKBONE_INFO
     from medusa_train.config.engine import check_served
     from medusa_train.data.benchmarks import BENCH_PICKS, BENCHMARK_PACKAGES
@@ -50,7 +49,6 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
     if num_heads is not None:
         p.need(bool(base or c.model.name_or_path), "model.name_or_path", None,
                "the heads' config.json names no base model; set model.name_or_path")
-    p.need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, "must be float32, bfloat16 or float16")
     medusa2 = bool(c.heads) and (Path(c.heads).expanduser() / BACKBONE_INFO).is_file()
     p.need(c.model.form != "adapter" or medusa2, "model.form", c.model.form,
            f"adapter needs a Medusa-2 export (no {BACKBONE_INFO} in heads=)")

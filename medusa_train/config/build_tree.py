@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from medusa_train.config.check import Problems
+from medusa_train.config.dtype import parse_dtype
 from medusa_train.config.evaluate import EvalModelConfig, check_decoder_attention
 
 
@@ -58,4 +59,5 @@ def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
            "MT-Bench is the evaluation set; calibrate on other prompts (default packaged:sharegpt-v3)")
     p.need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null")
     p += check_decoder_attention(c.model)
+    parse_dtype(p, c.model, "model.dtype")
     return p

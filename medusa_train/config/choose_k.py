@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from medusa_train.config.check import Problems
+from medusa_train.config.dtype import parse_dtype
 from medusa_train.config.engine import ServerConfig, check_server
-
-SERVED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -32,7 +31,7 @@ def check_choose_k_config(c: ChooseKConfig) -> list[str]:
     p = Problems()
     if not c.heads:
         p.append("heads: required; pass heads=<folder of heads>")
-    p.need(c.dtype in SERVED_DTYPES, "dtype", c.dtype, f"must be one of {', '.join(SERVED_DTYPES)}")
+    parse_dtype(p, c, "dtype")  # stored canonical: the export folder, vLLM's --dtype and the serve line use it
     p.need(c.limit >= 1, "limit", c.limit, "must be >= 1")
     p.need(c.max_tokens >= 1, "max_tokens", c.max_tokens, "must be >= 1")
     p.need(c.concurrency >= 1, "concurrency", c.concurrency, "must be >= 1")

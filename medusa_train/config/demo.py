@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from medusa_train.config.check import Problems, parse_config
+from medusa_train.config.dtype import parse_dtype
 from medusa_train.config.paths import CONFIG_DIR
 
 
@@ -33,7 +34,7 @@ class TrainStage:
     #: the training preset the train command composes (configs/experiment/<name>.yaml): the demo trains exactly
     #: ``medusa-train train +recipe=<recipe> experiment=<name>``, on its distilled data, plus ``overrides``
     experiment: str = "demo"
-    dtype: str = "auto"  #: auto | bfloat16 | float32 (backbone weights and autocast; auto as distill.dtype)
+    dtype: str = "auto"  #: auto | float32 | bfloat16 (backbone weights and autocast; auto as distill.dtype)
     #: more training settings, as the train command takes them: '["trainer.epochs=2","loss.targets=text"]'
     overrides: list[str] = field(default_factory=list)
 
@@ -59,7 +60,7 @@ class EvalStage:
     limit: int | None = 24  #: MT-Bench questions (null = all 80)
     turns: int = 1
     max_new_tokens: int = 128
-    dtype: str = "auto"  #: auto | bfloat16 | float32 (tree timing and decoding; auto as distill.dtype)
+    dtype: str = "auto"  #: auto | float32 | bfloat16 (tree timing and decoding; auto as distill.dtype)
 
 
 @dataclass
@@ -75,14 +76,16 @@ class DemoConfig:
     eval: EvalStage = field(default_factory=EvalStage)
 
 
+#: what the demo runs in (auto: one of them, chosen for this machine); its training sets bf16 autocast or none
+DEMO_DTYPES = ("float32", "bfloat16")
+
+
 def check_demo_config(c: DemoConfig) -> list[str]:
     """What the demo cannot run; every problem names its key."""
     p = Problems()
     p.need(c.recipe in ("medusa1", "medusa2"), "recipe", c.recipe, "must be medusa1 or medusa2")
-    p.need(c.train.dtype in ("auto", "bfloat16", "float32"), "train.dtype", c.train.dtype,
-           "must be auto, bfloat16 or float32")
-    for key, value in (("distill.dtype", c.distill.dtype), ("eval.dtype", c.eval.dtype)):
-        p.need(value in ("auto", "bfloat16", "float32"), key, value, "must be auto, bfloat16 or float32")
+    for key, section in (("distill.dtype", c.distill), ("train.dtype", c.train), ("eval.dtype", c.eval)):
+        parse_dtype(p, section, key, auto=True, allowed=DEMO_DTYPES)
     p.need((CONFIG_DIR / "experiment" / f"{c.train.experiment}.yaml").is_file(), "train.experiment", c.train.experiment,
            "must name a preset in configs/experiment/ (" + ", ".join(sorted(
                f.stem for f in (CONFIG_DIR / "experiment").glob("*.yaml"))) + ")")

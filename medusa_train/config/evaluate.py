@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from medusa_train.config.check import Problems
+from medusa_train.config.dtype import parse_dtype
 from medusa_train.config.engine import ServedConfig, ServerConfig, check_server
 
 
@@ -102,6 +103,7 @@ def check_eval_config(c: EvalConfig) -> list[str]:
     if not c.heads:
         p.append("heads: required; pass heads=<folder of exported heads>")
     p += check_decoder_attention(c.model)
+    parse_dtype(p, c.model, "model.dtype")  # stored canonical: vLLM's --dtype takes bfloat16, not bf16
     p.need(c.model.form in ("merged", "adapter"), "model.form", c.model.form, "must be merged or adapter")
     p.need(c.drift.max_new_tokens >= 1, "drift.max_new_tokens", c.drift.max_new_tokens, "must be >= 1")
     p.need(c.drift.limit is None or c.drift.limit >= 1, "drift.limit", c.drift.limit, "must be >= 1 or null (all)")

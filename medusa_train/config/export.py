@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from medusa_train.config.check import Problems
+from medusa_train.config.dtype import parse_dtype
 
 
 @dataclass
@@ -22,7 +23,7 @@ class ExportConfig:
     max_paths: int = 64  #: vllm only: config.json max_paths
     topk: int = 10  #: vllm only: config.json topk
     model: str | None = None  #: backbone to load when the heads share its LM head (null: base_model_name_or_path)
-    dtype: str | None = None  #: dtype of that backbone (null: the heads' dtype)
+    dtype: str | None = None  #: dtype of that backbone: float32 | bfloat16 | float16 (null: the heads' dtype)
 
 
 def check_export_config(c: ExportConfig) -> list[str]:
@@ -32,4 +33,5 @@ def check_export_config(c: ExportConfig) -> list[str]:
                       ("output", "<folder to write>")):
         if not getattr(c, key):
             p.append(f"{key}: required; pass {key}={hint}")
+    parse_dtype(p, c, "dtype", optional=True)
     return p

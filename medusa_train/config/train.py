@@ -16,12 +16,13 @@ from medusa_train.config.check import (
     data_source_problem,
     parse_config,
 )
+from medusa_train.config.dtype import parse_dtype
 
 
 @dataclass
 class ModelConfig:
     name_or_path: str = "packaged:smollm2-135m-instruct"  #: local HF folder, hub id, .gguf, or packaged:NAME
-    dtype: str = "bfloat16"  #: backbone weight dtype: bfloat16 | float32 | float16
+    dtype: str = "bfloat16"  #: backbone weight dtype: bfloat16 | float32 | float16 (or bf16, fp32, fp16)
     quantization: str | None = None  #: null | nf4 | int8 (bitsandbytes; the medusa2 recipe uses nf4)
     trust_remote_code: bool = False  #: allow custom modeling code shipped with the model
     #: sdpa | eager | flash_attention_2 | flash_attention_3 (installed, CUDA, bf16/fp16) | null (transformers' default)
@@ -154,9 +155,12 @@ def build_config(raw: Any) -> TrainConfig:
 
 
 def check_model(m: ModelConfig) -> list[str]:
-    """Problems of a ``model`` section (shared by training and distillation), each naming its key."""
+    """Problems of a ``model`` section (shared by training and distillation), each naming its key; its dtypes
+    are stored by their canonical names (``bf16`` -> ``bfloat16``)."""
+    problems: list[str] = []
+    parse_dtype(problems, m, "model.dtype")
+    parse_dtype(problems, m, "model.bnb_compute_dtype", "bnb_compute_dtype", optional=True)
     rules = [(bool(m.name_or_path), "name_or_path", m.name_or_path, "must name a model"),
-             (m.dtype in ("bfloat16", "float32", "float16"), "dtype", m.dtype, "must be bfloat16, float32 or float16"),
              (m.quantization in (None, "nf4", "int8"), "quantization", m.quantization, "must be null, nf4 or int8"),
              (m.attn_implementation in (None, "sdpa", "eager", *FLASH_ATTENTION), "attn_implementation",
               m.attn_implementation, f"must be sdpa, eager, {', '.join(FLASH_ATTENTION)} or null")]
@@ -166,7 +170,7 @@ def check_model(m: ModelConfig) -> list[str]:
                   (flash_attention_available(m.attn_implementation), "attn_implementation", m.attn_implementation,
                    f"not available here: it needs CUDA and {FLASH_ATTENTION[m.attn_implementation]}, "
                    "or use model.attn_implementation=sdpa")]
-    return [f"model.{key}={value!r}: {rule}" for ok, key, value, rule in rules if not ok]
+    return problems + [f"model.{key}={value!r}: {rule}" for ok, key, value, rule in rules if not ok]
 
 
 #: attention kernels training, distillation and capture may use, and what each needs installed
