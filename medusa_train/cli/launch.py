@@ -41,5 +41,18 @@ def relaunch_cpu_processes_if_asked() -> None:
     print(f"[medusa_train] accelerate launch --cpu runs one process without mpirun; "
           f"starting {n} processes with torch.distributed.run", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-           sys.argv[0], *sys.argv[1:]]
+           *started_as(sys.orig_argv)]
     os.execv(sys.executable, cmd)
+
+
+def started_as(orig_argv: list[str]) -> list[str]:
+    """This process's command line past the interpreter and its options, as torch.distributed.run takes it:
+    ``--module NAME ARGS`` for ``python -m NAME ARGS`` (``accelerate launch -m medusa_train capture ...``), else
+    the script and its arguments (``train.py``, the ``medusa-train`` script). Read from ``sys.orig_argv``:
+    ``medusa-train <command>`` rewrites ``sys.argv``."""
+    i = 1
+    while i < len(orig_argv) and orig_argv[i].startswith("-") and orig_argv[i] != "-m":
+        i += 2 if orig_argv[i] in ("-X", "-W") else 1  # options that take their value as the next word
+    if i < len(orig_argv) and orig_argv[i] == "-m":
+        return ["--module", *orig_argv[i + 1:]]
+    return orig_argv[i:]
