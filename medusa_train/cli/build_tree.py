@@ -1,6 +1,6 @@
-"""``scripts/build_tree.py``: fit a Medusa tree to the heads' measured accuracies and write it as a tree YAML.
+"""``medusa-train build-tree``: fit a Medusa tree to the heads' measured accuracies and write it as a tree YAML.
 
-    python scripts/build_tree.py heads=outputs/medusa1/export nodes=64 calibration=packaged:sharegpt-v3
+    medusa-train build-tree heads=outputs/medusa1/export nodes=64 calibration=packaged:sharegpt-v3
 
 Options: ``configs/commands/build_tree.yaml`` (schema: ``medusa_train.config.build_tree.BuildTreeConfig``);
 the work is ``medusa_train.tree.size.fit_and_write`` (calibrate, fit, size, write).
@@ -43,7 +43,7 @@ def run(cfg: BuildTreeConfig) -> dict:
 
 
 def main() -> None:
-    """Entry point of ``scripts/build_tree.py``."""
+    """Entry point of ``medusa-train build-tree``."""
     from medusa_train.cli.entry import run_command
 
     run_command("build_tree", build_build_tree_config, run)

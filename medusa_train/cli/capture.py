@@ -1,6 +1,6 @@
-"""``accelerate launch [--num_processes N] scripts/capture.py +recipe=medusa1 ...``: the hidden-state capture
-stage on its own, with the training command's own config (so training with the same keys and
-``data.cache_hidden_states=true`` finds what it wrote)."""
+"""``medusa-train capture +recipe=medusa1 ...``: the hidden-state capture stage on its own (several processes:
+``accelerate launch [--num_processes N] -m medusa_train capture ...``), with the training command's own config
+(so training with the same keys and ``data.cache_hidden_states=true`` finds what it wrote)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def run(cfg: TrainConfig) -> dict:
                          "configs/accelerate/ddp.yaml (each process a whole backbone)")
     if cfg.model.device_map == "auto" and accelerator.num_processes > 1:
         raise ValueError("model.device_map=auto spreads one backbone over every device: capture with one process "
-                         "(python scripts/capture.py ...), or drop model.device_map to give each process a copy")
+                         "(medusa-train capture ...), or drop model.device_map to give each process a copy")
     started = time.perf_counter()
     backbone, tokenizer = setup.load_backbone_for(cfg, accelerator.device)
     backbone.eval()
@@ -52,7 +52,7 @@ def run(cfg: TrainConfig) -> dict:
 
 
 def main() -> None:
-    """Entry point of ``scripts/capture.py``."""
+    """Entry point of ``medusa-train capture``."""
     from medusa_train.cli.entry import run_command
     from medusa_train.cli.launch import relaunch_cpu_processes_if_asked
 

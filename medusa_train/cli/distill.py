@@ -1,7 +1,7 @@
-"""``scripts/distill.py``: self-distilled training data, the backbone answering the training prompts itself.
+"""``medusa-train distill``: self-distilled training data, the backbone answering the training prompts itself.
 
-    python scripts/distill.py num_prompts=400 generation.max_new_tokens=256
-    python scripts/distill.py model.name_or_path=/path/to/hf/folder source=/path/to/chat.jsonl
+    medusa-train distill num_prompts=400 generation.max_new_tokens=256
+    medusa-train distill model.name_or_path=/path/to/hf/folder source=/path/to/chat.jsonl
 
 Options: ``configs/commands/distill.yaml`` (schema: ``medusa_train.config.distill.DistillConfig``).
 Re-running the same command continues an interrupted run.

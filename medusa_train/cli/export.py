@@ -1,6 +1,6 @@
-"""``scripts/export.py``: convert Medusa heads to another checkpoint layout.
+"""``medusa-train export``: convert Medusa heads to another checkpoint layout.
 
-    python scripts/export.py heads=<heads dir> format=native|medusa_v1|vllm output=<dir>
+    medusa-train export heads=<heads dir> format=native|medusa_v1|vllm output=<dir>
 
 Options: ``configs/commands/export.yaml`` (schema: ``medusa_train.config.export.ExportConfig``); the
 work is ``medusa_train.export.write.export_folder``.
@@ -110,7 +110,7 @@ def served_base(base: str | None, folders: list) -> str:
 
 
 def main() -> None:
-    """Entry point of ``scripts/export.py``."""
+    """Entry point of ``medusa-train export``."""
     from medusa_train.cli.entry import run_command
 
     run_command("export", build_export_config, run)

@@ -1,4 +1,4 @@
-"""Typed configuration of ``scripts/build_tree.py`` (``configs/commands/build_tree.yaml``) and its range checks.
+"""Typed configuration of ``medusa-train build-tree`` (``configs/commands/build_tree.yaml``) and its range checks.
 
 Checks that read the heads folder or look for the calibration file live with the command
 (``medusa_train.cli.build_tree``), which runs them together with these.

@@ -51,7 +51,7 @@ class Medusa2Stage:
 
 @dataclass
 class TreeStage:
-    nodes: int | str = "auto"  #: auto: the size with the most expected tokens/s on this machine (scripts/build_tree.py)
+    nodes: int | str = "auto"  #: auto: the size with the most expected tokens/s on this machine (medusa-train build-tree)
     num_prompts: int = 16
 
 

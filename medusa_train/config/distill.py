@@ -1,4 +1,4 @@
-"""Configuration of ``scripts/distill.py``: self-distilled training data, checked before anything loads.
+"""Configuration of ``medusa-train distill``: self-distilled training data, checked before anything loads.
 
 Hydra composes ``configs/commands/distill.yaml``; ``build_distill_config`` turns it into these
 dataclasses and reports every problem at once, each with the key to change. The limit that needs

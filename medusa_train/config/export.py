@@ -1,4 +1,4 @@
-"""Typed configuration of ``scripts/export.py`` (``configs/commands/export.yaml``).
+"""Typed configuration of ``medusa-train export`` (``configs/commands/export.yaml``).
 
 The layout names and their options are checked by the command (``medusa_train.cli.export``) with
 ``export.write.option_problems``, together with the required keys checked here.

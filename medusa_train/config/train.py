@@ -30,7 +30,7 @@ class ModelConfig:
     bnb_compute_dtype: str | None = None  #: compute dtype of 4-bit layers (default: dtype)
     bnb_double_quant: bool = True  #: double-quantise the 4-bit scales
     #: null (one device per process) | auto (accelerate's big-model placement over every GPU, then CPU and
-    #: disk: for a backbone larger than one device, in scripts/capture.py with one process)
+    #: disk: for a backbone larger than one device, in medusa-train capture with one process)
     device_map: str | None = None
     #: with several processes: shard the backbone's decoder layers over them (FSDP2), each process holding 1/N of
     #: them (medusa1: the frozen backbone; medusa2: the NF4 layers with their LoRA, FSDP-QLoRA); the heads stay
@@ -52,7 +52,7 @@ class DataConfig:
     seed: int = 0  #: train/eval split and shuffling seed
     cache_hidden_states: bool = False  #: medusa1 only: run the frozen backbone once, train heads from cached states
     cache_dir: str | None = None  #: where hidden-state caches go (default: $MEDUSA_TRAIN_CACHE/hidden)
-    #: bytes of hidden states + labels per capture shard (scripts/capture.py; each process holds one whole shard
+    #: bytes of hidden states + labels per capture shard (medusa-train capture; each process holds one whole shard
     #: in host memory while writing it): 2**30 = 1 GiB, about 131k tokens at hidden 4096 in bf16
     shard_bytes: int = 1073741824
 
@@ -211,7 +211,7 @@ def fsdp_problems(c: TrainConfig, fsdp: bool | None = None) -> list[str]:
                "FSDP places the layers itself: drop model.device_map"),
               (not c.data.cache_hidden_states, "data.cache_hidden_states=true",
                "training on captured states never runs the backbone, so there is nothing to shard: capture a "
-               "backbone larger than one device with one process and model.device_map=auto (scripts/capture.py), "
+               "backbone larger than one device with one process and model.device_map=auto (medusa-train capture), "
                "then train without FSDP")]
     return [f"{name} with {key}: {why}" for ok, key, why in rules if not ok]
 

@@ -311,7 +311,7 @@ class HeadEvalSums:
         if self.kept and sums[0, 3] == 0 and sums[0, 4] > 0:
             raise ValueError(
                 "loss.targets=greedy: the held-out text never agrees with the backbone's own greedy choices, so "
-                "no head has a target. Train on text this backbone wrote (scripts/distill.py), or use loss.targets=text")
+                "no head has a target. Train on text this backbone wrote (medusa-train distill), or use loss.targets=text")
         return record
 
 

@@ -2,7 +2,7 @@
 
     accelerate launch train.py +recipe=medusa1                 # frozen backbone, heads train
     accelerate launch train.py +recipe=medusa1 debug=smoke   # a few steps, minutes on CPU
-    python train.py +recipe=medusa1 data.cache_hidden_states=true trainer.epochs=6
+    medusa-train train +recipe=medusa1 data.cache_hidden_states=true trainer.epochs=6
 
 setup -> train -> cleanup, as torchtune's recipes (``export/run.py`` writes the export in between); the parts both recipes need
 are free functions in ``loop.py``. With ``data.cache_hidden_states`` the frozen backbone runs once

@@ -39,7 +39,7 @@ def make_accelerator(cfg: TrainConfig):
     if cfg.model.device_map == "auto" and accelerator.num_processes > 1:
         raise ValueError("model.device_map=auto spreads one backbone over every device, which data parallelism "
                          "cannot wrap: drop it for training (each process then holds the backbone), or capture "
-                         "with one process (python scripts/capture.py ... model.device_map=auto)")
+                         "with one process (medusa-train capture ... model.device_map=auto)")
     if under_fsdp(accelerator) and (problems := fsdp_problems(cfg, fsdp=True)):
         raise ValueError("\n".join(problems))
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,13 @@
 """Fit a Medusa tree to measured head accuracies.
 
-    python scripts/build_tree.py heads=outputs/medusa1/export nodes=64 calibration=packaged:sharegpt-v3
+    medusa-train build-tree heads=outputs/medusa1/export nodes=64 calibration=packaged:sharegpt-v3
 
 Rank accuracies are measured where the heads will be used: on the backbone's own greedy
 continuations of calibration prompts (user turns through the chat template). For head k (0-based)
 and rank i, ``rank_accuracies[k][i]`` is the fraction of continuation positions t at which head k's
 i-th most likely token (from the hidden state at t) equals the token at t + k + 2. ``build_tree``
 then keeps the ``nodes`` most likely paths, and the tree is written as a YAML that
-``scripts/evaluate.py tree=<file>`` and ``MedusaTree.from_name(<file>)`` read.
+``medusa-train evaluate tree=<file>`` and ``MedusaTree.from_name(<file>)`` read.
 
 MT-Bench is the evaluation set: it cannot be the calibration source, and calibration prompts that
 appear in it are dropped (``exclude``). Prompts the heads were trained on (the ``data.source`` of

@@ -41,14 +41,14 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
     accuracies, counts = measure_rank_accuracies(model, sequences, cfg.top_k)
     name = Path(default_output_dir(cfg.heads)).name
     output = cfg.output or str(Path("outputs") / "trees" / f"{name}-n{cfg.nodes}.yaml")
-    command = (f"python scripts/build_tree.py heads={cfg.heads} nodes={cfg.nodes} calibration={cfg.calibration} "
+    command = (f"medusa-train build-tree heads={cfg.heads} nodes={cfg.nodes} calibration={cfg.calibration} "
                f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "
                f"model.dtype={cfg.model.dtype}"
                + (f" cost_context={cfg.cost_context} answer_tokens={cfg.answer_tokens}" if cfg.nodes == "auto" else ""))
     target, extra = (choose_size(model, accuracies, cfg, cost_context(cfg, tokenizer, prompts))
                      if cfg.nodes == "auto" else (cfg.nodes, None))
     nodes = len(build_tree(accuracies, target)) + 1
-    comments = [command, f"use: python scripts/evaluate.py heads={cfg.heads} tree={output}",
+    comments = [command, f"use: medusa-train evaluate heads={cfg.heads} tree={output}",
                 f"{nodes} nodes (root + paths), most likely path first, fitted to rank accuracies measured on "
                 f"{len(sequences)} greedy continuations ({counts[0]} positions for head 1)."]
     path, choices, expected = write_tree(output, accuracies, target, comments, extra)

@@ -38,12 +38,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def test_builder_picks_the_most_likely_paths(tmp_path):
-    path, choices, expected = write_tree(tmp_path / "t.yaml", HAND_MADE, 5, comments=["python scripts/build_tree.py"])
+    path, choices, expected = write_tree(tmp_path / "t.yaml", HAND_MADE, 5, comments=["medusa-train build-tree"])
     # chances: [0] .6, [0,0] .3, [1] .2, [0,0,0] .12; next best ([2], [1,0]) are .1
     assert sorted(choices) == sorted([[0], [0, 0], [1], [0, 0, 0]])
     assert expected == pytest.approx(1 + 0.6 + 0.3 + 0.2 + 0.12)
     text = path.read_text()
-    assert text.startswith("# python scripts/build_tree.py\n")
+    assert text.startswith("# medusa-train build-tree\n")
     data = yaml.safe_load(text)
     assert data["expected_accept_length"] == pytest.approx(expected, abs=1e-4)
     assert data["rank_accuracies"] == HAND_MADE
@@ -146,7 +146,7 @@ def test_script_run_writes_a_tree_evaluate_can_use(heads_dir, tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(r"expected accepted length: \d+\.\d\d", last)
     text = out.read_text()
-    assert text.startswith(f"# python scripts/build_tree.py heads={heads_dir} nodes=8 calibration={source}")
+    assert text.startswith(f"# medusa-train build-tree heads={heads_dir} nodes=8 calibration={source}")
     tree = MedusaTree.from_name(str(out), num_heads=3)
     assert tree.num_nodes == len(result["choices"]) + 1 <= 8
     assert len(result["rank_accuracies"]) == 3 and all(len(row) == 10 for row in result["rank_accuracies"])
