@@ -90,27 +90,42 @@ class _FirstTokenClock:
 
 
 def plain_generate(backbone, input_ids: torch.Tensor, max_new_tokens: int, eos: list[int], pad_token_id: int,
-                   temperature: float = 0.0, top_p: float = 1.0) -> tuple[list[int], dict[str, float]]:
+                   temperature: float = 0.0, top_p: float = 1.0, prompt_lookup: tuple[int, int] | None = None,
+                   ) -> tuple[list[int], dict[str, float]]:
     """Plain decoding with ``backbone.generate``: greedy argmax (or sampling at ``temperature > 0``).
 
     The model's own generation defaults (penalties, beams, top-k) are overridden so that the
     output is exactly what Medusa must reproduce.
 
+    Args:
+        prompt_lookup: ``(num_tokens, max_matching_ngram_size)``: Hugging Face's prompt-lookup decoding
+            (drafts copied from the context after a matching n-gram, verified by the backbone in one
+            forward): the free baseline that needs no training. ``None``: one token per forward.
+
     Returns:
-        The new token ids and ``{prefill_s, decode_s, wall_s}``.
+        The new token ids and ``{prefill_s, decode_s, wall_s, forwards}``; ``forwards`` counts the
+        backbone's forward passes, the prefill included.
     """
     from transformers import GenerationConfig
 
     sampling = temperature > 0
+    lookup = {} if prompt_lookup is None else {"prompt_lookup_num_tokens": int(prompt_lookup[0]),
+                                                "max_matching_ngram_size": int(prompt_lookup[1])}
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=sampling, num_beams=1, repetition_penalty=1.0,
         no_repeat_ngram_size=0, temperature=temperature if sampling else 1.0, top_p=top_p if sampling else 1.0,
-        top_k=0 if sampling else 50, typical_p=1.0, eos_token_id=eos or None, pad_token_id=pad_token_id)
+        top_k=0 if sampling else 50, typical_p=1.0, eos_token_id=eos or None, pad_token_id=pad_token_id, **lookup)
     device = input_ids.device
     clock = _FirstTokenClock(device)
-    start = now(device)
-    out = backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
-                            streamer=clock)
-    wall = now(device) - start
+    forwards = [0]
+    hook = backbone.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        start = now(device)
+        out = backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
+                                streamer=clock)
+        wall = now(device) - start
+    finally:
+        hook.remove()
     prefill = (clock.first_token_at or start + wall) - start
-    return out[0, input_ids.shape[1]:].tolist(), {"prefill_s": prefill, "decode_s": wall - prefill, "wall_s": wall}
+    return out[0, input_ids.shape[1]:].tolist(), {"prefill_s": prefill, "decode_s": wall - prefill, "wall_s": wall,
+                                                  "forwards": forwards[0]}

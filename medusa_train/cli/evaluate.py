@@ -20,6 +20,7 @@ from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.evaluate import EvalConfig, check_eval_config, default_output_dir
 from medusa_train.evaluation.drift import measure_drift
 from medusa_train.evaluation.evaluate import evaluate, resolve_tree
+from medusa_train.evaluation.report import headline_lines
 from medusa_train.model.load import check_heads, load_heads, read_export_config
 
 
@@ -101,17 +102,25 @@ def run(cfg: EvalConfig) -> dict:
         d = extra["drift"]
         print(f"backbone drift from {d['original']}: mean KL {d['mean_kl']:.4f} per token, greedy agreement "
               f"{d['greedy_agreement']:.1%} over {d['num_tokens']} tokens of {d['prompts']} prompts", flush=True)
-    served = served_runner(cfg, model, output_dir) if cfg.engine == "vllm" else None
+    served = served_runner(cfg, model, tokenizer, output_dir) if cfg.engine == "vllm" else None
     report = evaluate(model, tokenizer, prompts, cfg.tree, turns=cfg.bench.turns, generation=cfg.generation,
-                      warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress, settings=settings,
-                      extra=extra, served=served)
+                      baselines=cfg.baselines, warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress,
+                      settings=settings, extra=extra, served=served)
     tps = report["tokens_per_s"]
+    for line in headline_lines(report):
+        print(line)
     print(f"report: {report['files']['json']}")
     print(f"prompts: {len(prompts)} x up to {cfg.bench.turns} turns = {report['totals']['count']} generations; "
           f"tree: {cfg.tree} ({report['settings']['tree_nodes']} nodes); dtype: {report['settings']['dtype']}")
     print("per-head acceptance: " + ", ".join(f"{a:.3f}" for a in report["per_head_acceptance"]))
-    print(f"tokens/s (wall, prefill + decode): medusa {tps['medusa']:.1f}, plain {tps['plain']:.1f}; "
+    print(f"tokens/s (wall, prefill + decode): medusa {tps['medusa']:.1f}, plain (HF generate) {tps['plain']:.1f}; "
           f"decode-only speedup {report['decode_speedup']:.2f}x")
+    lookup = report["methods"].get("prompt_lookup")
+    if lookup:
+        chosen = report["settings"]["prompt_lookup"]
+        print(f"prompt lookup (HF generate, N={chosen['num_tokens']}, ngram {chosen['max_matching_ngram_size']}): "
+              f"{lookup['tokens_per_s']:.1f} tokens/s, {lookup['speedup']:.2f}x, "
+              f"{lookup['tokens_per_forward']:.2f} tokens per forward")
     if report["mismatches"] is not None:
         print(f"greedy mismatches vs plain decoding: {report['mismatches']}")
         for m in report["mismatch_details"]:
@@ -123,9 +132,12 @@ def run(cfg: EvalConfig) -> dict:
     return report
 
 
-def served_runner(cfg: EvalConfig, model, output_dir: str):
-    """``served(conversations)`` for ``evaluate``: the heads as a vllm export (the folder itself when it is one),
-    served on the backbone's folder (``packaged:`` names resolved) in the evaluation's dtype."""
+def served_runner(cfg: EvalConfig, model, tokenizer, output_dir: str):
+    """``served(conversations, servable)`` for ``evaluate``: the backbone's folder (``packaged:`` names resolved)
+    served in the evaluation's dtype without speculation and with n-gram speculation, and, when the heads are
+    ``servable``, with them as a vllm export (the folder itself when it is one). Started servers render prompts
+    with the template the evaluation renders with (the heads' own when they carry one) unless ``server.args``
+    names a ``--chat-template``."""
 
     from medusa_train.backbone.generation import eos_token_ids
     from medusa_train.backbone.load import resolve_model_path
@@ -138,24 +150,43 @@ def served_runner(cfg: EvalConfig, model, output_dir: str):
     base_model = resolve_model_path(cfg.model.name_or_path or base)[0]
     eos = eos_token_ids(model.backbone)
 
-    def served(conversations):  # called only for heads vLLM can serve (the report's vllm row has no reason)
-        export = heads if detect_format(read_config_json(heads)) == "vllm" \
-            else export_heads(model, Path(output_dir) / "vllm-export", "vllm")
+    def served(conversations, servable: bool):
+        export = None
+        if servable:
+            export = heads if detect_format(read_config_json(heads)) == "vllm" \
+                else export_heads(model, Path(output_dir) / "vllm-export", "vllm")
+        template = None
+        if getattr(tokenizer, "chat_template", None) and "--chat-template" not in cfg.server.args:
+            template = Path(output_dir) / "chat_template.jinja"
+            template.parent.mkdir(parents=True, exist_ok=True)
+            template.write_text(tokenizer.chat_template)
         return serve_and_measure(base_model, export, model.config.num_heads, conversations, dtype=cfg.model.dtype,
                                  max_tokens=cfg.generation.max_new_tokens, eos=eos, served=cfg.served,
                                  server=cfg.server, log_dir=output_dir, seed=cfg.generation.seed,
-                                 progress=cfg.progress)
+                                 chat_template=template, progress=cfg.progress)
     return served
 
 
 def print_served(report: dict) -> None:
     """The served lines of the summary (nothing when no engine was run)."""
-    from medusa_train.evaluation.report import served_cell
-
-    for name, row in (report.get("engines") or {}).items():
-        if row.get("served"):
-            simulated = f" (simulated {row['mean_accepted_length']:.3f})" if name == "vllm" else ""
-            print(f"served {name}{simulated}: {served_cell(row['served'])}")
+    for name, row in ((report.get("served") or {}).get("rows") or {}).items():
+        simulated = row.get("simulated_tokens_per_step")
+        parts = [f"{row['tokens_per_s']:.1f} tokens/s"]
+        if row.get("speedup") is not None:
+            parts.append(f"{row['speedup']:.2f}x over no speculation")
+        if row["tokens_per_step"] is not None:
+            parts.append(f"{row['tokens_per_step']:.3f} tokens per step"
+                         + (f" (simulated {simulated:.3f})" if simulated is not None else ""))
+        if row["mean_acceptance_length"] is not None:
+            share = f", {row['drafted_share']:.0%} of steps drafted" if row.get("drafted_share") is not None else ""
+            parts.append(f"vLLM's acceptance length {row['mean_acceptance_length']:.3f} per drafted step{share}")
+        if row.get("outputs"):
+            o = row["outputs"]
+            parts.append(f"greedy outputs identical {o['identical']}/{o['compared']} ({o['unexplained']} unexplained)")
+        for phase in row["phases"].values():
+            if phase.get("check"):
+                parts.append(f"T={phase['temperature']}: {phase['check']['summary']}")
+        print(f"served {name}{' (attached)' if row['attached'] else ''}: " + "; ".join(parts))
 
 
 def main() -> None:

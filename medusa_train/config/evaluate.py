@@ -46,6 +46,17 @@ class DecodeConfig:
 
 
 @dataclass
+class BaselinesConfig:
+    """The free baselines decoded beside the heads, prompt by prompt in the same process."""
+
+    prompt_lookup: bool = True  #: also decode with HF transformers' prompt lookup (no training at all)
+    lookup_num_tokens: int | None = None  #: its prompt_lookup_num_tokens (null: chosen by the sweep)
+    lookup_ngram_size: int | None = None  #: its max_matching_ngram_size (null: chosen by the sweep)
+    sweep_prompts: int = 3  #: first turns the sweep times each setting on (the evaluation's first prompts)
+    sweep_max_new_tokens: int = 64  #: tokens per sweep reply
+
+
+@dataclass
 class DriftConfig:
     """How far the evaluated backbone is from an original one (Medusa-2), on the benchmark's first turns."""
 
@@ -64,6 +75,7 @@ class EvalConfig:
     model: EvalModelConfig = field(default_factory=EvalModelConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     generation: DecodeConfig = field(default_factory=DecodeConfig)
+    baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
     drift: DriftConfig = field(default_factory=DriftConfig)
     output_dir: str | None = None  #: default: outputs/eval/<heads folder name>
     device: str | None = None  #: default: cuda when available, else cpu
@@ -109,6 +121,12 @@ def check_eval_config(c: EvalConfig) -> list[str]:
     p.need(c.drift.limit is None or c.drift.limit >= 1, "drift.limit", c.drift.limit, "must be >= 1 or null (all)")
     p.need(c.bench.limit is None or c.bench.limit >= 1, "bench.limit", c.bench.limit, "must be >= 1 or null (all)")
     p.need(c.bench.turns >= 1, "bench.turns", c.bench.turns, "must be >= 1")
+    b = c.baselines
+    for key in ("lookup_num_tokens", "lookup_ngram_size"):
+        value = getattr(b, key)
+        p.need(value is None or value >= 1, f"baselines.{key}", value, "must be >= 1 or null (swept)")
+    p.need(b.sweep_prompts >= 1, "baselines.sweep_prompts", b.sweep_prompts, "must be >= 1")
+    p.need(b.sweep_max_new_tokens >= 1, "baselines.sweep_max_new_tokens", b.sweep_max_new_tokens, "must be >= 1")
     g = c.generation
     p.need(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
     p.need(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0")

@@ -16,6 +16,9 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 SPEC_PREFIX = "vllm:spec_decode_"
+#: one observation per request per decode step, drafted or not (vLLM V1's IterationStats): its count is the
+#: decode steps taken; the older name is read where the newer one is absent
+DECODE_STEP_COUNTS = ("vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count")
 _SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -44,23 +47,33 @@ class SpecCounters:
     draft_tokens: float = 0.0
     accepted: float = 0.0
     per_position: list[float] = field(default_factory=list)  # accepted tokens at draft position 0, 1, ...
+    decode_steps: float | None = None  # decode steps of every request, drafted or not (None: not exposed)
 
     def __sub__(self, earlier: SpecCounters) -> SpecCounters:
         n = max(len(self.per_position), len(earlier.per_position))
         pad = lambda v: v + [0.0] * (n - len(v))  # noqa: E731
+        steps = None if self.decode_steps is None or earlier.decode_steps is None \
+            else self.decode_steps - earlier.decode_steps
         return SpecCounters(self.drafts - earlier.drafts, self.draft_tokens - earlier.draft_tokens,
                             self.accepted - earlier.accepted,
-                            [a - b for a, b in zip(pad(self.per_position), pad(earlier.per_position))])
+                            [a - b for a, b in zip(pad(self.per_position), pad(earlier.per_position))], steps)
 
     @property
     def mean_acceptance_length(self) -> float | None:
-        """Tokens emitted per verify step: 1 + accepted drafts / drafts (``None`` without drafts)."""
+        """vLLM's figure: 1 + accepted drafts / drafts, **per drafted step** (vLLM counts a step only when the
+        request had draft tokens scheduled; ``None`` without drafts). For a drafter that drafts on every step
+        (Medusa heads, EAGLE) it is tokens per step; for n-gram lookup it is not (see ``tokens_per_step``)."""
         return 1 + self.accepted / self.drafts if self.drafts else None
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        """Share of verify steps whose draft was accepted up to each position."""
+        """Share of drafted steps whose draft was accepted up to each position (vLLM's per-drafted-step rate)."""
         return [a / self.drafts if self.drafts else 0.0 for a in self.per_position]
+
+    @property
+    def drafted_share(self) -> float | None:
+        """Share of decode steps that carried a draft (``None`` when decode steps are not exposed or none ran)."""
+        return self.drafts / self.decode_steps if self.decode_steps else None
 
 
 def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -80,10 +93,16 @@ def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 
 def spec_counters(samples: Sequence[tuple[str, dict[str, str], float]]) -> SpecCounters:
-    """The spec-decode counters from parsed ``/metrics`` (all zero on a server without speculation)."""
+    """The spec-decode counters and the decode-step count from parsed ``/metrics`` (the spec-decode ones are
+    all zero on a server without speculation)."""
     counters = SpecCounters()
     per_position: dict[int, float] = {}
+    steps = {name: 0.0 for name in DECODE_STEP_COUNTS}
+    seen = set()
     for name, labels, value in samples:
+        if name in steps:
+            steps[name] += value
+            seen.add(name)
         key = name.removeprefix(SPEC_PREFIX).removesuffix("_total")
         if not name.startswith(SPEC_PREFIX) or name.endswith("_created"):
             continue
@@ -97,6 +116,7 @@ def spec_counters(samples: Sequence[tuple[str, dict[str, str], float]]) -> SpecC
             position = int(labels["position"])
             per_position[position] = per_position.get(position, 0.0) + value
     counters.per_position = [per_position.get(i, 0.0) for i in range(max(per_position, default=-1) + 1)]
+    counters.decode_steps = next((steps[name] for name in DECODE_STEP_COUNTS if name in seen), None)
     return counters
 
 

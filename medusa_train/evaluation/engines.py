@@ -55,12 +55,13 @@ def vllm_form(model):
 
 @torch.no_grad()
 def chain_accepted_length(model, inputs: Sequence[torch.Tensor], max_new_tokens: int, eos: list[int]) -> float:
-    """Tokens per verify step of a ``num_heads``-long rank-0 chain over ``inputs`` (greedy)."""
+    """Tokens per forward (after each reply's first, see ``evaluation.summary``) of a ``num_heads``-long
+    rank-0 chain over ``inputs`` (greedy)."""
     chain = MedusaTree.chain(model.config.num_heads)
     tokens = steps = 0
     for input_ids in inputs:
         out = medusa_generate(model, input_ids, chain, max_new_tokens=max_new_tokens, eos_token_id=eos)
-        tokens, steps = tokens + out.new_tokens, steps + out.steps
+        tokens, steps = tokens + out.new_tokens - 1, steps + out.steps
     return tokens / max(steps, 1)
 
 

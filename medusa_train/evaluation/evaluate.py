@@ -3,16 +3,19 @@
     python scripts/evaluate.py heads=outputs/medusa1/export                    # MT-Bench, 80 x 2 turns
     python scripts/evaluate.py heads=outputs/medusa1/export bench.limit=5 generation.max_new_tokens=64
 
-Every prompt goes through the tokenizer's chat template (``add_generation_prompt=True``) and is
-decoded twice with the same settings: by ``medusa_generate`` and by the backbone's own
-``generate`` (plain decoding). A second turn is asked after the *plain* answer to the first, so
-both methods see the same context. Under greedy decoding the two outputs must be identical; each
-difference is reported with the first differing position and the base model's top-2 logit gap
-there (a tiny gap is a floating-point near-tie, a large one a bug).
+Every prompt goes through the tokenizer's chat template (``add_generation_prompt=True``; the heads'
+own template when their export carries one) and is decoded, one method after the other, by the
+backbone's own ``generate`` (plain decoding, HF transformers' greedy), by ``generate`` with prompt
+lookup (the free baseline that needs no training; its settings swept on a few prompts first), and by
+``medusa_generate``. A second turn is asked after the *plain* answer to the first, so every method sees
+the same context. Under greedy decoding the outputs must be identical; each difference of the heads
+is reported with the first differing position and the base model's top-2 logit gap there (a tiny gap is a
+floating-point near-tie, a large one a bug).
 
-Definitions (all totals over every prompt and turn):
+Definitions (all totals over every prompt and turn; see ``evaluation.summary``):
 
-- mean accepted length = medusa new tokens / verify steps (plain decoding = 1.00);
+- mean accepted length = tokens after each reply's first / target forwards after its prefill (plain
+  decoding = 1.00; the same count as the served rows);
 - per-head acceptance = fraction of verify steps in which head k's guess was kept;
 - ``speedup`` = medusa tokens/s / plain tokens/s, wall clock of the whole generation (prefill +
   decode, as a user sees it); ``decode_speedup`` uses decode time only (after the first new token).
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -30,13 +32,14 @@ from pathlib import Path
 import torch
 
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
-from medusa_train.config.evaluate import DecodeConfig
+from medusa_train.config.evaluate import BaselinesConfig, DecodeConfig
 from medusa_train.config.paths import TREE_DIR
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.tree import tree_from_config
 from medusa_train.evaluation.compare import first_difference, mismatch_detail
 from medusa_train.evaluation.engines import engine_rows
+from medusa_train.evaluation.summary import summarise
 
 WARMUP_TOKENS = 16
 
@@ -62,8 +65,9 @@ def resolve_tree(spec, num_heads: int | None) -> MedusaTree:
 
 
 def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen: DecodeConfig, eos: list[int],
-                   pad: int) -> tuple[dict, list[int], torch.Tensor]:
-    """Decode one turn with both methods; returns the per-prompt record, the plain answer's ids and the input."""
+                   pad: int, lookup: tuple[int, int] | None) -> tuple[dict, list[int], torch.Tensor]:
+    """Decode one turn with each method in turn (plain, prompt lookup, the heads); returns the per-prompt
+    record, the plain answer's ids and the input."""
     device = model.lm_head.weight.device
     input_ids = encode_chat(tokenizer, messages).to(device)
     sampling = gen.temperature > 0
@@ -71,6 +75,12 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
         torch.manual_seed(gen.seed)
     plain, plain_time = plain_generate(model.backbone, input_ids, gen.max_new_tokens, eos, pad,
                                        gen.temperature, gen.top_p)
+    looked_up, lookup_time = None, None
+    if lookup is not None:
+        if sampling:
+            torch.manual_seed(gen.seed)
+        looked_up, lookup_time = plain_generate(model.backbone, input_ids, gen.max_new_tokens, eos, pad,
+                                                gen.temperature, gen.top_p, prompt_lookup=lookup)
     generator = torch.Generator(device).manual_seed(gen.seed) if sampling else None
     start = now(device)
     out = medusa_generate(model, input_ids, tree, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
@@ -80,25 +90,66 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
     medusa = out.sequences[0, input_ids.shape[1]:].tolist()
     record = {
         "prompt_tokens": input_ids.shape[1], "new_tokens": out.new_tokens, "steps": out.steps,
-        "accepted_length": out.new_tokens / max(out.steps, 1), "plain_new_tokens": len(plain),
+        "accepted_length": (out.new_tokens - 1) / max(out.steps, 1), "plain_new_tokens": len(plain),
         "accept_lengths": out.accept_lengths, "accepted_depths": out.accepted_depths,
         "medusa_s": {**out.timings, "wall_s": wall}, "plain_s": plain_time, "match": None, "mismatch": None,
+        "lookup_new_tokens": None if looked_up is None else len(looked_up), "lookup_s": lookup_time,
+        "lookup_match": None,
     }
     if not sampling:
         position = first_difference(plain, medusa)
         record["match"] = position is None
         if position is not None:
             record["mismatch"] = mismatch_detail(model, input_ids, plain, medusa, position)
+        if looked_up is not None:
+            record["lookup_match"] = looked_up == plain
     return record, plain, input_ids
+
+
+# ------------------------------------------------------------------------------------------- prompt lookup
+#: (prompt_lookup_num_tokens, max_matching_ngram_size) settings the sweep times
+LOOKUP_GRID = [(3, 2), (3, 3), (5, 2), (5, 3), (10, 2), (10, 3)]
+
+
+def choose_prompt_lookup(model, tokenizer, prompts: Sequence[BenchPrompt], baselines: BaselinesConfig,
+                         eos: list[int], pad: int) -> dict:
+    """Prompt lookup's settings: those given, or the fastest of ``LOOKUP_GRID`` (each one's ``num_tokens`` or
+    ``ngram_size`` fixed when given) over the first turns of the first ``sweep_prompts`` prompts, greedy.
+
+    Returns:
+        ``{"num_tokens", "max_matching_ngram_size", "sweep": [{num_tokens, max_matching_ngram_size,
+        tokens_per_s, tokens_per_forward}], "swept_on": prompts}`` (no sweep when both are given).
+    """
+    b = baselines
+    grid = [(n, m) for n, m in LOOKUP_GRID if b.lookup_num_tokens in (None, n) and b.lookup_ngram_size in (None, m)]
+    if b.lookup_num_tokens is not None and b.lookup_ngram_size is not None or not grid:
+        n = b.lookup_num_tokens or LOOKUP_GRID[-1][0]
+        m = b.lookup_ngram_size or LOOKUP_GRID[0][1]
+        return {"num_tokens": n, "max_matching_ngram_size": m, "sweep": [], "swept_on": 0}
+    device = model.lm_head.weight.device
+    inputs = [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}]).to(device)
+              for p in prompts[:b.sweep_prompts]]
+    rows = []
+    for n, m in grid:
+        tokens = forwards = 0
+        seconds = 0.0
+        for ids in inputs:
+            new, timing = plain_generate(model.backbone, ids, b.sweep_max_new_tokens, eos, pad, prompt_lookup=(n, m))
+            tokens, forwards, seconds = tokens + len(new), forwards + timing["forwards"] - 1, seconds + timing["wall_s"]
+        rows.append({"num_tokens": n, "max_matching_ngram_size": m, "tokens_per_s": tokens / max(seconds, 1e-9),
+                     "tokens_per_forward": (tokens - len(inputs)) / max(forwards, 1)})
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    return {"num_tokens": best["num_tokens"], "max_matching_ngram_size": best["max_matching_ngram_size"],
+            "sweep": rows, "swept_on": len(inputs)}
 
 
 # ------------------------------------------------------------------------------------------- evaluate
 def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BENCHMARK,
              tree: MedusaTree | str = "default", *, turns: int = 2, limit: int | None = None,
-             generation: DecodeConfig | None = None, warmup: bool = True, output_dir: str | os.PathLike | None = None,
-             progress: bool = True, settings: dict | None = None, extra: dict | None = None,
-             served=None, **generation_kwargs) -> dict:
-    """Run a benchmark with Medusa and plain decoding and return the report.
+             generation: DecodeConfig | None = None, baselines: BaselinesConfig | None = None, warmup: bool = True,
+             output_dir: str | os.PathLike | None = None, progress: bool = True, settings: dict | None = None,
+             extra: dict | None = None, served=None, **generation_kwargs) -> dict:
+    """Run a benchmark with the heads, plain decoding and prompt lookup, and return the report.
 
     Args:
         model: A ``MedusaModel`` (see ``medusa_train.model.load.load_heads``).
@@ -108,17 +159,19 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         turns: Turns asked per prompt (at most the prompt's own).
         limit: Evaluate the first ``limit`` prompts only.
         generation: Decoding settings; ``generation_kwargs`` (``max_new_tokens=64``, ...) override fields.
+        baselines: The free baselines decoded beside the heads (default: prompt lookup, swept).
         warmup: Run one short untimed generation of each method first.
         output_dir: When given, ``report.json``, ``report.md`` and ``report.png`` are written there.
         progress: Show a tqdm bar over prompts with the running accepted length.
         settings: Extra entries for the report's ``settings`` (the model, the heads, ...).
         extra: Extra top-level entries of the report (``drift``, ...), written with it.
-        served: ``served(conversations) -> serve_and_measure's result`` (``evaluation.served``): the same
-            conversations through a running engine (greedy only); its figures join ``engines.vllm``
-            as ``served``, and the engine's n-gram speculation becomes the ``vllm-ngram`` row.
+        served: ``served(conversations, servable) -> serve_and_measure's result`` (``evaluation.served``): the
+            same conversations through a running engine; ``servable`` says whether the heads have a vLLM form
+            (when not, only the engine's free rows are served). Its figures become the report's ``served``
+            section (see ``evaluation.served_report``).
 
     Returns:
-        The report dict (keys described in ``summarise``).
+        The report dict (keys described in ``evaluation.summary.summarise``).
     """
     from tqdm.auto import tqdm
 
@@ -130,15 +183,20 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     if not prompts:
         raise ValueError("no prompts to evaluate")
     gen = DecodeConfig(**{**asdict(generation or DecodeConfig()), **generation_kwargs})
+    baselines = baselines or BaselinesConfig()
     tree_spec = tree if isinstance(tree, str) else "custom"
     tree = resolve_tree(tree, model.config.num_heads)
     eos = eos_token_ids(model.backbone)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     model.eval()
 
+    lookup_settings = choose_prompt_lookup(model, tokenizer, prompts, baselines, eos, pad) \
+        if baselines.prompt_lookup else None
+    lookup = (lookup_settings["num_tokens"], lookup_settings["max_matching_ngram_size"]) if lookup_settings else None
     if warmup:
         short = DecodeConfig(**{**asdict(gen), "max_new_tokens": min(gen.max_new_tokens, WARMUP_TOKENS)})
-        _generate_turn(model, tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], tree, short, eos, pad)
+        _generate_turn(model, tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], tree, short, eos, pad,
+                       lookup)
 
     records: list[dict] = []
     inputs: list[torch.Tensor] = []
@@ -149,12 +207,12 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         messages: list[dict] = []
         for turn, text in enumerate(prompt.turns[:turns], start=1):
             messages.append({"role": "user", "content": text})
-            record, plain, input_ids = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad)
+            record, plain, input_ids = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad, lookup)
             inputs.append(input_ids)
             conversations.append(list(messages))
             records.append({"id": prompt.id, "category": prompt.category, "turn": turn, **record})
             messages.append({"role": "assistant", "content": tokenizer.decode(plain, skip_special_tokens=True)})
-            tokens, steps = tokens + record["new_tokens"], steps + record["steps"]
+            tokens, steps = tokens + record["new_tokens"] - 1, steps + record["steps"]
             bar.set_postfix(accepted_length=f"{tokens / max(steps, 1):.2f}")
     bar.close()
 
@@ -168,8 +226,12 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
         "device": str(model.lm_head.weight.device), "torch_threads": torch.get_num_threads(),
         "warmup": warmup, "cpu_load_average_at_start": round(load_at_start, 2),
-        "speedup": "medusa tokens/s / plain tokens/s, wall clock of whole generations (prefill + decode); "
-                   "decode_speedup: decode time only, tokens after the first",
+        "plain_decoding": f"HF transformers {_transformers_version()} generate, greedy"
+                          if gen.temperature == 0 else f"HF transformers {_transformers_version()} generate, sampled",
+        "prompt_lookup": lookup_settings, "order": "per prompt: plain, prompt lookup, medusa",
+        "speedup": "medusa tokens/s / plain (HF generate) tokens/s, wall clock of whole generations (prefill + "
+                   "decode); decode_speedup: decode time only, tokens after the first",
+        "accepted_length": "tokens after each reply's first / target forwards after its prefill",
     }
     report.update(extra or {})
     report["per_prompt"] = records
@@ -177,86 +239,17 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         from medusa_train.evaluation.report import write_report
 
         report["files"] = {k: str(v) for k, v in write_report(report, output_dir).items()}
-    if served is not None and "engines" in report and report["engines"]["vllm"]["reason"] is None:
-        _add_served(report["engines"], served(conversations), model, inputs)
+    if served is not None:
+        from medusa_train.evaluation.served_report import add_served
+
+        servable = "engines" in report and report["engines"]["vllm"]["reason"] is None
+        add_served(report, served(conversations, servable), model, inputs)
         if output_dir is not None:
             write_report(report, output_dir)
     return report
 
 
-def _add_served(engines: dict, raw: dict, model, inputs: list[torch.Tensor]) -> None:
-    """Put a served engine's figures beside the simulated ones (see ``evaluation.served``)."""
-    from medusa_train.evaluation.served import summarise_served
+def _transformers_version() -> str:
+    import transformers
 
-    def classify(i, plain, speculated, position):
-        detail = mismatch_detail(model, inputs[i], plain, speculated, position)
-        return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "medusa_token")}
-
-    engines["vllm"]["served"] = summarise_served(raw, "medusa", classify)
-    engines["vllm"]["served"]["settings"] = raw["settings"]
-    counted = raw["servers"]["medusa"]["phases"]["greedy"]["prompt_tokens"]  # the engine's chat template vs ours
-    engines["vllm"]["served"]["prompts_tokenised_alike"] = sum(n == ids.shape[1] for n, ids in zip(counted, inputs))
-    if "ngram" in raw["servers"]:
-        row = summarise_served(raw, "ngram", classify)
-        engines["vllm-ngram"] = {"mean_accepted_length": row["mean_acceptance_length"],
-                                 "verifies": "vLLM's n-gram prompt lookup, no heads (served)", "reason": None,
-                                 "served": row}
-
-
-def _totals(records: list[dict]) -> dict:
-    """Accepted length, tokens/s and speedups of a group of per-prompt records."""
-    def total(key, sub=None):
-        return sum(r[key][sub] if sub else r[key] for r in records)
-
-    tokens, plain_tokens, steps = total("new_tokens"), total("plain_new_tokens"), total("steps")
-    n = len(records)
-    tps = {"medusa": tokens / max(total("medusa_s", "wall_s"), 1e-9),
-           "plain": plain_tokens / max(total("plain_s", "wall_s"), 1e-9)}
-    decode_tps = {"medusa": (tokens - n) / max(total("medusa_s", "decode_s"), 1e-9),
-                  "plain": (plain_tokens - n) / max(total("plain_s", "decode_s"), 1e-9)}
-    checked = [r for r in records if r["match"] is not None]
-    return {
-        "count": n, "accepted_length": tokens / max(steps, 1), "speedup": tps["medusa"] / max(tps["plain"], 1e-9),
-        "decode_speedup": decode_tps["medusa"] / max(decode_tps["plain"], 1e-9),
-        "tokens_per_s": tps, "decode_tokens_per_s": decode_tps,
-        "mismatches": sum(not r["match"] for r in checked) if checked else None,
-        "mismatches_unexplained": sum(bool(r["mismatch"]) and r["mismatch"]["kind"] == "unexplained"
-                                      for r in checked) if checked else None,
-        "mismatches_at_rounding": sum(bool(r["mismatch"]) and r["mismatch"]["kind"] == "at_rounding"
-                                      for r in checked) if checked else None,
-        "new_tokens": {"medusa": tokens, "plain": plain_tokens}, "steps": steps,
-    }
-
-
-def summarise(records: list[dict], num_heads: int) -> dict:
-    """The report's headline numbers from per-prompt records.
-
-    Returns:
-        ``mean_accepted_length`` (medusa tokens / verify steps), ``speedup`` and ``decode_speedup``,
-        ``tokens_per_s`` and ``decode_tokens_per_s`` ({medusa, plain}), ``mismatches`` (greedy
-        outputs differing from plain decoding; ``None`` when sampling), split into
-        ``mismatches_unexplained`` (must be 0) and ``mismatches_at_rounding`` (see ``mismatch_detail``),
-        with ``mismatch_details``,
-        ``per_head_acceptance``, ``accept_length_histogram`` ({tokens per step: steps}),
-        ``per_category`` ({category: count, accepted_length, speedup, ...}) and ``totals``.
-    """
-    overall = _totals(records)
-    steps = max(overall["steps"], 1)
-    depths = [d for r in records for d in r["accepted_depths"]]
-    categories = sorted({r["category"] for r in records})
-    return {
-        "mean_accepted_length": overall["accepted_length"],
-        "speedup": overall["speedup"],
-        "decode_speedup": overall["decode_speedup"],
-        "tokens_per_s": overall["tokens_per_s"],
-        "decode_tokens_per_s": overall["decode_tokens_per_s"],
-        "mismatches": overall["mismatches"],
-        "mismatches_unexplained": overall["mismatches_unexplained"],
-        "mismatches_at_rounding": overall["mismatches_at_rounding"],
-        "mismatch_details": [{"id": r["id"], "category": r["category"], "turn": r["turn"], **r["mismatch"]}
-                             for r in records if r["mismatch"]],
-        "per_head_acceptance": [sum(d > k for d in depths) / steps for k in range(num_heads)],
-        "accept_length_histogram": dict(sorted(Counter(n for r in records for n in r["accept_lengths"]).items())),
-        "per_category": {c: _totals([r for r in records if r["category"] == c]) for c in categories},
-        "totals": {k: overall[k] for k in ("count", "new_tokens", "steps")},
-    }
+    return transformers.__version__

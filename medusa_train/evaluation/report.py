@@ -36,14 +36,69 @@ def write_report(report: dict, output_dir: str | os.PathLike) -> dict[str, Path]
     return files
 
 
+LOOKUP_NAME = "prompt lookup"
+
+
+def _lookup_label(report: dict) -> str:
+    lookup = (report.get("settings") or {}).get("prompt_lookup") or {}
+    if not lookup:
+        return "HF prompt lookup"
+    return f"HF prompt lookup (N={lookup['num_tokens']}, ngram {lookup['max_matching_ngram_size']})"
+
+
+def headline_lines(report: dict) -> list[str]:
+    """What the heads buy over the best free baseline: one line in this process, one served (when measured)."""
+    methods = report.get("methods") or {}
+    lines = []
+    if "medusa" in methods and "plain" in methods:
+        m, plain = methods["medusa"], methods["plain"]
+        free = {"plain decoding": plain}
+        if "prompt_lookup" in methods:
+            free[_lookup_label(report)] = methods["prompt_lookup"]
+        best_name, best = max(free.items(), key=lambda item: item[1]["tokens_per_s"])
+        lookup = methods.get("prompt_lookup")
+        lookup_part = (f"; {_lookup_label(report)} {lookup['speedup']:.2f}x ({_num(lookup['tokens_per_forward'])} "
+                       "tokens per forward)") if lookup else ""
+        lines.append(f"In this process, against {(report.get('settings') or {}).get('plain_decoding', 'HF generate')} "
+                     f"({plain['tokens_per_s']:.1f} tokens/s): the heads {m['speedup']:.2f}x "
+                     f"({_num(m['tokens_per_forward'])} tokens per forward){lookup_part}. Over the best free baseline "
+                     f"({best_name}) the heads buy {m['tokens_per_s'] / max(best['tokens_per_s'], 1e-9):.2f}x.")
+    served = report.get("served")
+    if served:
+        from medusa_train.evaluation.served_report import best_free
+
+        rows = served["rows"]
+        parts = [f"{name} {_speedup(row)} ({_num(row['tokens_per_step'])} tokens per step)"
+                 for name, row in rows.items() if name != "plain"]
+        plain = rows.get("plain")
+        against = f"against vLLM without speculation ({plain['tokens_per_s']:.1f} tokens/s)" if plain else \
+            "(no server without speculation measured)"
+        line = f"Served by vLLM, greedy at concurrency 1, {against}: " + ("; ".join(parts) or "no speculative row")
+        free = best_free(rows)
+        if "medusa" in rows and free:
+            line += (f". Over the best free baseline ({free[0]}) the heads buy "
+                     f"{rows['medusa']['tokens_per_s'] / max(free[1]['tokens_per_s'], 1e-9):.2f}x.")
+        elif "medusa" not in rows:
+            line += f". The heads were not served: {served['heads_not_served']}."
+        lines.append(line)
+    return lines
+
+
+def _num(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _speedup(row: dict) -> str:
+    return "n/a" if row.get("speedup") is None else f"{row['speedup']:.2f}x"
+
+
 def render_markdown(report: dict) -> str:
-    """A human-readable summary: headline numbers, per-head acceptance, per-category table, mismatches."""
+    """A human-readable summary: what the heads buy over the free baselines first, then the headline numbers,
+    every decoder's row, per-head acceptance, per-category table, served rows, mismatches."""
     s = report.get("settings", {})
     tps, dtps = report["tokens_per_s"], report["decode_tokens_per_s"]
     mism = report["mismatches"]
-    lines = [
-        "# Medusa evaluation",
-        "",
+    lines = ["# Medusa evaluation", "", *[f"**{line}**" + "\n" for line in headline_lines(report)],
         f"Heads `{s.get('heads', '?')}` on `{s.get('model', '?')}` ({s.get('dtype', '?')}, {s.get('device', '?')}, "
         f"{s.get('torch_threads', '?')} threads); tree `{s.get('tree', '?')}` ({s.get('tree_nodes', '?')} nodes); "
         f"{report['totals']['count']} generations of up to {s.get('max_new_tokens', '?')} tokens; "
@@ -51,12 +106,33 @@ def render_markdown(report: dict) -> str:
         "",
         "| metric | value |",
         "|---|---|",
-        f"| mean accepted length (tokens / verify step) | {report['mean_accepted_length']:.2f} |",
-        f"| speedup (wall clock, prefill + decode) | {report['speedup']:.2f}x |",
+        f"| mean accepted length (tokens after the first / forward after the prefill) | "
+        f"{report['mean_accepted_length']:.2f} |",
+        f"| speedup over {s.get('plain_decoding', 'plain decoding')} (wall clock, prefill + decode) | "
+        f"{report['speedup']:.2f}x |",
         f"| speedup (decode only) | {report['decode_speedup']:.2f}x |",
         f"| tokens/s medusa / plain (wall) | {tps['medusa']:.1f} / {tps['plain']:.1f} |",
         f"| tokens/s medusa / plain (decode) | {dtps['medusa']:.1f} / {dtps['plain']:.1f} |",
         f"| greedy mismatches vs plain decoding | {'n/a (sampling)' if mism is None else mismatch_summary(report)} |",
+    ]
+    if report.get("methods"):
+        lines += ["", "## Every decoder in this process (prompt by prompt, in turn)", "",
+                  "| decoder | decodes with | tokens per forward | tokens/s | speedup | decode-only speedup | "
+                  "greedy outputs identical to plain |", "|---|---|---|---|---|---|---|"]
+        for name, row in report["methods"].items():
+            label = _lookup_label(report) if name == "prompt_lookup" else name
+            o = row.get("outputs")
+            outputs = "reference" if name == "plain" else "n/a" if not o else f"{o['identical']}/{o['compared']}"
+            lines.append(f"| {label} | {row['decodes_with']} | {_num(row['tokens_per_forward'])} | "
+                         f"{row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {row['decode_speedup']:.2f}x | "
+                         f"{outputs} |")
+        sweep = (s.get("prompt_lookup") or {}).get("sweep")
+        if sweep:
+            lines += ["", f"Prompt lookup's settings were the fastest of {len(sweep)} on "
+                      f"{s['prompt_lookup']['swept_on']} first turns: " + ", ".join(
+                          f"N={r['num_tokens']}/ngram {r['max_matching_ngram_size']} {r['tokens_per_s']:.1f} tok/s"
+                          for r in sweep) + "."]
+    lines += [
         "",
         "## Per-head acceptance (fraction of verify steps in which head k's guess was kept)",
         "",
@@ -66,19 +142,22 @@ def render_markdown(report: dict) -> str:
         "",
         "## Per category",
         "",
-        "| category | count | accepted length | speedup | mismatches |",
-        "|---|---|---|---|---|",
+        "| category | count | accepted length | speedup | prompt lookup's speedup | mismatches |",
+        "|---|---|---|---|---|---|",
     ]
     for name, c in report["per_category"].items():
-        lines.append(f"| {name} | {c['count']} | {c['accepted_length']:.2f} | {c['speedup']:.2f}x | "
+        lookup = f"{c['prompt_lookup_speedup']:.2f}x" if c.get("prompt_lookup_speedup") is not None else "n/a"
+        lines.append(f"| {name} | {c['count']} | {c['accepted_length']:.2f} | {c['speedup']:.2f}x | {lookup} | "
                      f"{'n/a' if c['mismatches'] is None else c['mismatches']} |")
     if report.get("engines"):
-        lines += ["", "## What your server will see", "",
-                  "| engine | verifies | mean accepted length | served by the engine |", "|---|---|---|---|"]
+        lines += ["", "## What each engine would accept (simulated by our decoder on these prompts)", "",
+                  "| engine | verifies | tokens per forward |", "|---|---|---|"]
         for name, row in report["engines"].items():
             value = f"{row['mean_accepted_length']:.3f}" if row["mean_accepted_length"] is not None \
                 else f"n/a: {row['reason']}"
-            lines.append(f"| {name} | {row['verifies']} | {value} | {served_cell(row.get('served'))} |")
+            lines.append(f"| {name} | {row['verifies']} | {value} |")
+    if report.get("served"):
+        lines += served_markdown(report["served"])
     if report.get("drift"):
         d = report["drift"]
         lines += ["", "## Backbone drift", "",
@@ -96,31 +175,44 @@ def render_markdown(report: dict) -> str:
         for m in report["mismatch_details"]:
             lines.append(f"| {m['id']} | {m['turn']} | {m['position']} | {m['plain_token']} / {m['medusa_token']} | "
                          f"{m['top2_gap']:.3g} | {m.get('tolerance', float('nan')):.3g} | {m.get('kind', '?')} |")
-    lines += ["", f"Speedup: {s.get('speedup', '')}.", ""]
+    lines += ["", f"Speedup: {s.get('speedup', '')}. Accepted length: {s.get('accepted_length', '')}.", ""]
     return "\n".join(lines)
 
 
-def served_cell(served: dict | None) -> str:
-    """One engine row's served figures: acceptance length, per position, tokens/s and speedup, outputs."""
-    if not served:
-        return ""
-    parts = []
-    if served.get("mean_acceptance_length") is not None:
-        positions = "/".join(f"{a:.3f}" for a in served["per_position_acceptance"])
-        parts.append(f"acceptance length {served['mean_acceptance_length']:.3f} (per position {positions})")
-    tps = served["tokens_per_s"]
-    if "speedup" in served:
-        parts.append(f"{tps['speculative']:.1f} vs {tps['plain']:.1f} tokens/s without speculation = "
-                     f"{served['speedup']:.2f}x")
-    for phase in served.get("phases", {}).values():
-        if "speedup" in phase:
+def served_markdown(served: dict) -> list[str]:
+    """The served rows: tokens per step (our count), vLLM's per-drafted-step figure beside it, speed, outputs."""
+    st = served["settings"]
+    lines = ["", "## Served by vLLM", "",
+             f"The same conversations through vLLM's chat API ({st.get('dtype')}, up to {st.get('max_tokens')} tokens). "
+             f"Tokens per step: {served['tokens_per_step']}. vLLM's acceptance length: "
+             f"{served['vllm_acceptance_length']}.", ""]
+    if served.get("attached"):
+        lines += [f"Attached to servers already running ({', '.join(served['attached'])}): their counters include "
+                  "any other traffic they got during the measurement.", ""]
+    if served.get("heads_not_served"):
+        lines += [f"The heads were not served: {served['heads_not_served']}.", ""]
+    lines += ["| row | decodes with | tokens per step | vLLM acceptance length (per drafted step; share of steps "
+              "drafted) | tokens/s | speedup over no speculation | greedy outputs | other phases |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, row in served["rows"].items():
+        accepted = "n/a" if row["mean_acceptance_length"] is None else (
+            f"{row['mean_acceptance_length']:.3f} (" + "/".join(f"{a:.3f}" for a in row["per_position_acceptance"])
+            + (f"; {row['drafted_share']:.0%} drafted)" if row.get("drafted_share") is not None else ")"))
+        o = row.get("outputs")
+        outputs = "reference" if name == "plain" else "n/a" if not o else \
+            f"{o['identical']}/{o['compared']} identical ({o['at_rounding']} at rounding, {o['unexplained']} unexplained)"
+        phases = []
+        for phase in row["phases"].values():
             what = f"T={phase['temperature']}" if phase["temperature"] else f"concurrency {phase['concurrency']}"
-            parts.append(f"{what}: {phase['speedup']:.2f}x")
-    if served.get("outputs"):
-        o = served["outputs"]
-        parts.append(f"greedy outputs identical {o['identical']}/{o['compared']} "
-                     f"({o['at_rounding']} at rounding, {o['unexplained']} unexplained)")
-    return "; ".join(parts)
+            check = phase.get("check")
+            if check and check["flagged"]:
+                phases.append(f"{what}: {check['summary']}; no speedup shown")
+            else:
+                text = f"{what}: {_speedup(phase)}" if "speedup" in phase else f"{what}: {phase['tokens_per_s']:.1f} tok/s"
+                phases.append(text + (f" ({check['summary']})" if check else ""))
+        lines.append(f"| {name} | {row['decodes_with']} | {_num(row['tokens_per_step'])} | {accepted} | "
+                     f"{row['tokens_per_s']:.1f} | {_speedup(row)} | {outputs} | {'; '.join(phases)} |")
+    return lines
 
 
 def mismatch_summary(report: dict) -> str:

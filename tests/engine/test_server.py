@@ -156,3 +156,24 @@ def test_spec_decode_counters_parse_and_subtract():
     assert delta.mean_acceptance_length == pytest.approx(1.5)
     assert delta.per_position_acceptance == pytest.approx([2 / 6, 1 / 6, 0.0])
     assert SpecCounters().mean_acceptance_length is None  # no speculation: no figure, not 1.0
+    assert now.decode_steps is None and delta.drafted_share is None  # this exposition has no step count
+
+
+def test_decode_steps_are_the_inter_token_latency_count_and_give_the_drafted_share():
+    """vLLM observes one inter-token latency per request per decode step, drafted or not: its count is the
+    decode steps, the denominator every served row shares; drafts / decode steps is the share drafted."""
+    def exposition(steps, drafts):
+        return textwrap.dedent(f'''\
+            vllm:inter_token_latency_seconds_bucket{{engine="0",le="0.01",model_name="m"}} 3.0
+            vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {steps}
+            vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} 4.2
+            vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}
+            vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} 5.0
+        ''')
+    before, after = (spec_counters(parse_metrics(exposition(*v))) for v in ((100.0, 10.0), (140.0, 20.0)))
+    assert after.decode_steps == 140.0
+    delta = after - before
+    assert delta.decode_steps == 40.0 and delta.drafts == 10.0
+    assert delta.drafted_share == pytest.approx(0.25)
+    older = spec_counters(parse_metrics('vllm:time_per_output_token_seconds_count{engine="0"} 7.0\n'))
+    assert older.decode_steps == 7.0  # the metric's earlier name is read where the newer one is absent

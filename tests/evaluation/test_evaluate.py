@@ -64,7 +64,9 @@ def test_report_numbers_recompute_from_per_prompt(loaded):
     rows = report["per_prompt"]
     assert [(r["id"], r["turn"]) for r in rows] == [("a", 1), ("a", 2), ("b", 1), ("b", 2), ("c", 1)]
     tokens, steps = sum(r["new_tokens"] for r in rows), sum(r["steps"] for r in rows)
-    assert report["mean_accepted_length"] == pytest.approx(tokens / steps)
+    # tokens after each reply's first per target forward after its prefill; the decoder's own count kept beside
+    assert report["mean_accepted_length"] == pytest.approx((tokens - len(rows)) / steps)
+    assert report["tokens_per_verify_step"] == pytest.approx(tokens / steps)
     assert all(sum(r["accept_lengths"]) == r["new_tokens"] and len(r["accept_lengths"]) == r["steps"] for r in rows)
     assert sum(report["accept_length_histogram"].values()) == steps
     depths = [d for r in rows for d in r["accepted_depths"]]
@@ -78,7 +80,7 @@ def test_report_numbers_recompute_from_per_prompt(loaded):
     assert {c: v["count"] for c, v in cats.items()} == {"coding": 2, "writing": 3}
     writing = [r for r in rows if r["category"] == "writing"]
     assert cats["writing"]["accepted_length"] == pytest.approx(
-        sum(r["new_tokens"] for r in writing) / sum(r["steps"] for r in writing))
+        (sum(r["new_tokens"] for r in writing) - len(writing)) / sum(r["steps"] for r in writing))
     medusa_tps = tokens / sum(r["medusa_s"]["wall_s"] for r in rows)
     plain_tps = sum(r["plain_new_tokens"] for r in rows) / sum(r["plain_s"]["wall_s"] for r in rows)
     assert report["tokens_per_s"] == pytest.approx({"medusa": medusa_tps, "plain": plain_tps})
@@ -121,7 +123,7 @@ def test_long_accepted_paths_stay_lossless(loaded, monkeypatch):
     report = evaluate(model, tokenizer, PROMPTS, TREE, turns=1, max_new_tokens=16, warmup=False, progress=False)
     rows = report["per_prompt"]
     assert report["mismatches"] == 0
-    assert report["mean_accepted_length"] == pytest.approx(sum(r["new_tokens"] for r in rows) /
+    assert report["mean_accepted_length"] == pytest.approx((sum(r["new_tokens"] for r in rows) - len(rows)) /
                                                            sum(r["steps"] for r in rows))
     assert report["mean_accepted_length"] > 3  # the chain [0, 0, 0] is taken almost every step
     assert report["per_head_acceptance"][2] > 0.5
@@ -255,7 +257,7 @@ def test_the_vllm_row_is_decoding_with_a_rank0_chain_of_every_head(loaded, heads
         ids = encode_chat(tokenizer, [{"role": "user", "content": prompt.turns[0]}])
         out = medusa_generate(model, ids, MedusaTree.chain(3), max_new_tokens=12,
                               eos_token_id=eos_token_ids(model.backbone))
-        tokens, steps = tokens + out.new_tokens, steps + out.steps
+        tokens, steps = tokens + out.new_tokens - 1, steps + out.steps
     assert engines["vllm"]["mean_accepted_length"] == pytest.approx(tokens / steps)
     assert engines["tgi"]["mean_accepted_length"] == engines["vllm"]["mean_accepted_length"]
     assert engines["trtllm"]["mean_accepted_length"] == engines["native"]["mean_accepted_length"] \

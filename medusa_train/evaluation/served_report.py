@@ -1,0 +1,87 @@
+"""The report's ``served`` section: each vLLM server's figures, its outputs checked, beside the free rows.
+
+Every row counts tokens per step the same way (``evaluation.served``: tokens after each reply's first per
+decode step, what our in-process rows count too); vLLM's own acceptance length is kept beside it, labelled
+per *drafted* step. Each row's speedup divides by the server without speculation (``plain``) on the same
+prompts. Greedy replies are compared with that server's; sampled replies are scored under the backbone
+(``evaluation.sampled_check``), and a sampled phase found incorrect shows no speedup.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from medusa_train.evaluation.compare import compare_outputs, mismatch_detail
+from medusa_train.evaluation.sampled_check import describe, score_replies
+
+ROWS = {"plain": "vLLM without speculation", "ngram": "vLLM n-gram speculation (prompt lookup; no training)",
+        "medusa": "vLLM Medusa speculation with the heads (top-1 chain)"}
+FREE_ROWS = ("plain", "ngram")
+
+
+def add_served(report: dict, raw: dict, model, inputs: list[torch.Tensor]) -> None:
+    """Put ``serve_and_measure``'s result in ``report["served"]`` (see the module docstring)."""
+    servers = raw["servers"]
+    plain = servers.get("plain")
+    rows = {}
+    for name, server in servers.items():
+        rows[name] = served_row(name, server, plain, model, inputs, raw["settings"]["sampled_check_threshold"])
+    engines = report.get("engines") or {}
+    if "medusa" in rows and engines.get("vllm"):
+        rows["medusa"]["simulated_tokens_per_step"] = engines["vllm"]["mean_accepted_length"]
+    report["served"] = {
+        "rows": rows, "settings": raw["settings"],
+        "heads_not_served": None if "medusa" in servers else (engines.get("vllm") or {}).get("reason")
+        or "the heads have no vLLM form",
+        "attached": [name for name, s in servers.items() if s.get("attached")],
+        "tokens_per_step": "(completion tokens - replies) / decode steps (vllm:inter_token_latency_seconds_count)",
+        "vllm_acceptance_length": "1 + accepted / drafts: per drafted step (vLLM counts only steps with a draft)",
+    }
+
+
+def served_row(name: str, server: dict, plain: dict | None, model, inputs: list[torch.Tensor],
+               threshold: float) -> dict:
+    """One server's row: its greedy phase's figures, the other phases', its outputs compared and checked."""
+    phases = server["phases"]
+    greedy = phases["greedy"]
+    counted = greedy["prompt_tokens"]
+    alike = [n == ids.shape[1] for n, ids in zip(counted, inputs)]
+    row = {"decodes_with": ROWS.get(name, name), "speculative_config": server["speculative_config"],
+           "attached": server.get("attached", False), "url": server.get("url"), "startup_s": server["startup_s"],
+           **_figures(greedy), "prompts_tokenised_alike": sum(alike), "phases": {}}
+    if plain is not None:
+        row["speedup"] = greedy["tokens_per_s"] / max(plain["phases"]["greedy"]["tokens_per_s"], 1e-9)
+        if name != "plain":
+            def classify(i, a, b, position):
+                detail = mismatch_detail(model, inputs[i], a, b, position)
+                return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "medusa_token")}
+
+            row["outputs"] = compare_outputs(plain["phases"]["greedy"]["outputs"], greedy["outputs"], classify)
+    for phase, figures in phases.items():
+        if phase == "greedy":
+            continue
+        entry = {"concurrency": figures["concurrency"], "temperature": figures["temperature"], **_figures(figures)}
+        if figures["temperature"] > 0 and figures.get("outputs") is not None:
+            kept = [reply if ok else None for reply, ok in zip(figures["outputs"], alike)]
+            entry["check"] = score_replies(model, inputs, kept, figures["temperature"], threshold)
+            entry["check"]["summary"] = describe(entry["check"])
+        if plain is not None and phase in plain["phases"]:
+            base = plain["phases"][phase]["tokens_per_s"]
+            entry["plain_tokens_per_s"] = base
+            correct = not (entry.get("check") or {}).get("flagged")
+            entry["speedup"] = figures["tokens_per_s"] / max(base, 1e-9) if correct else None
+        row["phases"][phase] = entry
+    return row
+
+
+def _figures(phase: dict) -> dict:
+    """A phase's counted figures (tokens per step first: the definition every row shares)."""
+    return {k: phase.get(k) for k in ("tokens_per_step", "decode_steps", "tokens", "replies", "tokens_per_s",
+                                      "mean_acceptance_length", "per_position_acceptance", "drafts", "accepted",
+                                      "drafted_share", "steps_from_accepted")}
+
+
+def best_free(rows: dict, key: str = "tokens_per_s") -> tuple[str, dict] | None:
+    """The fastest free row (no speculation or n-gram) whose greedy outputs nothing contradicts."""
+    free = [(n, r) for n, r in rows.items() if n in FREE_ROWS and not ((r.get("outputs") or {}).get("unexplained"))]
+    return max(free, key=lambda item: item[1][key]) if free else None

@@ -1,0 +1,129 @@
+"""The report's figures from per-prompt records: one accepted length, one speedup, for every decoder alike.
+
+**Tokens per forward** (the report's ``mean_accepted_length`` and every method's ``tokens_per_forward``):
+tokens after each reply's first, per target forward after that reply's prefill, summed over replies.
+The prefill makes a reply's first token whatever the decoder, so it is left out of both counts:
+plain decoding scores exactly 1.00, and a decoder that verifies drafts scores the tokens each of its
+forwards adds. The same count is made of a served engine (``evaluation.served``), so rows compare.
+Our tree decoder's own ``new tokens / verify steps`` (``tokens_per_verify_step``) counts the first
+token too; it is kept, labelled, for the tree fit's predictions.
+
+**Speedup**: a method's tokens/s over HF ``generate`` greedy (the ``plain`` row) in the same process,
+measured prompt by prompt in turn with the others (wall clock, prefill + decode; ``decode_speedup``:
+decode time only, tokens after the first).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+#: in-process methods: record-key prefix, what the row decodes with
+METHODS = {
+    "plain": "HF transformers generate, greedy (one token per forward)",
+    "prompt_lookup": "HF transformers generate with prompt lookup (drafts copied from the context; no training)",
+    "medusa": "medusa-train tree decoder with the heads",
+}
+
+
+def per_forward(tokens: int, replies: int, forwards_after_prefill: int) -> float | None:
+    """Tokens after each reply's first per target forward after its prefill (``None`` without forwards)."""
+    return (tokens - replies) / forwards_after_prefill if forwards_after_prefill > 0 else None
+
+
+def _method_counts(records: list[dict], method: str) -> dict | None:
+    """Tokens, forwards after the prefill and times of one method over ``records`` (None if it did not run)."""
+    if method == "medusa":
+        return {"tokens": sum(r["new_tokens"] for r in records), "forwards": sum(r["steps"] for r in records),
+                "wall_s": sum(r["medusa_s"]["wall_s"] for r in records),
+                "decode_s": sum(r["medusa_s"]["decode_s"] for r in records)}
+    key = "plain" if method == "plain" else "lookup"
+    if any(r.get(f"{key}_s") is None for r in records):
+        return None
+    return {"tokens": sum(r[f"{key}_new_tokens"] for r in records),
+            "forwards": sum(r[f"{key}_s"]["forwards"] - 1 for r in records),
+            "wall_s": sum(r[f"{key}_s"]["wall_s"] for r in records),
+            "decode_s": sum(r[f"{key}_s"]["decode_s"] for r in records)}
+
+
+def method_rows(records: list[dict]) -> dict[str, dict]:
+    """``{method: {decodes_with, tokens_per_forward, tokens_per_s, decode_tokens_per_s, speedup, decode_speedup,
+    outputs}}`` for the methods that ran; speedups over the ``plain`` row, outputs compared with it (greedy)."""
+    n = len(records)
+    rows = {}
+    for method, what in METHODS.items():
+        c = _method_counts(records, method)
+        if c is None:
+            continue
+        rows[method] = {"decodes_with": what, "tokens_per_forward": per_forward(c["tokens"], n, c["forwards"]),
+                        "tokens": c["tokens"], "forwards_after_prefill": c["forwards"],
+                        "tokens_per_s": c["tokens"] / max(c["wall_s"], 1e-9),
+                        "decode_tokens_per_s": (c["tokens"] - n) / max(c["decode_s"], 1e-9)}
+    plain = rows["plain"]
+    for method, row in rows.items():
+        row["speedup"] = row["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
+        row["decode_speedup"] = row["decode_tokens_per_s"] / max(plain["decode_tokens_per_s"], 1e-9)
+        match_key = {"plain": None, "prompt_lookup": "lookup_match", "medusa": "match"}[method]
+        checked = [r[match_key] for r in records if match_key and r.get(match_key) is not None]
+        row["outputs"] = {"compared": len(checked), "identical": sum(checked)} if checked else None
+    return rows
+
+
+def _totals(records: list[dict]) -> dict:
+    """Accepted length, tokens/s and speedups of a group of per-prompt records."""
+    rows = method_rows(records)
+    medusa, plain = rows["medusa"], rows["plain"]
+    tokens, steps, n = medusa["tokens"], medusa["forwards_after_prefill"], len(records)
+    checked = [r for r in records if r["match"] is not None]
+    totals = {
+        "count": n, "accepted_length": per_forward(tokens, n, steps) or 0.0,
+        "tokens_per_verify_step": tokens / max(steps, 1), "speedup": medusa["speedup"],
+        "decode_speedup": medusa["decode_speedup"],
+        "tokens_per_s": {"medusa": medusa["tokens_per_s"], "plain": plain["tokens_per_s"]},
+        "decode_tokens_per_s": {"medusa": medusa["decode_tokens_per_s"], "plain": plain["decode_tokens_per_s"]},
+        "mismatches": sum(not r["match"] for r in checked) if checked else None,
+        "mismatches_unexplained": sum(bool(r["mismatch"]) and r["mismatch"]["kind"] == "unexplained"
+                                      for r in checked) if checked else None,
+        "mismatches_at_rounding": sum(bool(r["mismatch"]) and r["mismatch"]["kind"] == "at_rounding"
+                                      for r in checked) if checked else None,
+        "new_tokens": {"medusa": tokens, "plain": plain["tokens"]}, "steps": steps,
+    }
+    if "prompt_lookup" in rows:
+        totals["prompt_lookup_speedup"] = rows["prompt_lookup"]["speedup"]
+    return totals
+
+
+def summarise(records: list[dict], num_heads: int) -> dict:
+    """The report's headline numbers from per-prompt records.
+
+    Returns:
+        ``mean_accepted_length`` (tokens per forward, see the module docstring), ``tokens_per_verify_step``,
+        ``speedup`` and ``decode_speedup`` (the heads over HF ``generate`` greedy), ``tokens_per_s`` and
+        ``decode_tokens_per_s`` ({medusa, plain}), ``methods`` (every in-process decoder's row, see
+        ``method_rows``), ``mismatches`` (greedy outputs differing from plain decoding; ``None`` when
+        sampling), split into ``mismatches_unexplained`` (must be 0) and ``mismatches_at_rounding`` (see
+        ``mismatch_detail``), with ``mismatch_details``, ``per_head_acceptance``, ``accept_length_histogram``
+        ({tokens per verify step: steps}), ``per_category`` ({category: count, accepted_length, speedup, ...})
+        and ``totals``.
+    """
+    overall = _totals(records)
+    steps = max(overall["steps"], 1)
+    depths = [d for r in records for d in r["accepted_depths"]]
+    categories = sorted({r["category"] for r in records})
+    return {
+        "mean_accepted_length": overall["accepted_length"],
+        "tokens_per_verify_step": overall["tokens_per_verify_step"],
+        "speedup": overall["speedup"],
+        "decode_speedup": overall["decode_speedup"],
+        "tokens_per_s": overall["tokens_per_s"],
+        "decode_tokens_per_s": overall["decode_tokens_per_s"],
+        "methods": method_rows(records),
+        "mismatches": overall["mismatches"],
+        "mismatches_unexplained": overall["mismatches_unexplained"],
+        "mismatches_at_rounding": overall["mismatches_at_rounding"],
+        "mismatch_details": [{"id": r["id"], "category": r["category"], "turn": r["turn"], **r["mismatch"]}
+                             for r in records if r["mismatch"]],
+        "per_head_acceptance": [sum(d > k for d in depths) / steps for k in range(num_heads)],
+        "accept_length_histogram": dict(sorted(Counter(n for r in records for n in r["accept_lengths"]).items())),
+        "per_category": {c: _totals([r for r in records if r["category"] == c]) for c in categories},
+        "totals": {k: overall[k] for k in ("count", "new_tokens", "steps")},
+    }

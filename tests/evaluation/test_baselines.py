@@ -1,0 +1,97 @@
+"""The free baselines in every evaluation: HF generate greedy (the plain row) and HF prompt lookup, decoded
+prompt by prompt beside the heads, every row counting tokens per target forward the same way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.training import make_model_dir
+
+from medusa_train import MedusaModel, load_backbone
+from medusa_train.backbone.generation import encode_chat, plain_generate
+from medusa_train.config.evaluate import BaselinesConfig
+from medusa_train.data.benchmarks import BenchPrompt
+from medusa_train.evaluation.evaluate import LOOKUP_GRID, choose_prompt_lookup, evaluate
+from medusa_train.evaluation.report import headline_lines, render_markdown
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# repetitive text gives prompt lookup n-grams to copy from
+PROMPTS = [BenchPrompt("r", "extraction", ["the cat sat on the mat. the cat sat on the mat. the cat sat on the"]),
+           BenchPrompt("w", "writing", ["Hello there! How are you today?", "Now say it again."])]
+TREE = [[0], [1], [0, 0]]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("baselines")
+    backbone, tokenizer = load_backbone(str(make_model_dir(root / "model")), dtype="float32")
+    model = MedusaModel.from_backbone(backbone, num_heads=2)
+    return model.eval(), tokenizer
+
+
+def test_forwards_are_counted_by_the_backbone_itself(loaded):
+    """``plain_generate`` counts the backbone's forward passes (a hook on it), so HF greedy makes one
+    token per forward after the prefill, and prompt lookup never needs more forwards for the same tokens."""
+    model, tokenizer = loaded
+    ids = encode_chat(tokenizer, [{"role": "user", "content": PROMPTS[0].turns[0]}])
+    plain, plain_t = plain_generate(model.backbone, ids, 24, [], tokenizer.pad_token_id)
+    looked, lookup_t = plain_generate(model.backbone, ids, 24, [], tokenizer.pad_token_id, prompt_lookup=(5, 2))
+    assert len(plain) == 24 and plain_t["forwards"] == 24  # the prefill gives the first, 23 forwards the rest
+    assert looked == plain  # float32 greedy: lossless
+    assert lookup_t["forwards"] <= plain_t["forwards"]
+
+
+def test_every_row_counts_tokens_per_forward_after_the_prefill(loaded):
+    model, tokenizer = loaded
+    report = evaluate(model, tokenizer, PROMPTS, TREE, max_new_tokens=16, progress=False, warmup=False,
+                      baselines=BaselinesConfig(lookup_num_tokens=5, lookup_ngram_size=2))
+    rows, records = report["methods"], report["per_prompt"]
+    assert list(rows) == ["plain", "prompt_lookup", "medusa"]
+    n = len(records)
+    assert rows["plain"]["tokens_per_forward"] == 1.0  # exactly: HF greedy is one token per forward
+    lookup_tokens = sum(r["lookup_new_tokens"] for r in records)
+    lookup_forwards = sum(r["lookup_s"]["forwards"] - 1 for r in records)
+    assert rows["prompt_lookup"]["tokens_per_forward"] == pytest.approx((lookup_tokens - n) / lookup_forwards)
+    assert rows["medusa"]["tokens_per_forward"] == report["mean_accepted_length"]
+    # speedups divide by the same plain row; greedy outputs are compared with it
+    for name in ("prompt_lookup", "medusa"):
+        assert rows[name]["speedup"] == pytest.approx(rows[name]["tokens_per_s"] / rows["plain"]["tokens_per_s"])
+        assert rows[name]["outputs"] == {"compared": n, "identical": n}
+    assert report["settings"]["prompt_lookup"] == {"num_tokens": 5, "max_matching_ngram_size": 2, "sweep": [],
+                                                   "swept_on": 0}
+    assert report["settings"]["plain_decoding"].startswith("HF transformers ")
+
+
+def test_the_first_lines_say_what_the_heads_buy_over_the_best_free_baseline(loaded):
+    model, tokenizer = loaded
+    report = evaluate(model, tokenizer, PROMPTS[:1], TREE, turns=1, max_new_tokens=12, progress=False, warmup=False,
+                      baselines=BaselinesConfig(lookup_num_tokens=3, lookup_ngram_size=2))
+    rows = report["methods"]
+    line = headline_lines(report)[0]
+    best = max(("plain", "prompt_lookup"), key=lambda k: rows[k]["tokens_per_s"])
+    bought = rows["medusa"]["tokens_per_s"] / rows[best]["tokens_per_s"]
+    assert f"the heads buy {bought:.2f}x" in line
+    assert ("plain decoding" if best == "plain" else "HF prompt lookup (N=3, ngram 2)") in line.split("best free")[1]
+    markdown = render_markdown(report).splitlines()
+    assert markdown[2] == f"**{line}**"  # right under the title
+    assert any(row.startswith("| HF prompt lookup (N=3, ngram 2) |") for row in markdown)
+
+
+def test_the_sweep_times_the_grid_and_keeps_the_fastest(loaded):
+    model, tokenizer = loaded
+    chosen = choose_prompt_lookup(model, tokenizer, PROMPTS, BaselinesConfig(lookup_ngram_size=3, sweep_prompts=1,
+                                                                             sweep_max_new_tokens=8), [], 0)
+    assert [(r["num_tokens"], r["max_matching_ngram_size"]) for r in chosen["sweep"]] == \
+        [(n, m) for n, m in LOOKUP_GRID if m == 3]  # a given setting fixes its half of the grid
+    best = max(chosen["sweep"], key=lambda r: r["tokens_per_s"])
+    assert (chosen["num_tokens"], chosen["max_matching_ngram_size"]) == (best["num_tokens"], 3)
+    assert chosen["swept_on"] == 1
+
+
+def test_turning_prompt_lookup_off_leaves_two_rows(loaded):
+    model, tokenizer = loaded
+    report = evaluate(model, tokenizer, PROMPTS[:1], TREE, turns=1, max_new_tokens=6, progress=False, warmup=False,
+                      baselines=BaselinesConfig(prompt_lookup=False))
+    assert list(report["methods"]) == ["plain", "medusa"] and report["settings"]["prompt_lookup"] is None
+    assert torch.is_tensor(encode_chat(tokenizer, [{"role": "user", "content": "x"}]))
