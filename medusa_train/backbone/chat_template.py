@@ -5,13 +5,9 @@ what training renders with is what distillation, evaluation and the exports rend
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-
-def is_inline_template(value: str) -> bool:
-    """Whether ``value`` is a template's text (it holds ``{{`` or ``{%``) rather than a file's path."""
-    return "{{" in value or "{%" in value
+from medusa_train.config.chat_template import is_inline_template
 
 
 def resolve_chat_template(value: str) -> str:
@@ -26,13 +22,6 @@ def resolve_chat_template(value: str) -> str:
     if is_inline_template(value):
         return value
     return Path(value).expanduser().read_text(encoding="utf-8")
-
-
-def chat_template_problem(key: str, value: str | None) -> str | None:
-    """The problem with a chat-template setting, naming ``key`` (``None``: unset or usable)."""
-    if not value or is_inline_template(value) or os.path.isfile(os.path.expanduser(value)):
-        return None
-    return f"{key}={value!r}: must be a Jinja template's text or a file holding one"
 
 
 def tokenizer_template(tokenizer) -> str | None:

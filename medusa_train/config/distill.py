@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from medusa_train.backbone.chat_template import chat_template_problem
+from medusa_train.config.chat_template import chat_template_problem
 from medusa_train.config.check import Problems, data_source_problem, parse_config
 from medusa_train.config.engine import ServerConfig, check_server
 from medusa_train.config.train import ModelConfig, check_model

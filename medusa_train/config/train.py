@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from medusa_train.config.chat_template import chat_template_problem
 from medusa_train.config.check import (
     Problems,
     data_source_problem,
@@ -236,9 +237,8 @@ def check(c: TrainConfig) -> list[str]:
     p.need(c.data.max_length >= 8, "data.max_length", c.data.max_length, "must be >= 8")
     if problem := data_source_problem("data.source", c.data.source):
         p.append(problem)
-    template = c.data.chat_template
-    p.need(not template or "{{" in template or "{%" in template or os.path.isfile(os.path.expanduser(template)),
-           "data.chat_template", template, "must be a Jinja template's text or a file holding one")
+    if problem := chat_template_problem("data.chat_template", c.data.chat_template):
+        p.append(problem)
     p.need(c.data.num_proc is None or c.data.num_proc >= 1, "data.num_proc", c.data.num_proc, "must be >= 1 or null")
     p.need(c.data.max_samples is None or c.data.max_samples >= 1, "data.max_samples", c.data.max_samples,
            "must be >= 1 or null (all)")

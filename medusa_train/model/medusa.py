@@ -303,12 +303,8 @@ class MedusaModel(nn.Module):
         return {name: t.detach().contiguous() for name, t in _medusa_state_dict(self).items()}
 
     def save_pretrained(self, directory: str | os.PathLike, chat_template: str | None = None) -> Path:
-        """Write the heads as ``model.safetensors`` + ``config.json`` (atomically: temp folder, rename).
-
-        Args:
-            directory: Target folder; an existing one is replaced if it is heads of ours, else refused (``folder.py``).
-            chat_template: The chat template the heads were trained with, written as ``chat_template.jinja``.
-        """
+        """Write the heads as ``model.safetensors`` + ``config.json`` (+ ``chat_template.jinja``: the template the
+        heads were trained with) atomically; a folder holding files we did not write is refused (``folder.py``)."""
         return write_heads_folder(directory, *self.native_files(), chat_template=chat_template)
 
     def native_files(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:

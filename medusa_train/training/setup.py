@@ -183,11 +183,12 @@ def load_examples(cfg: TrainConfig, tokenizer, accelerator):
     """The tokenised train and held-out examples of ``data.source`` (``datasets.Dataset``s read from the on-disk
     cache: the first process makes it, the others and every later run read it), with ``data.chat_template``
     set on ``tokenizer`` first. Says how many conversations were used, and what was left out and why."""
+    from medusa_train.backbone.chat_template import resolve_chat_template
     from medusa_train.data.cache import tokenized_splits
 
     d = cfg.data
     if d.chat_template:
-        tokenizer.chat_template = read_chat_template(d.chat_template)
+        tokenizer.chat_template = resolve_chat_template(d.chat_template)
     with accelerator.main_process_first():
         data = tokenized_splits(tokenizer, d.source, d.max_length, d.max_samples, d.eval_size, d.seed, d.num_proc)
     for line in data_lines(cfg, data):
@@ -195,13 +196,6 @@ def load_examples(cfg: TrainConfig, tokenizer, accelerator):
     if not len(data.train):
         raise ValueError(f"data.source={d.source}: no usable training conversation ({data.stats.summary()})")
     return data.train, data.evals
-
-
-def read_chat_template(value: str) -> str:
-    """``data.chat_template``: the template's text (it holds ``{{`` or ``{%``), or a file that holds it."""
-    if "{{" in value or "{%" in value:
-        return value
-    return Path(value).expanduser().read_text(encoding="utf-8")
 
 
 def data_lines(cfg: TrainConfig, data) -> list[str]:
