@@ -1,8 +1,8 @@
-"""``scripts/evaluate.py``: measure heads on a benchmark against plain decoding and write the report.
+"""``medusa-train evaluate``: measure heads on a benchmark against plain decoding and write the report.
 
-    python scripts/evaluate.py heads=outputs/medusa1/export                    # MT-Bench, 80 x 2 turns
-    python scripts/evaluate.py heads=outputs/medusa1/export bench.limit=5 generation.max_new_tokens=64
-    python scripts/evaluate.py heads=outputs/medusa1/export engine=vllm bench.limit=24 bench.turns=1   # + served
+    medusa-train evaluate heads=outputs/medusa1/export                    # MT-Bench, 80 x 2 turns
+    medusa-train evaluate heads=outputs/medusa1/export bench.limit=5 generation.max_new_tokens=64
+    medusa-train evaluate heads=outputs/medusa1/export engine=vllm bench.limit=24 bench.turns=1   # + served
 
 Options: ``configs/commands/evaluate.yaml`` (schema: ``medusa_train.config.evaluate.EvalConfig``).
 """
@@ -190,7 +190,7 @@ def print_served(report: dict) -> None:
 
 
 def main() -> None:
-    """Entry point of ``scripts/evaluate.py``."""
+    """Entry point of ``medusa-train evaluate``."""
     from medusa_train.cli.entry import run_command
 
     run_command("evaluate", build_eval_config, run, resolvers={"default_output_dir": default_output_dir})

@@ -1,4 +1,4 @@
-"""Typed configuration of ``scripts/evaluate.py`` (``configs/commands/evaluate.yaml``) and its range checks.
+"""Typed configuration of ``medusa-train evaluate`` (``configs/commands/evaluate.yaml``) and its range checks.
 
 The checks here need nothing but the values. Those that read the heads folder, resolve the tree or
 look for the benchmark file live with the command (``medusa_train.cli.evaluate``), which runs both

@@ -4,7 +4,7 @@ With a frozen backbone (Medusa-1, or Medusa-2's stage 1) every epoch would recom
 states; on the packaged model the backbone is a third of a step, on a 70B model nearly all of it.
 ``capture_split`` runs the backbone once over a split's examples and stores, per example, its
 final-norm hidden states (in the backbone's dtype: exactly what the uncached path feeds the heads)
-and labels. ``scripts/capture.py`` is this stage on its own; ``data.cache_hidden_states=true`` runs it
+and labels. ``medusa-train capture`` is this stage on its own; ``data.cache_hidden_states=true`` runs it
 before training.
 
 One folder per split, named by the settings key (a hash of everything that changes the states:
@@ -249,7 +249,7 @@ def load_captured(folder: str | os.PathLike, key: str) -> list[dict]:
     folder = Path(folder)
     index = read_index(folder, key)
     if index is None:
-        raise FileNotFoundError(f"{folder}: no complete hidden-state capture; run scripts/capture.py (or train "
+        raise FileNotFoundError(f"{folder}: no complete hidden-state capture; run medusa-train capture (or train "
                                 "with data.cache_hidden_states=true) with the same settings")
     examples: list[dict | None] = [None] * index["examples"]
     for shard in index["shards"]:

@@ -2,7 +2,7 @@
 or ``vllm``. The layouts are defined, and read back, in ``model/layouts.py``; a Medusa-2 backbone is
 merged in ``backbone/merge.py``.
 
-    python scripts/export.py heads=out/run/export format=vllm output=out/heads-vllm
+    medusa-train export heads=out/run/export format=vllm output=out/heads-vllm
 
 Every write goes to a temporary folder beside the target and is renamed into place; only a heads folder
 of ours is replaced, a folder holding anything else is refused (``model.folder.replace_folder``). The
@@ -178,7 +178,7 @@ def _vllm(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None, max
 
 def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: str, lm_head_pt: bool = False,
                   max_paths: int = 64, topk: int = 10, model: str | None = None, dtype: str | None = None) -> Path:
-    """Convert a heads folder (any layout) to ``format``; what ``scripts/export.py`` runs.
+    """Convert a heads folder (any layout) to ``format``; what ``medusa-train export`` runs.
 
     The backbone is loaded only when it is needed: when the heads share its LM head and the target
     layout stores a copy of it. It is then the one named in the heads' ``config.json`` unless

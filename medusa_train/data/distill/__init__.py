@@ -6,7 +6,7 @@ turns of any conversation source, regenerates every assistant turn with the mode
 earlier replies as context), and appends one ``{"messages": [...]}`` line per finished
 conversation to a jsonl that ``data.source=`` reads directly::
 
-    python scripts/distill.py num_prompts=400 generation.max_new_tokens=256
+    medusa-train distill num_prompts=400 generation.max_new_tokens=256
 
 Files written for ``output=X.jsonl``:
 

@@ -206,7 +206,7 @@ def _stats(cfg, selection: Selection, records_file: JsonlAppender, skipped_file:
 
 
 def report(cfg: DistillConfig) -> DistillStats:
-    """Distill and print the summary line (what ``scripts/distill.py`` runs)."""
+    """Distill and print the summary line (what ``medusa-train distill`` runs)."""
     stats = distill(cfg)
     print(f"[medusa_train] distilled: {stats.summary()}", flush=True)
     return stats

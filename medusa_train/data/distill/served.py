@@ -1,7 +1,7 @@
 """Distillation through a serving engine: replies from OpenAI-compatible servers instead of an in-process model.
 
-    python scripts/distill.py engine=vllm num_prompts=1200                   # starts a vLLM server, stops it after
-    python scripts/distill.py engine=openai url=[http://gpu1:8000,http://gpu2:8000] concurrency=128
+    medusa-train distill engine=vllm num_prompts=1200                   # starts a vLLM server, stops it after
+    medusa-train distill engine=openai url=[http://gpu1:8000,http://gpu2:8000] concurrency=128
 
 Only the tokenizer loads here. Each conversation is answered turn by turn with its own earlier replies
 (``turns.distill_batch`` on one conversation), ``concurrency`` conversations at a time spread round-robin
