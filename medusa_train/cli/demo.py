@@ -40,7 +40,7 @@ from pathlib import Path
 from medusa_train.config.check import ConfigError, Problems
 from medusa_train.config.compose import compose_training
 from medusa_train.config.demo import DemoConfig, build_demo_config, resolve_dtypes
-from medusa_train.evaluation.report import mismatch_summary
+from medusa_train.evaluation.report import headline_lines, mismatch_summary
 
 ENV = dict(os.environ)
 
@@ -191,6 +191,8 @@ def run(cfg: DemoConfig) -> None:
     print(f"distilled data   {data}\nheads (native)   {export}\ntree             {tree}\n"
           f"report           {report / 'report.md'}  (+ report.json, report.png)\n"
           f"metrics          {run_dir / 'metrics.jsonl'}")
+    for line in headline_lines(result):  # what the heads buy over the best free baseline
+        print(line)
     print(f"greedy mismatches vs plain decoding: {mismatch_summary(result)}")
     fitted = tree_facts(tree)
     if "chosen_nodes" in fitted:

@@ -146,13 +146,15 @@ def serve_and_measure(base_model: str, export_dir: str | Path | None, num_heads:
                                              **asdict(served)}}
 
 
-def _attached_config(stated: dict | None, phases: dict) -> dict | None:
-    """An attached server's speculation as stated (the row and its K), its K checked against the draft
-    positions its counters report (``K_read``)."""
+def _attached_config(row: dict | None, phases: dict) -> dict | None:
+    """An attached server's speculation: the method its row states, K as its counters report it (the draft
+    positions; the stated K where it reported none). What it drafts with was not started by us: not checked."""
     read = phases["greedy"]["draft_positions"]
-    if stated is None:
-        return {"method": None, "draft_positions_read": read} if read else None
-    return {**stated, "draft_positions_read": read}
+    if row is None:  # the plain row: a server that drafts after all is said so
+        return {"method": "unknown (stated: none)", "num_speculative_tokens": read} if read else None
+    config = {k: v for k, v in row.items() if k != "model"}
+    return {**config, "num_speculative_tokens": read or row["num_speculative_tokens"],
+            "num_speculative_tokens_stated": row["num_speculative_tokens"], "read_from_counters": bool(read)}
 
 
 def _reply_tokens(token_ids: list[int] | None, eos: Sequence[int]) -> list[int] | None:

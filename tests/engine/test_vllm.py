@@ -24,42 +24,97 @@ PROMPTS = 6  # MT-Bench first turns, spread over the categories
 MAX_TOKENS = 48
 
 
-def test_the_draft_vocabulary_export_serves_accepts_what_we_simulate_and_keeps_greedy_output(trained_heads, tmp_path):
-    """``scripts/evaluate.py heads=<native heads> engine=vllm`` as a user runs it: heads with a 4,096-token
-    draft vocabulary sharing the LM head, exported for vLLM (whole LM head, no token_map) and served on
-    the packaged model's folder with and without speculation in float32: served acceptance > 1 and within
-    0.03 of our decoder's top-1 chain on the same prompts, greedy replies identical to the engine's own."""
+@pytest.fixture(scope="module")
+def free_servers(model_folder, tmp_path_factory):
+    """The packaged model served in float32 without speculation and with vLLM's n-gram speculation, as a user
+    runs them already: the evaluations below attach to them (``served.plain_url``, ``served.ngram_url``)."""
+    import contextlib
+
+    from medusa_train.config.engine import ServedConfig
+    from medusa_train.evaluation.served import speculative_configs
+
+    logs = tmp_path_factory.mktemp("free-servers")
+    ngram = speculative_configs(None, 0, ServedConfig())["ngram"]
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(VllmServer(model_folder, dtype="float32", speculative_config=spec,
+                                                     log_path=logs / f"{name}.log")).url
+                for name, spec in (("plain", None), ("ngram", ngram))}
+        yield urls
+
+
+def _served_eval(heads, out, urls):
     from medusa_train.cli.evaluate import build_eval_config, run
 
-    cfg = build_eval_config({
-        "heads": trained_heads, "engine": "vllm", "tree": "chain", "model": {"dtype": "float32"},
+    return run(build_eval_config({
+        "heads": heads, "engine": "vllm", "tree": "chain", "model": {"dtype": "float32"},
         "bench": {"limit": PROMPTS, "turns": 1}, "generation": {"max_new_tokens": MAX_TOKENS}, "warmup": False,
-        "progress": False, "output_dir": str(tmp_path / "report"),
-        "served": {"concurrency": 3, "sampled_temperature": 0.7, "ngram": False}})
-    report = run(cfg)
-    row = report["engines"]["vllm"]
-    got = row["served"]
-    heads = json.loads((Path(trained_heads) / "config.json").read_text())
-    assert heads["draft_vocab_size"] == 4096 and heads["share_lm_head"]
+        "progress": False, "output_dir": str(out), "baselines": {"lookup_num_tokens": 5, "lookup_ngram_size": 2},
+        "served": {"concurrency": 3, "sampled_temperature": 0.7, "plain_url": urls["plain"],
+                   "ngram_url": urls["ngram"]}}))
+
+
+def test_every_served_row_counts_tokens_per_decode_step_and_the_heads_agree_with_the_engine(
+        trained_heads, free_servers, tmp_path):
+    """``medusa-train evaluate heads=<native heads> engine=vllm`` with the free rows attached to running servers
+    and the heads' server started: heads with a 4,096-token draft vocabulary sharing the LM head, exported for
+    vLLM (whole LM head, no token_map), float32.
+
+    The counting is tested against the engine: without speculation one decode step per token after the
+    first (tokens per step exactly 1); the heads draft on every decode step, so vLLM's per-drafted-step
+    acceptance length equals our tokens per step within 1%, and both match our decoder's top-1 chain;
+    n-gram drafts only where it finds a match, so its tokens per step is below vLLM's figure for it."""
+    report = _served_eval(trained_heads, tmp_path / "report", free_servers)
+    served = report["served"]
+    rows = served["rows"]
+    assert list(rows) == ["plain", "ngram", "medusa"] and served["attached"] == ["plain", "ngram"]
+    plain, ngram, heads = rows["plain"], rows["ngram"], rows["medusa"]
+    assert plain["decode_steps"] == plain["tokens"] - plain["replies"] and plain["tokens_per_step"] == 1.0
+    assert plain["mean_acceptance_length"] is None
+    assert heads["drafts"] == heads["decode_steps"] > 0 and heads["drafted_share"] == 1.0
+    assert abs(heads["tokens_per_step"] / heads["mean_acceptance_length"] - 1) <= 0.01, heads
+    assert heads["tokens_per_step"] > 1.0
+    assert abs(heads["tokens_per_step"] - heads["simulated_tokens_per_step"]) <= 0.03, heads
+    # completion - replies - accepted counts accepted tokens a stop or max_tokens cut off as emitted: never more
+    # steps than the engine took (equal for the heads here; n-gram's cut drafts make it fewer)
+    assert heads["steps_from_accepted"] <= heads["decode_steps"] and ngram["steps_from_accepted"] <= ngram["decode_steps"]
+    assert ngram["drafted_share"] < 1.0 and ngram["tokens_per_step"] < ngram["mean_acceptance_length"], ngram
     export = json.loads((tmp_path / "report" / "vllm-export" / "config.json").read_text())
     assert export["truncated_vocab_size"] == export["vocab_size"] and export["original_lm_head"]
-    # the server started on the base model's folder with the export as its speculator, K = every head
-    assert got["speculative_config"] == {"method": "medusa", "num_speculative_tokens": heads["num_heads"],
-                                         "model": str((tmp_path / "report" / "vllm-export").resolve())}
-    assert not got["settings"]["base_model"].startswith("packaged:")
-    assert got["drafts"] > 0 and len(got["per_position_acceptance"]) == heads["num_heads"]
-    assert got["mean_acceptance_length"] > 1.0
-    assert abs(got["mean_acceptance_length"] - row["mean_accepted_length"]) <= 0.03, (got, row)
-    assert got["prompts_tokenised_alike"] == PROMPTS  # the engine's chat template gave our input ids' length
-    o = got["outputs"]
-    assert o["compared"] == PROMPTS and o["unexplained"] == 0 and o["identical"] + o["at_rounding"] == PROMPTS, o
-    assert set(got["phases"]) == {"greedy_c3", "sampled"}
-    assert got["phases"]["sampled"]["mean_acceptance_length"] >= 1.0
+    assert heads["speculative_config"]["num_speculative_tokens"] == export["num_heads"]
+    for row in (ngram, heads):
+        o = row["outputs"]
+        assert o["compared"] == PROMPTS and o["unexplained"] == 0, o
+        assert row["prompts_tokenised_alike"] == PROMPTS  # the engine's chat template gave our input ids
+    assert set(heads["phases"]) == {"greedy_c3", "sampled"}
+    # sampled replies are scored under the backbone: the plain server's pass; a flagged row shows no speedup
+    assert not plain["phases"]["sampled"]["check"]["flagged"], plain["phases"]["sampled"]["check"]
+    for row in rows.values():
+        sampled = row["phases"]["sampled"]
+        assert sampled["check"]["tokens"] > 0 and (sampled["check"]["flagged"] == (sampled.get("speedup") is None)
+                                                   or row is plain)
     written = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert written["engines"]["vllm"]["served"] == json.loads(json.dumps(got))
-    assert "acceptance length" in (tmp_path / "report" / "report.md").read_text()
+    assert written["served"]["rows"] == json.loads(json.dumps(rows))
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "Served by vLLM, greedy at concurrency 1" in markdown.splitlines()[4]
+    assert "Attached to servers already running (plain, ngram)" in markdown
     assert "--speculative-config" in (tmp_path / "report" / "vllm-medusa.log").read_text()
-    assert "--speculative-config" not in (tmp_path / "report" / "vllm-plain.log").read_text()
+
+
+def test_heads_vllm_cannot_serve_still_get_the_free_served_rows(model_folder, free_servers, tmp_path):
+    """Heads that read the next token (no vLLM form) are measured in-process; the served rows without
+    speculation and with n-gram are still measured, and the report says why the heads were not."""
+    from medusa_train import MedusaModel, load_backbone
+
+    backbone, _ = load_backbone(model_folder, dtype="float32")
+    heads = MedusaModel.from_backbone(backbone, num_heads=2, next_token_input=True)
+    folder = heads.save_pretrained(tmp_path / "heads")
+    del backbone, heads
+    report = _served_eval(str(folder), tmp_path / "report", free_servers)
+    served = report["served"]
+    assert list(served["rows"]) == ["plain", "ngram"]
+    assert "heads.next_token_input" in served["heads_not_served"]
+    assert served["rows"]["ngram"]["speedup"] > 0 and served["rows"]["ngram"]["outputs"]["unexplained"] == 0
+    assert "The heads were not served" in (tmp_path / "report" / "report.md").read_text().splitlines()[4]
 
 
 def _distill_cfg(output, **extra):
