@@ -19,12 +19,20 @@ def recipe_class(method: str):
 
 def build(raw) -> TrainConfig:
     """The checked config; a run in ``trainer.output_dir`` with other settings is a config problem too (it would
-    be resumed and mixed with this one), reported before anything loads."""
+    be resumed and mixed with this one), and so is an ``export`` folder there holding files we did not write
+    (the export at the end would be refused), reported before anything loads."""
+    from pathlib import Path
+
     from medusa_train.config.check import ConfigError
+    from medusa_train.model.folder import output_problem
     from medusa_train.training.resume import resume_problems
 
     cfg = build_config(raw)
-    if problems := resume_problems(cfg):
+    problems = resume_problems(cfg)
+    if cfg.trainer.export and (problem := output_problem(Path(cfg.trainer.output_dir) / "export",
+                                                         "trainer.output_dir")):
+        problems.append(problem)
+    if problems:
         raise ConfigError(problems)
     return cfg
 

@@ -87,7 +87,11 @@ class VllmServer:
                  port: int | None = None, host: str = "127.0.0.1", enforce_eager: bool | None = None, seed: int = 0,
                  extra_args: Sequence[str] = (), kv_cache_gib: int | None = 2, log_path: str | os.PathLike | None = None,
                  startup_timeout: float = 600.0):
-        self.model, self.dtype, self.speculative_config = str(model), dtype, speculative_config
+        from medusa_train.config.dtype import canonical_dtype, dtype_rule
+
+        if canonical_dtype(dtype) is None:  # vLLM's --dtype takes the long names only: bf16 becomes bfloat16
+            raise EngineError(f"dtype={dtype!r}: {dtype_rule()}")
+        self.model, self.dtype, self.speculative_config = str(model), canonical_dtype(dtype), speculative_config
         self.python = find_engine_python(python)
         self.host, self.port = host, port or free_port(host)
         if enforce_eager is None:

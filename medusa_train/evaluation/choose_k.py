@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from medusa_train.config.choose_k import ChooseKConfig
+from medusa_train.model.folder import SERVING_NAME
 
-SERVING_NAME = "serving.json"  #: written into a vllm export: the measured K (read by ``cli.export.serve_command``)
 BENCHMARK = "packaged:mt-bench"
 WARMUP_TOKENS = 8
 

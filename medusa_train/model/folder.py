@@ -6,7 +6,7 @@ target, which is then renamed into place, replacing the previous one whole. Only
 replaced: an existing, non-empty target must hold a ``config.json`` of a Medusa layout we read
 (``layouts.detect_format``) and nothing but the names our writers put there (``OUR_NAMES``). Any other
 file means the folder is someone else's, and the write is refused before anything is touched. A
-``serving.json`` written by ``python -m benchmarks vllm_k`` into an export is carried over to the new one.
+``serving.json`` written by ``medusa-train choose-k`` into an export is carried over to the new one.
 
 ``chat_template.jinja`` (what Hugging Face tokenizers also save) holds the template of the run that trained the
 heads: ``read_chat_template`` is the one reader of it (``model.load.load_heads`` sets it on the tokenizer).
@@ -36,7 +36,7 @@ from medusa_train.model.layouts import (
 )
 
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
-SERVING_NAME = "serving.json"  #: written into a vllm export by ``python -m benchmarks vllm_k`` (the measured K)
+SERVING_NAME = "serving.json"  #: written into a vllm export by ``medusa-train choose-k`` (the measured K)
 TRAINING_CONFIG_NAME = "training_config.json"  #: a run's export: the training config that made it
 #: Every name a writer of ours puts in a heads folder (a run's export: also the Medusa-2 backbone's files).
 OUR_NAMES = frozenset({CONFIG_NAME, WEIGHTS_NAME, VLLM_WEIGHTS_NAME, MEDUSA_V1_WEIGHTS_NAME, MEDUSA_V1_PT_NAME,

@@ -123,29 +123,9 @@ def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def run_train_command(overrides: list[str], monkeypatch) -> int:
-    """``medusa-train train +recipe=medusa1 debug=smoke <overrides>`` in this process; its exit status."""
-    import sys
-
-    from hydra.core.global_hydra import GlobalHydra
-
-    from medusa_train.cli import train
-    from medusa_train.cli.entry import run_command
-    from medusa_train.config.paths import CONFIG_DIR
-
-    monkeypatch.setattr(sys, "argv", ["medusa-train", "+recipe=medusa1", "debug=smoke", *overrides])
-    try:
-        run_command("train", train.build, train.run, config_dir=CONFIG_DIR)
-    except SystemExit as done:
-        return done.code
-    finally:
-        GlobalHydra.instance().clear()
-    return 0
-
-
 @pytest.mark.parametrize("case", ["empty", "fewer_than_eval_size"])
 def test_the_train_command_refuses_with_exit_2_and_no_traceback(case, model_dir, tmp_path, monkeypatch, capfd):
-    from helpers.training import train_overrides
+    from helpers.training import run_train_command, train_overrides
 
     monkeypatch.setenv("MEDUSA_TRAIN_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "chats.jsonl"

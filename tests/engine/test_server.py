@@ -177,3 +177,11 @@ def test_decode_steps_are_the_inter_token_latency_count_and_give_the_drafted_sha
     assert delta.drafted_share == pytest.approx(0.25)
     older = spec_counters(parse_metrics('vllm:time_per_output_token_seconds_count{engine="0"} 7.0\n'))
     assert older.decode_steps == 7.0  # the metric's earlier name is read where the newer one is absent
+
+
+def test_the_server_gets_vllms_dtype_names(stand_in):
+    """vLLM's --dtype takes the long names only: the short spellings every command accepts are translated."""
+    server = VllmServer("/m", dtype="bf16", python=str(stand_in))
+    assert server.command[server.command.index("--dtype") + 1] == "bfloat16"
+    with pytest.raises(EngineError, match=r"dtype='bf17': must be one of float32, bfloat16, float16"):
+        VllmServer("/m", dtype="bf17", python=str(stand_in))

@@ -44,3 +44,19 @@ def test_a_trained_export_carries_its_custom_template_and_load_heads_renders_wit
                                          "choose another trainer.output_dir="):
         run(cfg)
     assert (export / "precious.txt").read_text() == "mine" and (export / "chat_template.jinja").is_file()
+
+
+def test_a_run_whose_export_folder_holds_a_file_of_yours_is_refused_before_training(tmp_path, monkeypatch, capfd):
+    """The export at the end of a run would be refused; the train command says so before anything loads, with
+    exit 2, naming trainer.output_dir, and the file is still there."""
+    from helpers.training import run_train_command
+
+    model_dir, data = make_model_dir(tmp_path / "model"), make_chat_jsonl(tmp_path / "chat.jsonl", n=16)
+    precious = tmp_path / "run" / "export" / "precious.txt"
+    precious.parent.mkdir(parents=True)
+    precious.write_text("mine")
+    assert run_train_command(train_overrides(model_dir, data, tmp_path / "run"), monkeypatch) == 2
+    err = capfd.readouterr().err
+    assert "holds files medusa-train did not write (precious.txt)" in err and "trainer.output_dir=" in err
+    assert "Traceback" not in err and precious.read_text() == "mine"
+    assert not (tmp_path / "run" / "checkpoints").exists()

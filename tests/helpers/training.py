@@ -82,3 +82,23 @@ def kill_after_checkpoint(cmd: list[str], output_dir: Path, step: int, env: dict
 def resumed_at(stdout: str) -> int:
     """The step a resumed training run says it continued from (``resumed from <checkpoint> at step N``)."""
     return int(stdout.split("resumed from")[1].split("at step ")[1].split()[0])
+
+
+def run_train_command(overrides: list[str], monkeypatch) -> int:
+    """``medusa-train train +recipe=medusa1 debug=smoke <overrides>`` in this process; its exit status."""
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from medusa_train.cli import train
+    from medusa_train.cli.entry import run_command
+    from medusa_train.config.paths import CONFIG_DIR
+
+    monkeypatch.setattr(sys, "argv", ["medusa-train", "+recipe=medusa1", "debug=smoke", *overrides])
+    try:
+        run_command("train", train.build, train.run, config_dir=CONFIG_DIR)
+    except SystemExit as done:
+        return done.code
+    finally:
+        GlobalHydra.instance().clear()
+    return 0
