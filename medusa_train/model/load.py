@@ -67,7 +67,8 @@ def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = Non
         model: Backbone settings; its ``name_or_path`` defaults to the base model of the heads.
         device: ``cuda`` when available, else ``cpu`` by default.
         export_template: Render chats with the template the heads were trained with, when the folder records
-            one (``read_chat_template``); ``False`` keeps the tokenizer's own.
+            one (``read_chat_template``); ``False`` keeps the tokenizer's own. ``model.chat_template``, when set,
+            is used instead of either.
 
     Returns:
         ``(MedusaModel, tokenizer)`` in eval mode.
@@ -81,7 +82,7 @@ def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = Non
         medusa, tokenizer = load_medusa2_export(heads_dir, "adapter", dtype=model.dtype, device_map=device,
                                                 attn_implementation=model.attn_implementation,
                                                 export_template=export_template)
-        return medusa.eval(), tokenizer
+        return medusa.eval(), _user_template(tokenizer, model.chat_template)
     name = model.name_or_path or read_export_config(heads_dir)[1]
     backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
                                         attn_implementation=model.attn_implementation)
@@ -89,7 +90,18 @@ def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = Non
     medusa = MedusaModel.from_pretrained(heads_dir, backbone=backbone)
     for part in medusa.medusa_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)
-    return medusa.eval(), use_export_template(tokenizer, heads_dir) if export_template else tokenizer
+    if export_template:
+        tokenizer = use_export_template(tokenizer, heads_dir)
+    return medusa.eval(), _user_template(tokenizer, model.chat_template)
+
+
+def _user_template(tokenizer, value: str | None):
+    """``tokenizer`` rendering with ``model.chat_template`` when one is set (over the heads' own)."""
+    if value:
+        from medusa_train.backbone.chat_template import resolve_chat_template
+
+        tokenizer.chat_template = resolve_chat_template(value)
+    return tokenizer
 
 
 def load_medusa2_export(directory: str | os.PathLike, form: str = "merged", dtype: str | None = None,

@@ -202,11 +202,11 @@ def test_run_writes_report_files_and_prints_headline_last(heads_dir, tmp_path, c
 
 def test_config_errors_are_reported_together(tmp_path):
     with pytest.raises(ConfigError) as err:
-        build_eval_config({"heads": str(tmp_path), "tree": "nope", "model": {"dtype": "int3"},
+        build_eval_config({"heads": str(tmp_path), "tree": "nope", "model": {"dtype": "int3", "chat_template": "no.jinja"},
                            "bench": {"turns": 0, "source": str(tmp_path / "none.jsonl")},
                            "generation": {"max_new_tokens": 0, "acceptance": "maybe"}, "colour": "red"})
     text = str(err.value)
-    for key in ("heads=", "tree=nope", "model.dtype='int3'", "bench.turns=0", "bench.source=",
+    for key in ("heads=", "tree=nope", "model.dtype='int3'", "model.chat_template='no.jinja'", "bench.turns=0", "bench.source=",
                 "generation.max_new_tokens=0", "generation.acceptance='maybe'", "colour: unknown key"):
         assert key in text, key
     with pytest.raises(ConfigError, match="heads: required"):

@@ -35,6 +35,22 @@ def test_a_trained_export_carries_its_custom_template_and_load_heads_renders_wit
     _, own = load_heads(export, EvalModelConfig(), device="cpu", export_template=False)
     assert MARKER not in own.decode(encode_chat(own, messages)[0])  # the tokenizer's template, when asked
 
+    _, other = load_heads(export, EvalModelConfig(chat_template=CHATML_TEMPLATE), device="cpu")
+    assert MARKER not in other.decode(encode_chat(other, messages)[0])  # model.chat_template= over the heads' own
+
+    # the evaluate command renders its prompts with the run's template: the input ids it decoded are those
+    from medusa_train.cli.evaluate import build_eval_config
+    from medusa_train.cli.evaluate import run as evaluate
+
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text('{"question_id": 1, "category": "math", "turns": ["Count from one."]}\n')
+    report = evaluate(build_eval_config({"heads": str(export), "tree": "chain", "bench": {"source": str(bench)},
+                                         "generation": {"max_new_tokens": 4}, "output_dir": str(tmp_path / "eval"),
+                                         "baselines": {"prompt_lookup": False}, "device": "cpu", "warmup": False,
+                                         "progress": False}))
+    assert report["per_prompt"][0]["prompt_tokens"] == encode_chat(tokenizer, messages).shape[1] \
+        != encode_chat(own, messages).shape[1]
+
     export_folder(export, tmp_path / "vllm", "vllm")  # a conversion keeps it
     _, tokenizer = load_heads(tmp_path / "vllm", EvalModelConfig(), device="cpu")
     assert MARKER in tokenizer.decode(encode_chat(tokenizer, messages)[0])
