@@ -118,7 +118,9 @@ def plain_generate(backbone, input_ids: torch.Tensor, max_new_tokens: int, eos: 
     device = input_ids.device
     clock = _FirstTokenClock(device)
     forwards = [0]
-    hook = backbone.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    # the LM head runs once per forward, whatever wraps the model (a peft model's generate calls the one inside)
+    hook = backbone.get_output_embeddings().register_forward_pre_hook(
+        lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     try:
         start = now(device)
         out = backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,

@@ -152,7 +152,7 @@ def served_runner(cfg: EvalConfig, model, tokenizer, output_dir: str):
 
     def served(conversations, servable: bool):
         export = None
-        if servable:
+        if servable and not cfg.served.medusa_url:  # an attached heads server has its own
             export = heads if detect_format(read_config_json(heads)) == "vllm" \
                 else export_heads(model, Path(output_dir) / "vllm-export", "vllm")
         template = None

@@ -56,6 +56,8 @@ class BaselinesConfig:
     prompt_lookup: bool = True  #: also decode with HF transformers' prompt lookup (no training at all)
     lookup_num_tokens: int | None = None  #: its prompt_lookup_num_tokens (null: chosen by the sweep)
     lookup_ngram_size: int | None = None  #: its max_matching_ngram_size (null: chosen by the sweep)
+    sweep_num_tokens: list[int] = field(default_factory=lambda: [3, 5, 10])  #: lookup_num_tokens values swept
+    sweep_ngram_sizes: list[int] = field(default_factory=lambda: [2, 3])  #: lookup_ngram_size values swept
     sweep_prompts: int = 3  #: first turns the sweep times each setting on (the evaluation's first prompts)
     sweep_max_new_tokens: int = 64  #: tokens per sweep reply
 
@@ -131,6 +133,9 @@ def check_eval_config(c: EvalConfig) -> list[str]:
     for key in ("lookup_num_tokens", "lookup_ngram_size"):
         value = getattr(b, key)
         p.need(value is None or value >= 1, f"baselines.{key}", value, "must be >= 1 or null (swept)")
+    for key in ("sweep_num_tokens", "sweep_ngram_sizes"):
+        values = getattr(b, key)
+        p.need(bool(values) and all(v >= 1 for v in values), f"baselines.{key}", values, "must be values >= 1")
     p.need(b.sweep_prompts >= 1, "baselines.sweep_prompts", b.sweep_prompts, "must be >= 1")
     p.need(b.sweep_max_new_tokens >= 1, "baselines.sweep_max_new_tokens", b.sweep_max_new_tokens, "must be >= 1")
     g = c.generation

@@ -179,7 +179,9 @@ class EngineClient:
              seed: int | None = None, stop_token_ids: Sequence[int] | None = None) -> ChatReply:
         """One chat completion (``max_tokens`` is always sent: a server's default may be the whole context)."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-                "top_p": top_p, "return_token_ids": True, "skip_special_tokens": True}
+                "top_p": top_p, "return_token_ids": True, "skip_special_tokens": True,
+                # no top-k and no penalty: a model's generation_config must not change what is sampled from
+                "top_k": 0, "repetition_penalty": 1.0}
         if seed is not None:
             body["seed"] = seed
         if stop_token_ids:

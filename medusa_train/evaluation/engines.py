@@ -35,6 +35,12 @@ def native_only_reason(config) -> str | None:
     return ("the heads " + " and ".join(features) + ": only the native layout holds that") if features else None
 
 
+def vllm_reason(config) -> str | None:
+    """Why vLLM cannot serve heads of ``config`` (``None``: it can, from their ``vllm`` export)."""
+    problem = config.vllm_problem()
+    return native_only_reason(config) or (f"the heads {problem}" if problem else None)
+
+
 def vllm_form(model):
     """The heads as the ``vllm`` export serves them: ``model`` itself, or, with a draft vocabulary shared
     through the LM head, the export written and read back (whole LM head, no token map)."""
@@ -71,7 +77,7 @@ def engine_rows(model, inputs: Sequence[torch.Tensor], tree: MedusaTree, native_
     native_only = native_only_reason(model.config)
     no_token_map = model.config.token_map_problem()  # TGI and TensorRT-LLM read the original Medusa layout
     medusa_v1 = native_only or (f"the heads {no_token_map}" if no_token_map else None)
-    vllm = native_only or (f"the heads {model.config.vllm_problem()}" if model.config.vllm_problem() else None)
+    vllm = vllm_reason(model.config)
     reasons = {"vllm": vllm, "tgi": medusa_v1, "trtllm": medusa_v1, "native": None}
     chain = None if vllm else chain_accepted_length(vllm_form(model), inputs, max_new_tokens, eos)
     values = {"vllm": chain, "tgi": chain, "trtllm": native_accepted_length, "native": native_accepted_length}

@@ -38,7 +38,7 @@ from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_be
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.decoding.tree import tree_from_config
 from medusa_train.evaluation.compare import first_difference, mismatch_detail
-from medusa_train.evaluation.engines import engine_rows
+from medusa_train.evaluation.engines import engine_rows, vllm_reason
 from medusa_train.evaluation.summary import summarise
 
 WARMUP_TOKENS = 16
@@ -107,25 +107,22 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
 
 
 # ------------------------------------------------------------------------------------------- prompt lookup
-#: (prompt_lookup_num_tokens, max_matching_ngram_size) settings the sweep times
-LOOKUP_GRID = [(3, 2), (3, 3), (5, 2), (5, 3), (10, 2), (10, 3)]
-
-
 def choose_prompt_lookup(model, tokenizer, prompts: Sequence[BenchPrompt], baselines: BaselinesConfig,
                          eos: list[int], pad: int) -> dict:
-    """Prompt lookup's settings: those given, or the fastest of ``LOOKUP_GRID`` (each one's ``num_tokens`` or
-    ``ngram_size`` fixed when given) over the first turns of the first ``sweep_prompts`` prompts, greedy.
+    """Prompt lookup's settings: those given, or the fastest of the sweep's grid (``baselines.sweep_num_tokens``
+    x ``sweep_ngram_sizes``; a setting given fixes its half) over the first turns of the first
+    ``sweep_prompts`` prompts, greedy.
 
     Returns:
         ``{"num_tokens", "max_matching_ngram_size", "sweep": [{num_tokens, max_matching_ngram_size,
         tokens_per_s, tokens_per_forward}], "swept_on": prompts}`` (no sweep when both are given).
     """
     b = baselines
-    grid = [(n, m) for n, m in LOOKUP_GRID if b.lookup_num_tokens in (None, n) and b.lookup_ngram_size in (None, m)]
-    if b.lookup_num_tokens is not None and b.lookup_ngram_size is not None or not grid:
-        n = b.lookup_num_tokens or LOOKUP_GRID[-1][0]
-        m = b.lookup_ngram_size or LOOKUP_GRID[0][1]
-        return {"num_tokens": n, "max_matching_ngram_size": m, "sweep": [], "swept_on": 0}
+    sizes = [b.lookup_num_tokens] if b.lookup_num_tokens else list(b.sweep_num_tokens)
+    ngrams = [b.lookup_ngram_size] if b.lookup_ngram_size else list(b.sweep_ngram_sizes)
+    grid = [(n, m) for n in sizes for m in ngrams]
+    if len(grid) == 1:
+        return {"num_tokens": grid[0][0], "max_matching_ngram_size": grid[0][1], "sweep": [], "swept_on": 0}
     device = model.lm_head.weight.device
     inputs = [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}]).to(device)
               for p in prompts[:b.sweep_prompts]]
@@ -242,8 +239,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     if served is not None:
         from medusa_train.evaluation.served_report import add_served
 
-        servable = "engines" in report and report["engines"]["vllm"]["reason"] is None
-        add_served(report, served(conversations, servable), model, inputs)
+        add_served(report, served(conversations, vllm_reason(model.config) is None), model, inputs)
         if output_dir is not None:
             write_report(report, output_dir)
     return report

@@ -9,7 +9,9 @@ the backbone, ``softmax(logits / T)`` over the prompt and the reply before it, a
 that position's *tail mass* (the summed probability of the tokens below ``threshold``), so the count is
 expected to be the sum of the tail masses, with the variance of a sum of independent Bernoulli draws.
 A reply set whose count exceeds that expectation by more than ``Z_LIMIT`` standard deviations (and by
-more than ``SLACK`` tokens, so one rare draw flags nothing) is flagged as incorrect.
+more than ``SLACK`` tokens, so one rare draw flags nothing) is flagged as incorrect; so is one whose share
+exceeds the share of the server without speculation on the same prompts and seeds by as much
+(``against_plain``). A stray token the backbone finds plausible (above the threshold) is not caught.
 """
 
 from __future__ import annotations
@@ -76,5 +78,23 @@ def describe(check: dict) -> str:
     share = "n/a" if check["share_below"] is None else f"{check['share_below']:.1%}"
     expected = "n/a" if check["expected_share"] is None else f"{check['expected_share']:.1%}"
     word = "incorrect" if check["flagged"] else "consistent with the backbone"
+    plain = check.get("plain_share_below")
+    beside = f", {plain:.1%} from the server without speculation" if plain is not None else ""
     return (f"{word}: {share} of {check['tokens']:,} reply tokens below p={check['threshold']:g} at "
-            f"T={check['temperature']:g} ({expected} expected from a correct sampler)")
+            f"T={check['temperature']:g} ({expected} expected from a correct sampler{beside})")
+
+
+def against_plain(check: dict, plain: dict) -> dict:
+    """``check``'s share of tokens below the threshold against the plain server's (a two-proportion test).
+
+    Returns:
+        ``{"plain_share_below", "z_against_plain", "flagged_against_plain"}``.
+    """
+    n1, n0, b1, b0 = check["tokens"], plain["tokens"], check["below"], plain["below"]
+    if not n1 or not n0:
+        return {"plain_share_below": plain["share_below"], "z_against_plain": None, "flagged_against_plain": False}
+    pooled = (b1 + b0) / (n1 + n0)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n0))
+    z = (b1 / n1 - b0 / n0) / se if se > 0 else 0.0
+    return {"plain_share_below": b0 / n0, "z_against_plain": z,
+            "flagged_against_plain": z > Z_LIMIT and b1 - n1 * b0 / n0 > SLACK}

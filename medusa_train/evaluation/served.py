@@ -36,15 +36,17 @@ COUNTER_SETTLE_S = 1.0
 
 def speculative_configs(export_dir: str | Path | None, num_heads: int, served: ServedConfig) -> dict[str, dict | None]:
     """``{row: --speculative-config}``: ``plain`` (none), ``ngram``, ``medusa`` (the export; left out when
-    ``export_dir`` is ``None``: heads with no vLLM form still get the free rows)."""
+    ``export_dir`` is ``None`` and no ``served.medusa_url`` is given: heads with no vLLM form still get the
+    free rows)."""
     configs: dict[str, dict | None] = {}
     if served.plain:
         configs["plain"] = None
     if served.ngram:
         configs["ngram"] = {"method": "ngram", "num_speculative_tokens": served.ngram_tokens,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    if export_dir is not None:
-        configs["medusa"] = {"method": "medusa", "model": str(Path(export_dir).resolve()),
+    if export_dir is not None or served.medusa_url:
+        model = str(Path(export_dir).resolve()) if export_dir is not None else None
+        configs["medusa"] = {"method": "medusa", "model": model,
                              "num_speculative_tokens": served.num_speculative_tokens or num_heads}
     return configs
 
@@ -88,6 +90,7 @@ def measure_server(client: EngineClient, conversations: Sequence[list[dict]], ma
                    served: ServedConfig, seed: int = 0) -> dict:
     """The phases of one server (see the module docstring), after one untimed warm-up request."""
     client.chat(conversations[0], max_tokens=WARMUP_TOKENS, stop_token_ids=eos)
+    time.sleep(COUNTER_SETTLE_S)  # the warm-up's counters land before the first phase reads them
     phases = {"greedy": measure_phase(client, conversations, max_tokens, eos)}
     if served.concurrency > 1:
         phases[f"greedy_c{served.concurrency}"] = measure_phase(client, conversations, max_tokens, eos,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from medusa_train.evaluation.compare import compare_outputs, mismatch_detail
-from medusa_train.evaluation.sampled_check import describe, score_replies
+from medusa_train.evaluation.engines import vllm_reason
+from medusa_train.evaluation.sampled_check import against_plain, describe, score_replies
 
 ROWS = {"plain": "vLLM without speculation", "ngram": "vLLM n-gram speculation (prompt lookup; no training)",
         "medusa": "vLLM Medusa speculation with the heads (top-1 chain)"}
@@ -24,15 +25,18 @@ def add_served(report: dict, raw: dict, model, inputs: list[torch.Tensor]) -> No
     servers = raw["servers"]
     plain = servers.get("plain")
     rows = {}
-    for name, server in servers.items():
-        rows[name] = served_row(name, server, plain, model, inputs, raw["settings"]["sampled_check_threshold"])
+    threshold = raw["settings"]["sampled_check_threshold"]
+    for name in sorted(servers, key=lambda n: n != "plain"):  # the plain row first: the others' reference
+        plain_check = ((rows.get("plain") or {}).get("phases", {}).get("sampled") or {}).get("check")
+        rows[name] = served_row(name, servers[name], plain, model, inputs, threshold, plain_check)
+    rows = {name: rows[name] for name in servers}
     engines = report.get("engines") or {}
     if "medusa" in rows and engines.get("vllm"):
         rows["medusa"]["simulated_tokens_per_step"] = engines["vllm"]["mean_accepted_length"]
     report["served"] = {
         "rows": rows, "settings": raw["settings"],
-        "heads_not_served": None if "medusa" in servers else (engines.get("vllm") or {}).get("reason")
-        or "the heads have no vLLM form",
+        "heads_not_served": None if "medusa" in servers else vllm_reason(model.config)
+        or "no heads server was started or attached",
         "attached": [name for name, s in servers.items() if s.get("attached")],
         "tokens_per_step": "(completion tokens - replies) / decode steps (vllm:inter_token_latency_seconds_count)",
         "vllm_acceptance_length": "1 + accepted / drafts: per drafted step (vLLM counts only steps with a draft)",
@@ -40,8 +44,9 @@ def add_served(report: dict, raw: dict, model, inputs: list[torch.Tensor]) -> No
 
 
 def served_row(name: str, server: dict, plain: dict | None, model, inputs: list[torch.Tensor],
-               threshold: float) -> dict:
-    """One server's row: its greedy phase's figures, the other phases', its outputs compared and checked."""
+               threshold: float, plain_check: dict | None = None) -> dict:
+    """One server's row: its greedy phase's figures, the other phases', its outputs compared and checked (the
+    sampled replies also against ``plain_check``, the plain server's sampled check, when given)."""
     phases = server["phases"]
     greedy = phases["greedy"]
     counted = greedy["prompt_tokens"]
@@ -53,6 +58,8 @@ def served_row(name: str, server: dict, plain: dict | None, model, inputs: list[
         row["speedup"] = greedy["tokens_per_s"] / max(plain["phases"]["greedy"]["tokens_per_s"], 1e-9)
         if name != "plain":
             def classify(i, a, b, position):
+                if not alike[i]:  # the engine's prompt is not ours: no base-model view of the difference
+                    return {"kind": "prompt_differs"}
                 detail = mismatch_detail(model, inputs[i], a, b, position)
                 return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "medusa_token")}
 
@@ -63,8 +70,11 @@ def served_row(name: str, server: dict, plain: dict | None, model, inputs: list[
         entry = {"concurrency": figures["concurrency"], "temperature": figures["temperature"], **_figures(figures)}
         if figures["temperature"] > 0 and figures.get("outputs") is not None:
             kept = [reply if ok else None for reply, ok in zip(figures["outputs"], alike)]
-            entry["check"] = score_replies(model, inputs, kept, figures["temperature"], threshold)
-            entry["check"]["summary"] = describe(entry["check"])
+            check = score_replies(model, inputs, kept, figures["temperature"], threshold)
+            if plain_check is not None:
+                check.update(against_plain(check, plain_check))
+                check["flagged"] = check["flagged"] or check["flagged_against_plain"]
+            entry["check"] = {**check, "summary": describe(check)}
         if plain is not None and phase in plain["phases"]:
             base = plain["phases"][phase]["tokens_per_s"]
             entry["plain_tokens_per_s"] = base

@@ -86,8 +86,11 @@ def test_every_served_row_counts_tokens_per_decode_step_and_the_heads_agree_with
         assert o["compared"] == PROMPTS and o["unexplained"] == 0, o
         assert row["prompts_tokenised_alike"] == PROMPTS  # the engine's chat template gave our input ids
     assert set(heads["phases"]) == {"greedy_c3", "sampled"}
-    # sampled replies are scored under the backbone: the plain server's pass; a flagged row shows no speedup
+    # sampled replies are scored under the backbone: the plain server's pass; vLLM 0.32's CPU build samples wrong
+    # with speculation (FACTS.md), and the check says so for both rows (if this fails, the engine was fixed:
+    # say so in FACTS.md and here); a flagged row shows no speedup
     assert not plain["phases"]["sampled"]["check"]["flagged"], plain["phases"]["sampled"]["check"]
+    assert heads["phases"]["sampled"]["check"]["flagged"] and ngram["phases"]["sampled"]["check"]["flagged"]
     for row in rows.values():
         sampled = row["phases"]["sampled"]
         assert sampled["check"]["tokens"] > 0 and (sampled["check"]["flagged"] == (sampled.get("speedup") is None)

@@ -4,14 +4,13 @@ prompt by prompt beside the heads, every row counting tokens per target forward 
 from __future__ import annotations
 
 import pytest
-import torch
 from helpers.training import make_model_dir
 
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.backbone.generation import encode_chat, plain_generate
 from medusa_train.config.evaluate import BaselinesConfig
 from medusa_train.data.benchmarks import BenchPrompt
-from medusa_train.evaluation.evaluate import LOOKUP_GRID, choose_prompt_lookup, evaluate
+from medusa_train.evaluation.evaluate import choose_prompt_lookup, evaluate
 from medusa_train.evaluation.report import headline_lines, render_markdown
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,7 +82,10 @@ def test_the_sweep_times_the_grid_and_keeps_the_fastest(loaded):
     chosen = choose_prompt_lookup(model, tokenizer, PROMPTS, BaselinesConfig(lookup_ngram_size=3, sweep_prompts=1,
                                                                              sweep_max_new_tokens=8), [], 0)
     assert [(r["num_tokens"], r["max_matching_ngram_size"]) for r in chosen["sweep"]] == \
-        [(n, m) for n, m in LOOKUP_GRID if m == 3]  # a given setting fixes its half of the grid
+        [(3, 3), (5, 3), (10, 3)]  # a given setting fixes its half of the grid, the other half is swept
+    odd = choose_prompt_lookup(model, tokenizer, PROMPTS, BaselinesConfig(lookup_num_tokens=4, sweep_prompts=1,
+                                                                          sweep_max_new_tokens=8), [], 0)
+    assert [(r["num_tokens"], r["max_matching_ngram_size"]) for r in odd["sweep"]] == [(4, 2), (4, 3)]
     best = max(chosen["sweep"], key=lambda r: r["tokens_per_s"])
     assert (chosen["num_tokens"], chosen["max_matching_ngram_size"]) == (best["num_tokens"], 3)
     assert chosen["swept_on"] == 1
@@ -94,4 +96,3 @@ def test_turning_prompt_lookup_off_leaves_two_rows(loaded):
     report = evaluate(model, tokenizer, PROMPTS[:1], TREE, turns=1, max_new_tokens=6, progress=False, warmup=False,
                       baselines=BaselinesConfig(prompt_lookup=False))
     assert list(report["methods"]) == ["plain", "medusa"] and report["settings"]["prompt_lookup"] is None
-    assert torch.is_tensor(encode_chat(tokenizer, [{"role": "user", "content": "x"}]))

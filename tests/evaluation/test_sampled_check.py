@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers.backbones import PACKAGED_MODEL
 
-from medusa_train.evaluation.sampled_check import SLACK, describe, verdict
+from medusa_train.evaluation.sampled_check import SLACK, against_plain, describe, verdict
 
 TEMPERATURE = 0.7
 THRESHOLD = 1e-4
@@ -23,6 +23,14 @@ def test_the_verdict_allows_chance_and_no_more():
     assert not verdict(100_000, 1_100, 1_000.0, 990.0, THRESHOLD, TEMPERATURE, 24)["flagged"]  # 3.2 sd
     assert verdict(100_000, 1_130, 1_000.0, 990.0, THRESHOLD, TEMPERATURE, 24)["flagged"]  # 4.1 sd
     assert not verdict(10, 1 + SLACK, 1.0, 0.0, THRESHOLD, TEMPERATURE, 1)["flagged"]  # one rare draw flags nothing
+
+
+def test_a_share_well_above_the_plain_servers_is_flagged():
+    plain = verdict(3000, 3, 2.0, 2.0, THRESHOLD, TEMPERATURE, 24)
+    assert against_plain(verdict(3000, 40, 30.0, 30.0, THRESHOLD, TEMPERATURE, 24), plain)["flagged_against_plain"]
+    same = against_plain(verdict(2800, 4, 2.0, 2.0, THRESHOLD, TEMPERATURE, 24), plain)
+    assert not same["flagged_against_plain"] and same["plain_share_below"] == pytest.approx(0.001)
+    assert "0.1% from the server without speculation" in describe({**plain, **same})
 
 
 @pytest.mark.slow
@@ -54,3 +62,7 @@ def test_sampled_replies_pass_and_replies_with_stray_tokens_are_flagged():
     wrong = score_replies(model, inputs, stray, TEMPERATURE, THRESHOLD)
     assert wrong["flagged"], wrong
     assert wrong["share_below"] > 0.1 > right["share_below"]
+    # sparse: one stray after every 16 sampled tokens (about 6% of the reply) is caught too
+    sparse = [[t for j, tok in enumerate(r) for t in ([tok] if j % 16 != 15 else [tok, int(torch.randint(
+        vocab, (1,), generator=g))])] for r in replies]
+    assert score_replies(model, inputs, sparse, TEMPERATURE, THRESHOLD)["flagged"]
