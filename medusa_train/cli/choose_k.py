@@ -29,7 +29,19 @@ def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
     if num_heads is not None and not (c.model or base):
         p.append(f"model: required; the heads' config.json ({c.heads}) names no base model: pass model=<base model>")
     p.extend(check_ks(c.ks, num_heads))
+    if num_heads is not None and (reason := served_problem(c.heads)):
+        p.append(f"heads={c.heads}: vLLM cannot serve these heads: {reason}")
     return p
+
+
+def served_problem(heads: str) -> str | None:
+    """Why vLLM cannot serve the heads in ``heads`` (a native export with a feature only our decoder has)."""
+    from medusa_train.evaluation.engines import vllm_reason
+    from medusa_train.model.config import MedusaConfig
+    from medusa_train.model.layouts import detect_format, read_config_json
+
+    raw = read_config_json(heads)
+    return vllm_reason(MedusaConfig.from_dict(raw)) if detect_format(raw) == "native" else None
 
 
 def run(cfg: ChooseKConfig) -> dict:

@@ -14,14 +14,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from medusa_train.config.choose_k import ChooseKConfig
-from medusa_train.model.folder import SERVING_NAME
+from medusa_train.model.folder import CHAT_TEMPLATE_NAME, SERVING_NAME
 
 BENCHMARK = "packaged:mt-bench"
-WARMUP_TOKENS = 8
 
 
 def ks_to_serve(ks: Sequence[int] | None, num_heads: int) -> list[int]:
@@ -71,11 +71,13 @@ def write_json(path: str | os.PathLike, record: dict) -> Path:
 
 
 def format_row(row: dict, concurrency: int) -> str:
-    """One table line: K, tokens/s at concurrency 1 and at ``concurrency``, acceptance length, start-up."""
+    """One table line: K, tokens/s at concurrency 1 and at ``concurrency``, tokens per decode step (after each
+    reply's first; vLLM's per-drafted-step acceptance length beside it), start-up."""
+    per_step = f"{row['tokens_per_step']:.3f}" if row.get("tokens_per_step") else "-"
     accepted = f"{row['mean_acceptance_length']:.3f}" if row["mean_acceptance_length"] else "-"
     return (f"K={row['k']}: {row['tokens_per_s']:.1f} tokens/s at concurrency 1, "
-            f"{row[f'tokens_per_s_c{concurrency}']:.1f} at {concurrency}; acceptance length {accepted}; "
-            f"start-up {row['startup_s']:.0f} s")
+            f"{row[f'tokens_per_s_c{concurrency}']:.1f} at {concurrency}; {per_step} tokens per step "
+            f"(vLLM's acceptance length per drafted step {accepted}); start-up {row['startup_s']:.0f} s")
 
 
 def verdict(record: dict) -> str:
@@ -107,19 +109,24 @@ def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[l
               cfg: ChooseKConfig) -> dict:
     """Serve the base model with the first ``k`` heads (``k=0``: without speculation), measure it, stop it."""
     from medusa_train.engine import serve
-    from medusa_train.evaluation.served import measure_phase
+    from medusa_train.evaluation.served import COUNTER_SETTLE_S, WARMUP_TOKENS, measure_phase
 
     spec = {"method": "medusa", "model": str(export.resolve()), "num_speculative_tokens": k} if k else None
+    template = export / CHAT_TEMPLATE_NAME  # the template the heads were trained with, as the serve line says
+    extra = [*cfg.server.args, *(["--chat-template", str(template.resolve())]
+                                 if template.is_file() and "--chat-template" not in cfg.server.args else [])]
     with serve(served_model, dtype=cfg.dtype, speculative_config=spec, log_path=export.parent / f"vllm-k{k}.log",
-               **cfg.server.server_kwargs()) as client:
+               **{**cfg.server.server_kwargs(), "extra_args": extra}) as client:
         client.timeout = cfg.server.request_timeout
         client.chat(conversations[0], max_tokens=WARMUP_TOKENS, stop_token_ids=eos)  # untimed warm-up
+        time.sleep(COUNTER_SETTLE_S)  # its counters land before the first phase reads them
         one = measure_phase(client, conversations, cfg.max_tokens, eos)
         many = measure_phase(client, conversations, cfg.max_tokens, eos, concurrency=cfg.concurrency)
         startup = client.server.startup_seconds
     return {"k": k, "startup_s": round(startup, 1), "tokens_per_s": one["tokens_per_s"],
             f"tokens_per_s_c{cfg.concurrency}": many["tokens_per_s"],
-            "mean_acceptance_length": one["mean_acceptance_length"],
+            "tokens_per_step": one["tokens_per_step"], "decode_steps": one["decode_steps"],
+            "mean_acceptance_length": one["mean_acceptance_length"], "drafted_share": one["drafted_share"],
             "per_position_acceptance": one["per_position_acceptance"], "tokens": one["tokens"]}
 
 

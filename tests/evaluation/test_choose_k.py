@@ -69,9 +69,10 @@ def test_the_fastest_k_at_concurrency_1_is_kept_and_the_serve_line_uses_it(heads
     assert spec == {"method": "medusa", "model": str(export.resolve()), "num_speculative_tokens": 1}
     assert "--dtype bfloat16 " in line and "K=1: the fastest of K=1..2 measured on test CPU, 2 cores" in line
     assert verdict(record) == "fastest at concurrency 1: K=1 (23.7 tokens/s, 1.05x without speculation)"
-    assert format_row(ROWS[1], 8) == ("K=1: 23.7 tokens/s at concurrency 1, 139.2 at 8; acceptance length 1.234; "
-                                      "start-up 91 s")
-    assert "acceptance length -;" in format_row(ROWS[0], 8)
+    assert format_row({**ROWS[1], "tokens_per_step": 1.2}, 8) == (
+        "K=1: 23.7 tokens/s at concurrency 1, 139.2 at 8; 1.200 tokens per step (vLLM's acceptance length per "
+        "drafted step 1.234); start-up 91 s")
+    assert "- tokens per step (vLLM's acceptance length per drafted step -)" in format_row(ROWS[0], 8)
 
 
 def test_when_no_k_beats_serving_without_speculation_none_is_recommended(heads):
@@ -117,6 +118,19 @@ def test_config_composes_and_refuses_k_above_the_heads(heads):
         with pytest.raises(ConfigError) as err:
             build_choose_k_config(compose_config("choose_k", [f"heads={folder}", "ks=[0,1,3]"]))
         assert err.value.problems == ["ks=[0, 1, 3]: [3] above the heads' 2 (vLLM fails to load more)"]
+
+
+def test_heads_vllm_cannot_serve_are_refused_naming_why(heads, tmp_path):
+    from medusa_train import MedusaModel, load_backbone
+    from medusa_train.config.check import ConfigError
+
+    native, _ = heads
+    backbone, _ = load_backbone(str(native.parent / "model"), dtype="float32")
+    reading = MedusaModel.from_backbone(backbone, 2, next_token_input=True).save_pretrained(tmp_path / "reading")
+    with pytest.raises(ConfigError) as err:
+        build_choose_k_config(compose_config("choose_k", [f"heads={reading}"]))
+    assert err.value.problems == [f"heads={reading}: vLLM cannot serve these heads: the heads also read the next "
+                                  "token's embedding (heads.next_token_input): only the native layout holds that"]
 
 
 def test_every_bad_key_is_named():
