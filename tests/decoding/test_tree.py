@@ -105,7 +105,7 @@ def test_builtin_trees_load_and_open_with_a_command_comment():
     files = sorted(TREE_DIR.glob("*.yaml"))
     assert {"chain", "default"} <= {f.stem for f in files}
     for f in files:
-        assert f.read_text().splitlines()[0].startswith("# python "), f
+        assert f.read_text().splitlines()[0].startswith("# medusa-train "), f
         tree = MedusaTree.from_name(f.stem)
         assert tree == MedusaTree.from_name(str(f))  # a path works too
 
