@@ -42,7 +42,7 @@ def free_servers(model_folder, tmp_path_factory):
         yield urls
 
 
-def _served_eval(heads, out, urls):
+def _served_eval(heads, out, urls, **served):
     from medusa_train.cli.evaluate import build_eval_config, run
 
     return run(build_eval_config({
@@ -50,7 +50,7 @@ def _served_eval(heads, out, urls):
         "bench": {"limit": PROMPTS, "turns": 1}, "generation": {"max_new_tokens": MAX_TOKENS}, "warmup": False,
         "progress": False, "output_dir": str(out), "baselines": {"lookup_num_tokens": 5, "lookup_ngram_size": 2},
         "served": {"concurrency": 3, "sampled_temperature": 0.7, "plain_url": urls["plain"],
-                   "ngram_url": urls["ngram"]}}))
+                   "ngram_url": urls["ngram"], **served}}))
 
 
 def test_every_served_row_counts_tokens_per_decode_step_and_the_heads_agree_with_the_engine(
@@ -112,7 +112,7 @@ def test_heads_vllm_cannot_serve_still_get_the_free_served_rows(model_folder, fr
     heads = MedusaModel.from_backbone(backbone, num_heads=2, next_token_input=True)
     folder = heads.save_pretrained(tmp_path / "heads")
     del backbone, heads
-    report = _served_eval(str(folder), tmp_path / "report", free_servers)
+    report = _served_eval(str(folder), tmp_path / "report", free_servers, concurrency=1, sampled_temperature=0)
     served = report["served"]
     assert list(served["rows"]) == ["plain", "ngram"]
     assert "heads.next_token_input" in served["heads_not_served"]
