@@ -74,7 +74,7 @@ def measure_phase(client: EngineClient, conversations: Sequence[list[dict]], max
     counters = client.spec_counters() - before
     tokens = sum(r.completion_tokens for r in replies)
     steps = counters.decode_steps
-    return {"concurrency": concurrency, "temperature": temperature, "requests": len(replies), "tokens": tokens,
+    return {"concurrency": concurrency, "temperature": temperature, "tokens": tokens,
             "replies": len(replies), "seconds": round(seconds, 3), "tokens_per_s": tokens / max(seconds, 1e-9),
             "decode_steps": steps, "tokens_per_step": (tokens - len(replies)) / steps if steps else None,
             "mean_acceptance_length": counters.mean_acceptance_length,

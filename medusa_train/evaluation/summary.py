@@ -68,9 +68,10 @@ def method_rows(records: list[dict]) -> dict[str, dict]:
     return rows
 
 
-def _totals(records: list[dict]) -> dict:
-    """Accepted length, tokens/s and speedups of a group of per-prompt records."""
-    rows = method_rows(records)
+def _totals(records: list[dict], rows: dict[str, dict] | None = None) -> dict:
+    """Accepted length, tokens/s and speedups of a group of per-prompt records (``rows``: their ``method_rows``,
+    when already computed)."""
+    rows = rows or method_rows(records)
     medusa, plain = rows["medusa"], rows["plain"]
     tokens, steps, n = medusa["tokens"], medusa["forwards_after_prefill"], len(records)
     checked = [r for r in records if r["match"] is not None]
@@ -105,7 +106,8 @@ def summarise(records: list[dict], num_heads: int) -> dict:
         ({tokens per verify step: steps}), ``per_category`` ({category: count, accepted_length, speedup, ...})
         and ``totals``.
     """
-    overall = _totals(records)
+    methods = method_rows(records)
+    overall = _totals(records, methods)
     steps = max(overall["steps"], 1)
     depths = [d for r in records for d in r["accepted_depths"]]
     categories = sorted({r["category"] for r in records})
@@ -116,7 +118,7 @@ def summarise(records: list[dict], num_heads: int) -> dict:
         "decode_speedup": overall["decode_speedup"],
         "tokens_per_s": overall["tokens_per_s"],
         "decode_tokens_per_s": overall["decode_tokens_per_s"],
-        "methods": method_rows(records),
+        "methods": methods,
         "mismatches": overall["mismatches"],
         "mismatches_unexplained": overall["mismatches_unexplained"],
         "mismatches_at_rounding": overall["mismatches_at_rounding"],
