@@ -1,4 +1,4 @@
-"""``accelerate launch train.py +recipe=medusa1|medusa2 ...``: compose configs/train.yaml, check it, run the recipe."""
+"""``accelerate launch train.py +recipe=medusa1|medusa2|eagle3 ...``: compose configs/train.yaml, check it, run the recipe."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ def recipe_class(method: str):
         from medusa_train.training.medusa2 import Medusa2Recipe
 
         return Medusa2Recipe
+    if method == "eagle3":
+        from medusa_train.training.eagle3 import Eagle3Recipe
+
+        return Eagle3Recipe
     from medusa_train.training.medusa1 import Medusa1Recipe
 
     return Medusa1Recipe

@@ -73,6 +73,18 @@ class HeadsConfig:
 
 
 @dataclass
+class Eagle3Settings:
+    """The EAGLE-3 draft of ``+recipe=eagle3`` (one decoder layer on three of the backbone's hidden states)."""
+
+    ttt_steps: int = 7  #: chained draft steps trained (training-time test); step s weighs loss.head_decay**s
+    #: the draft scores only the K tokens most often trained on (d2t maps them back); null: every token
+    vocab_size: int | None = None
+    #: the three backbone layers whose entering hidden state the draft reads (vLLM's count); null: (2, L//2, L-3)
+    aux_layer_ids: list[int] | None = None
+    intermediate_size: int | None = None  #: the draft MLP's width; null: the backbone's
+
+
+@dataclass
 class LossConfig:
     head_decay: float = 0.8  #: weight of head k is head_decay**k (normalised to sum 1)
     chunk_size: int | None = None  #: split the sequence so at most chunk x vocab logits exist at once
@@ -138,11 +150,12 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    method: str = "medusa1"  #: medusa1 (frozen backbone) | medusa2 (QLoRA backbone + heads)
+    method: str = "medusa1"  #: medusa1 (frozen backbone) | medusa2 (QLoRA backbone + heads) | eagle3 (a draft layer)
     stage: int | None = None  #: medusa2 two-stage option: 1 = heads only, 2 = joint
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
+    eagle3: Eagle3Settings = field(default_factory=Eagle3Settings)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -217,10 +230,35 @@ def fsdp_problems(c: TrainConfig, fsdp: bool | None = None) -> list[str]:
     return [f"{name} with {key}: {why}" for ok, key, why in rules if not ok]
 
 
+def eagle3_problems(c: TrainConfig) -> list[str]:
+    """What ``+recipe=eagle3`` needs: a frozen unquantized backbone read online, the backbone's distribution as target."""
+    e = c.eagle3
+    if c.method != "eagle3":
+        return []
+    p = Problems()
+    p.need(e.ttt_steps >= 1, "eagle3.ttt_steps", e.ttt_steps, "must be >= 1")
+    p.need(e.vocab_size is None or e.vocab_size >= 1, "eagle3.vocab_size", e.vocab_size,
+           "must be >= 1 (the draft vocabulary's size), or null for the whole vocabulary")
+    p.need(e.aux_layer_ids is None or (len(e.aux_layer_ids) == 3 and len(set(e.aux_layer_ids)) == 3
+                                       and min(e.aux_layer_ids) >= 0), "eagle3.aux_layer_ids", e.aux_layer_ids,
+           "must be three distinct layer indices >= 0, or null for vLLM's (2, L//2, L-3)")
+    p.need(e.intermediate_size is None or e.intermediate_size >= 1, "eagle3.intermediate_size", e.intermediate_size,
+           "must be >= 1 or null")
+    p.need(c.loss.targets == "teacher", "loss.targets", c.loss.targets,
+           "an EAGLE-3 draft learns the backbone's distribution: use loss.targets=teacher (+recipe=eagle3 sets it)")
+    p.need(c.model.quantization is None, "model.quantization", c.model.quantization,
+           "the EAGLE-3 recipe reads a frozen unquantized backbone: drop model.quantization")
+    p.need(not c.data.cache_hidden_states, "data.cache_hidden_states", True,
+           "the EAGLE-3 recipe runs the frozen backbone online (its captured states are not read yet): drop it")
+    p.need(not c.model.fsdp, "model.fsdp", True, "the EAGLE-3 recipe does not shard the backbone: drop model.fsdp")
+    return p
+
+
 def check(c: TrainConfig) -> list[str]:
     """Range and consistency checks; returns every problem found."""
     p = Problems()
-    p.need(c.method in ("medusa1", "medusa2"), "method", c.method, "must be medusa1 or medusa2")
+    p.need(c.method in ("medusa1", "medusa2", "eagle3"), "method", c.method, "must be medusa1, medusa2 or eagle3")
+    p += eagle3_problems(c)
     p.need(c.stage in (None, 1, 2), "stage", c.stage, "must be null, 1 or 2")
     p.need(c.stage is None or c.method == "medusa2", "stage", c.stage, "only applies to +recipe=medusa2")
     p.need(not (c.method == "medusa2" and c.stage == 2 and not c.heads.init_from), "heads.init_from", None,

@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
 from medusa_train.decoding.tree import MedusaTree, tree_from_config
+from medusa_train.model.medusa_propose import heads_candidates
 
 # the verify step's phases, in the order the loop runs them (``medusa_generate``'s ``wrap_phase`` sees these names)
 PHASES = ("candidates", "tree pass", "LM head", "acceptance", "compaction")
@@ -108,7 +109,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
         ValueError: batch size is not 1, the tree needs more heads than the model has, or an
             argument is out of range.
     """
-    tree = tree if isinstance(tree, MedusaTree) else tree_from_config(tree, num_heads=model.config.num_heads)
+    tree = tree if isinstance(tree, MedusaTree) else tree_from_config(tree, num_heads=model.max_depth)
     input_ids = _check_arguments(model, input_ids, tree, max_new_tokens, temperature, acceptance, top_p)
     eos = set(eos_token_ids(model.backbone, override=eos_token_id))
     device = model.backbone.get_input_embeddings().weight.device
@@ -123,8 +124,8 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     start = _now(device)
     cache = DynamicCache()
     out = model(input_ids, past_key_values=cache, use_cache=True)
-    heads_state = model.new_decode_state()  # what the heads keep between steps (e.g. their own cache)
-    accepted_hidden = out.hidden_states[0]  # the positions the heads have not read yet
+    draft_state = model.new_decode_state()  # what the draft keeps between steps (e.g. its own cache)
+    accepted_inputs, accepted_tokens = out.draft_inputs[0], input_ids[0]  # the positions the draft has not read yet
     next_token = first_token(model.base_logits(out.hidden_states[:, -1])[0], acceptance, **sampling)
     prefill_s = _now(device) - start
 
@@ -136,9 +137,9 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     accepted_depths: list[int] = []
     past_len = prompt_len
     while True:
-        tokens = candidates(model, tree, accepted_hidden, next_token, heads_state)
-        hidden = forward(model, tokens, tree_mask, offsets, cache, past_len)  # = verify_tree, phase by phase
-        logits = lm_head(hidden)
+        tokens = candidates(model, tree, accepted_inputs, accepted_tokens, next_token, draft_state)
+        verified = forward(model, tokens, tree_mask, offsets, cache, past_len)  # = verify_tree, phase by phase
+        logits = lm_head(verified.hidden_states[0])
         result = accept_nodes(acceptance, tree, tokens, logits, typical_threshold=typical_threshold,
                               typical_alpha=typical_alpha, **sampling)
         accepted_depths.append(len(result.path) - 1)
@@ -153,7 +154,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
             break
         compact(cache, past_len, result.path)
         past_len += len(result.path)
-        accepted_hidden = hidden[result.path]
+        accepted_inputs, accepted_tokens = verified.draft_inputs[0][result.path], tokens[result.path]
         next_token = result.next_token
     decode_s = _now(device) - start - prefill_s
 
@@ -164,7 +165,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
 
 def _phases(model, wrap_phase: Callable[[str, Callable], Callable] | None) -> tuple[Callable, ...]:
     """The functions of the verify step's ``PHASES``, each through ``wrap_phase`` when one is given."""
-    functions = (candidate_tokens, tree_forward, model.base_logits, accept, compact_cache)
+    functions = (propose, tree_pass, model.base_logits, accept, compact_cache)
     return functions if wrap_phase is None else tuple(wrap_phase(n, f) for n, f in zip(PHASES, functions))
 
 
@@ -208,6 +209,13 @@ def verify_tree(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: t
 def tree_forward(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: torch.Tensor, cache: DynamicCache,
                  past_len: int) -> torch.Tensor:
     """The backbone's pass of ``verify_tree`` alone: (num_nodes, hidden) final hidden states, no LM head."""
+    return tree_pass(model, tokens, tree_mask, offsets, cache, past_len).hidden_states[0]
+
+
+def tree_pass(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: torch.Tensor, cache: DynamicCache,
+              past_len: int):
+    """The backbone's pass over the tree: the model's output (``hidden_states``, and ``draft_inputs``: what its
+    draft reads at each node), batch of one."""
     if tokens.shape[0] == 1:  # the root alone: a plain step, whose causal mask the model builds faster
         out = model(tokens[None], position_ids=(past_len + offsets)[None], past_key_values=cache, use_cache=True)
     else:
@@ -215,42 +223,30 @@ def tree_forward(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: 
         mask = torch.cat([prefix, tree_mask], dim=1)[None, None]  # (batch, 1, query, past + query)
         out = model(tokens[None], attention_mask=mask, position_ids=(past_len + offsets)[None],
                     past_key_values=cache, use_cache=True)
-    return out.hidden_states[0]
+    return out
+
+
+def propose(model, tree: MedusaTree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
+            state) -> torch.Tensor:
+    """(num_nodes,) candidate tokens for one verify step: the model's draft fills the tree (``model.propose``:
+    Medusa heads, or an EAGLE-3 draft), the decoder never asks which.
+
+    Args:
+        model: A ``MedusaModel`` or ``Eagle3Model``.
+        tree: The tree.
+        accepted_inputs: (n, ...) ``draft_inputs`` of the positions verified since the last step (the prompt's at
+            the first step).
+        accepted_tokens: (n,) the tokens at those positions.
+        root_token: The base model's next token (node 0).
+        state: ``model.new_decode_state()`` of this sequence.
+    """
+    return model.propose(tree, accepted_inputs, accepted_tokens, root_token, state)
 
 
 def candidate_tokens(model, tree: MedusaTree, accepted_hidden: torch.Tensor, root_token: int,
                      heads_state) -> torch.Tensor:
-    """(num_nodes,) tokens: the root, then, depth by depth, each node's head's top-k guess at its rank
-    (a token of the heads' draft vocabulary when they have one).
-
-    Head d reads the path to each depth-d node that has children (root first) and its top-k fill
-    those children. The model decides what the heads read (``MedusaModel.head_features``); when no
-    guess follows the path before it, every head is asked at once.
-
-    Args:
-        model: A ``MedusaModel``.
-        tree: The tree.
-        accepted_hidden: (n, hidden) final hidden states of the positions accepted since the last
-            step (the prompt at the first step).
-        root_token: The base model's next token (node 0).
-        heads_state: ``model.new_decode_state()`` of this sequence.
-    """
-    device = accepted_hidden.device
-    tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=device)
-    tokens[0] = root_token
-    ancestors, levels = tree.path_buffers(device)
-    if levels and not model.guesses_follow_path:  # every head at once: one LM-head read when it is shared
-        features = model.head_features(accepted_hidden, tokens[:1, None], heads_state)
-        logits = model.all_head_logits(features, len(levels))  # (depth, 1, vocab)
-        for d, (_, children, _, ranks) in enumerate(levels):
-            tokens[children] = model.guessed_tokens(logits[d, 0].topk(tree.head_top_k[d]).indices[ranks])
-        return tokens
-    for d, (parents, children, rows, ranks) in enumerate(levels):
-        paths = tokens[ancestors[parents, : d + 1]]  # (parents, d + 1): root, then the guesses on the way
-        features = model.head_features(accepted_hidden if d == 0 else None, paths, heads_state)
-        top = model.head_logits(features, d).topk(tree.head_top_k[d], dim=-1).indices
-        tokens[children] = model.guessed_tokens(top[rows, ranks])
-    return tokens
+    """Medusa heads' candidates (``model.medusa_propose.heads_candidates``), for callers that hold heads only."""
+    return heads_candidates(model, tree, accepted_hidden, root_token, heads_state)
 
 
 def _check_arguments(model, input_ids, tree, max_new_tokens, temperature, acceptance, top_p) -> torch.Tensor:
@@ -275,7 +271,7 @@ def _check_arguments(model, input_ids, tree, max_new_tokens, temperature, accept
         problems.append(f"the tree reads top-{max(tree.head_top_k)} guesses but the heads score {vocab} tokens")
     if problems:
         raise ValueError("; ".join(problems))
-    tree.check_num_heads(model.config.num_heads)
+    tree.check_num_heads(model.max_depth)
     return input_ids
 
 

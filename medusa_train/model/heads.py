@@ -94,3 +94,12 @@ class MedusaHead(nn.Module):
         if shared_lm_head is None:
             raise ValueError("this head shares the backbone's LM head: pass shared_lm_head")
         return shared_lm_head(hidden.to(shared_lm_head.weight.dtype))
+
+
+def path_tokens(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """``out[..., t, j] = tokens[..., t + j]`` for ``j < width``, 0 past the end: (..., seq) -> (..., seq, width)."""
+    out = torch.zeros(*tokens.shape, width, dtype=tokens.dtype, device=tokens.device)
+    for j in range(width):
+        if j < tokens.shape[-1]:
+            out[..., : tokens.shape[-1] - j, j] = tokens[..., j:]
+    return out

@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import load_file
 
 from medusa_train.model.config import MedusaConfig
+from medusa_train.model.eagle3 import is_eagle3_config
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -61,7 +62,10 @@ MEDUSA_PARAMETERS = ("heads.", "prefix.")
 
 
 def detect_format(config: dict) -> str:
-    """``native`` | ``medusa_v1`` | ``vllm`` from a heads folder's ``config.json``."""
+    """``native`` | ``medusa_v1`` | ``vllm`` (Medusa heads) | ``eagle3`` (an EAGLE-3 draft, ``model/eagle3.py``: one
+    layout, vLLM's) from a heads folder's ``config.json``."""
+    if is_eagle3_config(config):
+        return "eagle3"
     if config.get("format") == "medusa_train":
         return "native"
     if config.get("model_type") == "medusa":
@@ -176,7 +180,11 @@ def read_heads(directory: str | os.PathLike) -> tuple[MedusaConfig, dict[str, to
     """
     directory = Path(directory)
     raw = read_config_json(directory)
-    reader = {"native": _read_native, "medusa_v1": _read_medusa_v1, "vllm": _read_vllm}[detect_format(raw)]
+    layout = detect_format(raw)
+    if layout == "eagle3":
+        raise ValueError(f"{directory} holds an EAGLE-3 draft, not Medusa heads: load it with Eagle3Model.from_pretrained "
+                         "(or model.load.load_draft, which reads either)")
+    reader = {"native": _read_native, "medusa_v1": _read_medusa_v1, "vllm": _read_vllm}[layout]
     return reader(directory, raw)
 
 

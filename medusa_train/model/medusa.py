@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from medusa_train.model.draft_vocab import DraftVocab
 from medusa_train.model.folder import write_heads_folder
-from medusa_train.model.heads import MedusaHead
+from medusa_train.model.heads import MedusaHead, path_tokens
 from medusa_train.model.layouts import (
     SHARED_LM_HEAD_KEY,
     TOKEN_MAP_KEY,
@@ -24,6 +24,7 @@ from medusa_train.model.layouts import (
     read_heads,
     resolve_base_model,
 )
+from medusa_train.model.medusa_propose import heads_candidates
 from medusa_train.model.prefix_attention import PrefixAttention, PrefixCache
 
 TokenSource = torch.Tensor | Callable[[], torch.Tensor] | None
@@ -59,6 +60,11 @@ class MedusaOutput:
     hidden_states: torch.Tensor
     base_logits: torch.Tensor | None = None
     past_key_values: object | None = None
+
+    @property
+    def draft_inputs(self) -> torch.Tensor:
+        """What the heads read at each position: the final hidden states."""
+        return self.hidden_states
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -128,7 +134,7 @@ class MedusaModel(nn.Module):
         if dtype is None:
             dtype = lm_head.weight.dtype
         dtype = _dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
-        hidden_size = _hidden_size(backbone)
+        hidden_size = backbone.get_output_embeddings().weight.shape[1]
         attention_heads = intermediate_size = 0
         if prefix_attention:  # the backbone's own layer sizes, or the usual ones where its config has none
             text = backbone.config.get_text_config(decoder=True)
@@ -150,6 +156,8 @@ class MedusaModel(nn.Module):
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
+
+    max_depth = num_heads  #: the deepest tree the decoder may ask for
 
     # ----------------------------------------------------------------------------- compute
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -219,6 +227,11 @@ class MedusaModel(nn.Module):
         if not self.guesses_follow_path:  # every path starts at the root: one row serves them all
             return self._with_tokens(state.last, tokens[:1, :1])
         return self._with_tokens(state.last.expand(tokens.shape[0], -1), tokens)
+
+    def propose(self, tree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
+                state: DecodeState) -> torch.Tensor:
+        """(num_nodes,) the tree's tokens for one verify step (``medusa_propose.heads_candidates``; tokens unused)."""
+        return heads_candidates(self, tree, accepted_inputs, root_token, state)
 
     def _context(self, hidden: torch.Tensor, cache: PrefixCache | None = None) -> torch.Tensor:
         """``hidden`` itself, or through the prefix attention layer (consecutive positions; ``cache`` holds
@@ -365,19 +378,6 @@ def load_heads_strict(model: MedusaModel, tensors: dict[str, torch.Tensor], sour
     with torch.no_grad():
         for key, param in expected.items():
             param.copy_(tensors[key])
-
-
-def path_tokens(tokens: torch.Tensor, width: int) -> torch.Tensor:
-    """``out[..., t, j] = tokens[..., t + j]`` for ``j < width``, 0 past the end: (..., seq) -> (..., seq, width)."""
-    out = torch.zeros(*tokens.shape, width, dtype=tokens.dtype, device=tokens.device)
-    for j in range(width):
-        if j < tokens.shape[-1]:
-            out[..., : tokens.shape[-1] - j, j] = tokens[..., j:]
-    return out
-
-
-def _hidden_size(backbone: PreTrainedModel) -> int:
-    return backbone.get_output_embeddings().weight.shape[1]
 
 
 def _base_reference(backbone: PreTrainedModel) -> str | None:

@@ -286,8 +286,8 @@ class HeadEvalSums:
         self.sums = torch.zeros(num_heads, 5, dtype=torch.float64)  # loss*n, top1*n, top5*n, n, text targets
         self.kept = False  # the targets keep only a share of the text's (greedy)
 
-    def add(self, result: LossResult, targets: HeadTargets) -> None:
-        text = targets.text_counts()
+    def add(self, result: LossResult, targets: HeadTargets | None = None) -> None:
+        text = targets.text_counts() if targets is not None else None
         self.kept |= text is not None
         text = text or [0] * len(result.per_head)
         for k, h in enumerate(result.per_head):

@@ -1,0 +1,248 @@
+"""Eagle3Model: an unmodified HF causal LM plus an EAGLE-3 draft, and the draft's proposals for one verify step.
+
+It answers the decoder as ``MedusaModel`` does (``forward``, ``base_logits``, ``new_decode_state``, ``propose``,
+``max_depth``), so the tree decoder verifies its guesses the same way. What the draft reads from a verify pass
+(``draft_inputs``) is the three hidden states it was trained on, not the final one.
+
+A step drafts as vLLM's EAGLE proposer does: first the draft runs over every position verified since the last step,
+each with the token after it (the just-sampled root for the last) and ``fc`` of the backbone's states there, at the
+position's own rope index; those keys stay in the draft's cache (so its cache at verified positions always comes
+from backbone features). Its last row guesses depth 1. Each deeper node is then fed its token and its parent's
+pre-norm output at position ``last verified + depth``, attending to the cache and to its own ancestors' entries
+(siblings never see each other); those speculative entries are dropped after the step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from medusa_train.model.eagle3 import Eagle3Config, Eagle3Draft
+from medusa_train.model.layouts import WEIGHTS_NAME, check_tensors, read_config_json, resolve_base_model
+
+
+@dataclass
+class Eagle3Output:
+    """Result of ``Eagle3Model.forward``.
+
+    Attributes:
+        hidden_states: Final-norm hidden states (batch, seq, hidden): what the LM head reads.
+        draft_inputs: The draft's input per position: the three auxiliary hidden states, concatenated (batch, seq, 3H).
+        past_key_values: The backbone's KV cache when one was used.
+    """
+
+    hidden_states: torch.Tensor
+    draft_inputs: torch.Tensor
+    past_key_values: object | None = None
+
+
+@dataclass
+class Eagle3DecodeState:
+    """The draft's keys and values at the verified positions of one sequence (opaque to callers)."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    stats: dict = field(default_factory=lambda: {"draft_forwards": 0})
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def rewind(self, length: int) -> None:
+        """Forget every position after the first ``length`` (a benchmark repeating one step)."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+
+
+class Eagle3Model(nn.Module):
+    """A causal LM backbone plus an EAGLE-3 draft reading three of its hidden states."""
+
+    def __init__(self, backbone: PreTrainedModel, config: Eagle3Config, token_map: torch.Tensor | None = None):
+        super().__init__()
+        _check_compatible(backbone, config)
+        self.backbone = backbone
+        self.config = config
+        weight = backbone.get_output_embeddings().weight
+        self.draft = Eagle3Draft(config, token_map).to(device=weight.device, dtype=getattr(torch, config.dtype))
+
+    @classmethod
+    def from_backbone(cls, backbone: PreTrainedModel, token_map: torch.Tensor | None = None,
+                      aux_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
+                      ttt_steps: int = 7, dtype: str = "float32") -> Eagle3Model:
+        """A fresh draft for ``backbone`` (its sizes and rope copied; random weights, as EAGLE initialises them).
+
+        Args:
+            backbone: A loaded HF causal LM.
+            token_map: The draft vocabulary's token ids, ascending (``draft_vocab.most_frequent_tokens``); ``None``:
+                the whole vocabulary.
+            aux_layer_ids: The three layers read (vLLM's default ``(2, L // 2, L - 3)`` when ``None``).
+            intermediate_size: The draft MLP's width (the backbone's when ``None``).
+            ttt_steps: Draft steps trained in a chain (training-time test).
+            dtype: The draft's weight dtype.
+        """
+        name = getattr(backbone, "name_or_path", None) or getattr(backbone.config, "_name_or_path", None)
+        config = Eagle3Config.for_backbone(backbone, None if token_map is None else len(token_map), aux_layer_ids,
+                                           intermediate_size, ttt_steps, dtype, str(name) if name else None)
+        return cls(backbone, config, token_map)
+
+    # ----------------------------------------------------------------------------- what the decoder asks
+    @property
+    def max_depth(self) -> int:
+        return self.config.max_depth
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.backbone.get_output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
+                **kwargs) -> Eagle3Output:
+        """The backbone's decoder, keeping the hidden states the draft reads."""
+        out = self.backbone.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=use_cache, output_hidden_states=True, **kwargs)
+        return Eagle3Output(out.last_hidden_state, self.aux_states(out.hidden_states),
+                            getattr(out, "past_key_values", None))
+
+    def aux_states(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The three states the draft reads, from transformers' ``hidden_states`` (input to each layer), ascending."""
+        return torch.cat([hidden_states[i] for i in self.config.aux_layer_ids], dim=-1)
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def draft_base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The backbone's logits over the draft vocabulary (its softmax: the backbone's distribution given that the
+        token is one the draft can guess)."""
+        weight = self.lm_head.weight[self.draft.token_map.to(self.lm_head.weight.device)]
+        return hidden.to(weight.dtype) @ weight.T
+
+    def new_decode_state(self) -> Eagle3DecodeState:
+        return Eagle3DecodeState()
+
+    def guessed_tokens(self, indices: torch.Tensor) -> torch.Tensor:
+        """Token ids of draft outputs ``indices``."""
+        return indices + self.draft.d2t[indices]
+
+    @torch.no_grad()
+    def propose(self, tree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
+                state: Eagle3DecodeState) -> torch.Tensor:
+        """(num_nodes,) tokens: the root, then, depth by depth, the draft's top-k at each node with children.
+
+        Args:
+            tree: The ``MedusaTree`` to fill.
+            accepted_inputs: (n, 3H) ``draft_inputs`` of the positions verified since the last call (the prompt's
+                at the first).
+            accepted_tokens: (n,) the tokens at those positions.
+            root_token: The backbone's next token (node 0), the token after the last verified position.
+            state: ``new_decode_state()`` of this sequence.
+        """
+        draft = self.draft
+        device = accepted_inputs.device
+        tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=device)
+        tokens[0] = root_token
+        after = torch.cat([accepted_tokens.to(device).long().reshape(-1)[1:], tokens[:1]])  # the token after each
+        start = state.length
+        positions = torch.arange(start, start + len(after), device=device)[None]
+        q, k, v, residual = draft.qkv(self._embed(after)[None], draft.features(accepted_inputs)[None], positions)
+        keys = k if state.keys is None else torch.cat([state.keys, k], dim=-2)
+        values = v if state.values is None else torch.cat([state.values, v], dim=-2)
+        state.keys, state.values = keys, values
+        causal = torch.ones(len(after), keys.shape[-2], dtype=torch.bool, device=device).tril(start)
+        normed, prenorm = draft.finish(self._attend(q, keys, values, causal), residual)
+        state.stats["draft_forwards"] += 1
+        if tree.depth == 0:
+            return tokens
+        ancestors, levels = tree.path_buffers(device)
+        logits = {0: draft.logits(normed[0, -1:])}  # node -> its draft scores (1, draft vocab)
+        feature = {0: prenorm[0, -1:]}  # node -> the pre-norm output its children read
+        spec_nodes: list[int] = []
+        spec_k = spec_v = None
+        for d, (parents, children, rows, ranks) in enumerate(levels):
+            if d > 0:  # run the draft on the depth-d nodes that have children
+                nodes = parents.tolist()
+                q, k, v, residual = draft.qkv(
+                    self._embed(tokens[parents])[None],
+                    torch.cat([feature[int(tree.parents[n])] for n in nodes])[None],
+                    torch.full((1, len(nodes)), start + len(after) - 1 + d, device=device))
+                spec_nodes += nodes
+                spec_k = k if spec_k is None else torch.cat([spec_k, k], dim=-2)
+                spec_v = v if spec_v is None else torch.cat([spec_v, v], dim=-2)
+                sees = tree.visibility.to(device)[parents][:, spec_nodes]  # ancestors-or-self among the drafted
+                mask = torch.cat([torch.ones(len(nodes), keys.shape[-2], dtype=torch.bool, device=device), sees], 1)
+                normed, prenorm = draft.finish(self._attend(q, torch.cat([keys, spec_k], -2),
+                                                            torch.cat([values, spec_v], -2), mask), residual)
+                state.stats["draft_forwards"] += 1
+                scores = draft.logits(normed[0])
+                for i, n in enumerate(nodes):
+                    logits[n], feature[n] = scores[i:i + 1], prenorm[0, i:i + 1]
+            parent_scores = torch.cat([logits[int(n)] for n in parents.tolist()])
+            top = parent_scores.topk(tree.head_top_k[d], dim=-1).indices
+            tokens[children] = self.guessed_tokens(top[rows, ranks])
+        return tokens
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.backbone.get_input_embeddings()
+        return table(tokens.to(table.weight.device)).to(self.draft.fc.weight.device)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Scaled dot-product attention of ``q`` over ``keys``/``values`` where ``allowed`` (queries, keys) is true."""
+        draft = self.draft
+        return nn.functional.scaled_dot_product_attention(q, draft.group(keys), draft.group(values),
+                                                          attn_mask=allowed[None, None])
+
+    # ----------------------------------------------------------------------------- persistence
+    def native_files(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+        """``({file name: tensors}, config.json)``: vLLM's layout, which is also ours."""
+        tensors = self.draft.state_dict_for_export()
+        config = self.config.to_dict()
+        config["torch_dtype"] = str(self.draft.fc.weight.dtype).removeprefix("torch.")
+        return {WEIGHTS_NAME: tensors}, config
+
+    def save_pretrained(self, directory: str | os.PathLike, chat_template: str | None = None) -> Path:
+        from medusa_train.model.folder import write_heads_folder
+
+        return write_heads_folder(directory, *self.native_files(), chat_template=chat_template)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, backbone: PreTrainedModel | None = None,
+                        **backbone_kwargs) -> Eagle3Model:
+        """Load a draft written by ``save_pretrained`` (vLLM's EAGLE-3 layout); the backbone its config names unless
+        one is given. Every tensor must be there with its shape (``d2t`` only with a smaller draft vocabulary)."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        config = Eagle3Config.from_dict(read_config_json(directory))
+        tensors = load_file(str(directory / WEIGHTS_NAME))
+        if backbone is None:
+            if not config.base_model_name_or_path:
+                raise ValueError(f"{directory}/config.json names no base model; pass backbone=")
+            from medusa_train.backbone.load import load_backbone
+
+            backbone, _ = load_backbone(resolve_base_model(directory, config.base_model_name_or_path),
+                                        **backbone_kwargs)
+        d2t = tensors.get("d2t")
+        token_map = None if d2t is None else d2t.long() + torch.arange(len(d2t))
+        model = cls(backbone, config, token_map)
+        expected = {k: tuple(v.shape) for k, v in model.draft.state_dict().items()}
+        if d2t is None:
+            expected.pop("d2t")
+        check_tensors(tensors, expected, str(directory))
+        model.draft.load_state_dict(tensors, strict=False)
+        return model
+
+
+def _check_compatible(backbone: PreTrainedModel, config: Eagle3Config) -> None:
+    text = backbone.config.get_text_config(decoder=True)
+    vocab, hidden = backbone.get_output_embeddings().weight.shape
+    problems = [f"{what}: draft {mine}, backbone {theirs}" for what, mine, theirs in (
+        ("hidden size", config.hidden_size, hidden), ("vocab size", config.vocab_size, vocab),
+        ("layers", config.num_target_layers, text.num_hidden_layers)) if mine != theirs]
+    if problems:
+        raise ValueError(f"this EAGLE-3 draft does not fit this backbone ({'; '.join(problems)}); it was trained on "
+                         f"{config.base_model_name_or_path!r}")

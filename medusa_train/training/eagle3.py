@@ -1,0 +1,98 @@
+"""EAGLE-3: a frozen backbone; one draft decoder layer on three of its hidden states trains (training-time test).
+
+    medusa-train train +recipe=eagle3                          # the draft vLLM serves at full strength
+    medusa-train train +recipe=eagle3 debug=smoke              # a few steps, minutes on CPU
+    medusa-train train +recipe=eagle3 eagle3.vocab_size=4096   # a draft vocabulary of the 4,096 most trained tokens
+
+setup -> train -> cleanup, as the Medusa recipes (``export/run.py`` writes the export, vLLM's EAGLE-3 layout, in
+between); the loop, checkpoints, resume rules and W&B are theirs (``loop.py``). The backbone runs online each step
+and keeps the three hidden states the draft reads and its final ones (the teacher's logits);
+``eagle3_loss.ttt_loss`` chains ``eagle3.ttt_steps`` draft steps and learns the backbone's distribution at each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from medusa_train.backbone import load_tokenizer
+from medusa_train.config.train import TrainConfig
+from medusa_train.training import loop, setup
+from medusa_train.training.eagle3_loss import ttt_loss
+from medusa_train.training.losses import LossResult
+
+
+class Eagle3Recipe:
+    """EAGLE-3 draft training, readable top to bottom."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.accelerator = acc = setup.make_accelerator(cfg)
+        self.tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+        train, evals = setup.load_examples(cfg, self.tokenizer, acc)
+        backbone, _ = setup.load_backbone_for(cfg, acc.device)
+        self.model = build_draft(cfg, backbone, acc.device, train)
+        c = self.model.config
+        loop.say(acc, f"EAGLE-3 draft: reads layers {c.aux_layer_ids} of {c.num_target_layers}, "
+                      f"{c.draft_vocab_size:,}-token draft vocabulary, {cfg.eagle3.ttt_steps} chained steps trained")
+        data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
+        trainable = [p for p in self.model.draft.parameters() if p.requires_grad]
+        self.run = loop.start_run(cfg, acc, self.model, data, [{"params": trainable, "lr": cfg.optim.lr}],
+                                  loop.MetricsLog(Path(cfg.trainer.output_dir), acc))
+
+    def train(self) -> dict:
+        """Train to the configured steps; returns the last eval record."""
+        return loop.train_loop(self.run, self.micro_step, self.evaluate)
+
+    def loss(self, batch: dict, backward=None, loss_scale: float = 1.0) -> LossResult:
+        """Training-time test on ``batch``: the frozen backbone's states, then the draft's chained steps."""
+        acc = self.accelerator
+        with torch.no_grad(), acc.autocast():
+            out = self.model(batch["input_ids"], attention_mask=batch["attention_mask"])
+        with acc.autocast():
+            return ttt_loss(self.model, out.draft_inputs, out.hidden_states, batch["input_ids"],
+                            batch["attention_mask"], batch["labels"], self.cfg.eagle3.ttt_steps,
+                            self.cfg.loss.head_decay, self.cfg.loss.chunk_size, backward, loss_scale)
+
+    def micro_step(self, batch: dict, loss_scale: float) -> LossResult:
+        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        return loop.backward_step(self.run, lambda: self.loss(batch, self.accelerator.backward, loss_scale))
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss and top-1/top-5 per chained step on the held-out split, over every process."""
+        steps = self.cfg.eagle3.ttt_steps
+        sums = loop.HeadEvalSums(steps)
+        for batch in loop.eval_batches(self.run):
+            sums.add(self.loss(batch))
+        record = sums.record(self.run)
+        self.run.metrics.write(record)
+        loop.say(self.accelerator, f"eval @ step {self.run.step}: loss {record['loss']:.4f}, top-1 by draft step "
+                                   f"{loop.top1_summary(record, steps)}")
+        return record
+
+    def cleanup(self) -> None:
+        loop.finish(self.run)
+
+
+def build_draft(cfg: TrainConfig, backbone, device: torch.device, train: list[dict]):
+    """A fresh float32 draft on ``backbone`` (frozen); with ``eagle3.vocab_size=K`` it scores the K tokens most often
+    trained on in ``train``, a map every process computes alike from the same data."""
+    from medusa_train.model.draft_vocab import most_frequent_tokens
+    from medusa_train.model.eagle3_model import Eagle3Model
+
+    e = cfg.eagle3
+    backbone.requires_grad_(False)
+    vocab = backbone.get_output_embeddings().weight.shape[0]
+    token_map = None if e.vocab_size is None or e.vocab_size >= vocab else most_frequent_tokens(
+        (x["labels"] for x in train), e.vocab_size, vocab)
+    model = Eagle3Model.from_backbone(backbone, token_map=token_map, aux_layer_ids=e.aux_layer_ids,
+                                      intermediate_size=e.intermediate_size, ttt_steps=e.ttt_steps, dtype="float32")
+    model.config.base_model_name_or_path = str(cfg.model.name_or_path)
+    model.draft.requires_grad_(True)
+    model.draft.to(device)
+    return model
