@@ -143,7 +143,7 @@ def served_runner(cfg: EvalConfig, model, tokenizer, output_dir: str):
     from medusa_train.backbone.load import resolve_model_path
     from medusa_train.evaluation.served import serve_and_measure
     from medusa_train.export.write import export_heads
-    from medusa_train.model.layouts import detect_format, read_config_json
+    from medusa_train.model.layouts import VLLM_LAYOUTS, detect_format, read_config_json
 
     heads = Path(cfg.heads).expanduser()
     _, base = read_export_config(heads)
@@ -153,7 +153,7 @@ def served_runner(cfg: EvalConfig, model, tokenizer, output_dir: str):
     def served(conversations, servable: bool):
         export = None
         if servable and not cfg.served.medusa_url:  # an attached heads server has its own
-            export = heads if detect_format(read_config_json(heads)) == "vllm" \
+            export = heads if detect_format(read_config_json(heads)) in VLLM_LAYOUTS \
                 else export_heads(model, Path(output_dir) / "vllm-export", "vllm")
         template = None
         if getattr(tokenizer, "chat_template", None) and "--chat-template" not in cfg.server.args:
@@ -163,7 +163,7 @@ def served_runner(cfg: EvalConfig, model, tokenizer, output_dir: str):
         return serve_and_measure(base_model, export, model.config.num_heads, conversations, dtype=cfg.model.dtype,
                                  max_tokens=cfg.generation.max_new_tokens, eos=eos, served=cfg.served,
                                  server=cfg.server, log_dir=output_dir, seed=cfg.generation.seed,
-                                 chat_template=template, progress=cfg.progress)
+                                 chat_template=template, progress=cfg.progress, method=model.config.vllm_method)
     return served
 
 

@@ -54,11 +54,11 @@ def serve_command(path, heads=None) -> str:
     from pathlib import Path
 
     from medusa_train.model.folder import CHAT_TEMPLATE_NAME
-    from medusa_train.model.layouts import read_config_json
+    from medusa_train.model.layouts import draft_depth, read_config_json, vllm_method
 
     path = Path(path)
     config = read_config_json(path)
-    heads_count = config.get("num_heads") or config.get("medusa_num_heads")
+    heads_count = draft_depth(config)
     measured = json.loads((path / SERVING_NAME).read_text()) if (path / SERVING_NAME).is_file() else None
     k = (measured or {}).get("recommended_num_speculative_tokens")
     base = served_base(config.get("base_model_name_or_path"), [d for d in (heads, path) if d is not None])
@@ -76,7 +76,7 @@ def serve_command(path, heads=None) -> str:
         k = 1
         lines.append(f"K=1 until measured: choose K in 1..{heads_count} with `medusa-train choose-k "
                      f"heads={path}` (one server per K; it writes {SERVING_NAME} here)")
-    spec = json.dumps({"method": "medusa", "model": str(path.resolve()), "num_speculative_tokens": k})
+    spec = json.dumps({"method": vllm_method(config), "model": str(path.resolve()), "num_speculative_tokens": k})
     template = path / CHAT_TEMPLATE_NAME
     template = f" --chat-template {template.resolve()}" if template.is_file() else ""
     lines.append(f"vllm serve {base} --dtype {dtype}{template} --speculative-config '{spec}'")

@@ -95,10 +95,10 @@ def vllm_export(cfg: ChooseKConfig) -> Path:
     """The vllm export the servers load: ``heads`` when it is one, else one written beside it
     (``<heads>/../vllm-export-<dtype>``, replaced whole)."""
     from medusa_train.export.write import export_folder
-    from medusa_train.model.layouts import detect_format, read_config_json
+    from medusa_train.model.layouts import VLLM_LAYOUTS, detect_format, read_config_json
 
     heads = Path(cfg.heads).expanduser()
-    if detect_format(read_config_json(heads)) == "vllm":
+    if detect_format(read_config_json(heads)) in VLLM_LAYOUTS:
         return heads
     export = heads.parent / f"vllm-export-{cfg.dtype}"
     print(f"[medusa_train] choose-k: {heads} is not a vllm export; writing one to {export}", flush=True)
@@ -110,8 +110,10 @@ def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[l
     """Serve the base model with the first ``k`` heads (``k=0``: without speculation), measure it, stop it."""
     from medusa_train.engine import serve
     from medusa_train.evaluation.served import COUNTER_SETTLE_S, WARMUP_TOKENS, measure_phase
+    from medusa_train.model.layouts import read_config_json, vllm_method
 
-    spec = {"method": "medusa", "model": str(export.resolve()), "num_speculative_tokens": k} if k else None
+    method = vllm_method(read_config_json(export))
+    spec = {"method": method, "model": str(export.resolve()), "num_speculative_tokens": k} if k else None
     template = export / CHAT_TEMPLATE_NAME  # the template the heads were trained with, as the serve line says
     extra = [*cfg.server.args, *(["--chat-template", str(template.resolve())]
                                  if template.is_file() and "--chat-template" not in cfg.server.args else [])]

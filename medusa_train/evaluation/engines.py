@@ -44,7 +44,7 @@ def vllm_reason(config) -> str | None:
 def vllm_form(model):
     """The heads as the ``vllm`` export serves them: ``model`` itself, or, with a draft vocabulary shared
     through the LM head, the export written and read back (whole LM head, no token map)."""
-    if not model.config.draft_vocab_size:
+    if not model.config.vllm_export_differs:
         return model
     import tempfile
 

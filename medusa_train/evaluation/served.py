@@ -34,10 +34,12 @@ WARMUP_TOKENS = 8
 COUNTER_SETTLE_S = 1.0
 
 
-def speculative_configs(export_dir: str | Path | None, num_heads: int, served: ServedConfig) -> dict[str, dict | None]:
-    """``{row: --speculative-config}``: ``plain`` (none), ``ngram``, ``medusa`` (the export; left out when
-    ``export_dir`` is ``None`` and no ``served.medusa_url`` is given: heads with no vLLM form still get the
-    free rows)."""
+def speculative_configs(export_dir: str | Path | None, num_heads: int, served: ServedConfig,
+                        method: str = "medusa") -> dict[str, dict | None]:
+    """``{row: --speculative-config}``: ``plain`` (none), ``ngram``, ``medusa`` (the trained draft's row: the export,
+    served with vLLM's ``method``, ``medusa`` for heads, ``eagle3`` for an EAGLE-3 draft; left out when
+    ``export_dir`` is ``None`` and no ``served.medusa_url`` is given: heads with no vLLM form still get the free
+    rows)."""
     configs: dict[str, dict | None] = {}
     if served.plain:
         configs["plain"] = None
@@ -46,7 +48,7 @@ def speculative_configs(export_dir: str | Path | None, num_heads: int, served: S
                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if export_dir is not None or served.medusa_url:
         model = str(Path(export_dir).resolve()) if export_dir is not None else None
-        configs["medusa"] = {"method": "medusa", "model": model,
+        configs["medusa"] = {"method": method, "model": model,
                              "num_speculative_tokens": served.num_speculative_tokens or num_heads}
     return configs
 
@@ -104,20 +106,21 @@ def measure_server(client: EngineClient, conversations: Sequence[list[dict]], ma
 def serve_and_measure(base_model: str, export_dir: str | Path | None, num_heads: int,
                       conversations: Sequence[list[dict]], *, dtype: str, max_tokens: int, eos: Sequence[int],
                       served: ServedConfig, server: ServerConfig, log_dir: str | Path, seed: int = 0,
-                      chat_template: str | Path | None = None, progress: bool = True) -> dict:
+                      chat_template: str | Path | None = None, progress: bool = True, method: str = "medusa") -> dict:
     """Measure each row (see ``speculative_configs``): on the server at its ``served.<row>_url``, or on one
     started for it and stopped after.
 
     Args:
         chat_template: A template file the started servers render prompts with (``--chat-template``; the
             heads' own template); ``None``: the served model's.
+        method: vLLM's speculative method for the export (``medusa`` | ``eagle3``).
 
     Returns:
         ``{"servers": {row: {"speculative_config", "attached", "url", "startup_s", "command", "phases":
         {phase: figures}}}, "settings": ...}``.
     """
     results = {}
-    for name, spec in speculative_configs(export_dir, num_heads, served).items():
+    for name, spec in speculative_configs(export_dir, num_heads, served, method).items():
         url = served.url(name)
         if url:
             client = attach(url, timeout=server.request_timeout)

@@ -27,8 +27,10 @@ from medusa_train.model.layouts import (
     WEIGHTS_NAME,
     MedusaConfig,
     check_tensors,
+    detect_format,
     layout_names,
     native_shapes,
+    read_config_json,
     read_heads,
 )
 from medusa_train.model.medusa import MedusaModel
@@ -198,6 +200,8 @@ def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: s
     """
     _check_options(format, lm_head_pt, max_paths, topk)
     check_output(output, "output")
+    if detect_format(read_config_json(heads)) == "eagle3":
+        return _copy_eagle3(heads, output, format)
     config, tensors = read_heads(heads)
     options = dict(lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk, chat_template=read_chat_template(heads),
                    option="output")
@@ -212,3 +216,24 @@ def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: s
                          "pass model=<backbone>")
     backbone, _ = load_backbone(name, dtype=dtype or config.dtype)
     return export_heads(MedusaModel.from_pretrained(heads, backbone=backbone), output, format, **options)
+
+
+def _copy_eagle3(draft: str | os.PathLike, output: str | os.PathLike, format: str) -> Path:
+    """An EAGLE-3 draft has one layout, vLLM's, which ``native`` and ``vllm`` both name: its files, checked against its
+    config and written anew; the original Medusa layout has no place for it."""
+    from safetensors.torch import load_file
+
+    if format == "medusa_v1":
+        raise ValueError(f"format=medusa_v1: {draft} holds an EAGLE-3 draft, which the original Medusa layout (TGI, "
+                         "TensorRT-LLM) has no place for; export format=vllm (vLLM serves it with method eagle3)")
+    from medusa_train.model.eagle3 import D2T_KEY, Eagle3Config, Eagle3Draft
+
+    config = read_config_json(draft)
+    tensors = load_file(str(Path(draft) / WEIGHTS_NAME))
+    with torch.device("meta"):  # the shapes its config implies, without allocating them
+        expected = {k: tuple(v.shape) for k, v in Eagle3Draft(Eagle3Config.from_dict(config)).state_dict().items()}
+    if D2T_KEY not in tensors:
+        expected.pop(D2T_KEY)
+    check_tensors(tensors, expected, str(draft))
+    return write_heads_folder(output, {WEIGHTS_NAME: tensors}, config, chat_template=read_chat_template(draft),
+                              option="output")

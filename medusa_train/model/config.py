@@ -73,6 +73,14 @@ class MedusaConfig:
             return 0
         return k + 1 if self.path_input else 1
 
+    vllm_method = "medusa"  #: vLLM's ``--speculative-config`` method that serves them
+
+    @property
+    def vllm_export_differs(self) -> bool:
+        """Whether the ``vllm`` export serves other heads than these: a draft vocabulary sharing the LM head is
+        written with the whole LM head (``vllm_problem``), so vLLM guesses from the whole vocabulary."""
+        return bool(self.draft_vocab_size)
+
     def native_only_features(self) -> dict[str, str]:
         """``{config key: what the heads do}`` for each feature only medusa-train's own decoder (the native
         layout) holds; empty for plain heads, which vLLM, TGI, TensorRT-LLM and the original Medusa load."""

@@ -89,6 +89,25 @@ class Eagle3Config:
         return self.ttt_steps
 
     @property
+    def num_heads(self) -> int:
+        """The depth it drafts to by default (as Medusa's head count: a chain's length, vLLM's K)."""
+        return self.ttt_steps
+
+    vllm_method = FORMAT  #: vLLM's ``--speculative-config`` method that serves it
+    vllm_export_differs = False  #: vLLM serves exactly this draft (its layout is ours)
+
+    def native_only_features(self) -> dict[str, str]:
+        """Nothing only our decoder holds: vLLM serves the draft as it is."""
+        return {}
+
+    def vllm_problem(self) -> str | None:
+        return None
+
+    def token_map_problem(self) -> str | None:
+        """Why the original Medusa layout (TGI, TensorRT-LLM) cannot hold it: it is no Medusa head."""
+        return "are an EAGLE-3 draft, which the original Medusa layout (TGI, TensorRT-LLM) has no place for"
+
+    @property
     def head_vocab_size(self) -> int:
         """How many tokens one draft step scores (the decoder's top-k cannot ask for more)."""
         return self.draft_vocab_size
@@ -149,8 +168,13 @@ def is_eagle3_config(data: dict) -> bool:
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """vLLM's default for Llama: the residual stream entering layers 2, L // 2 and L - 3."""
-    return sorted({2, num_layers // 2, num_layers - 3})
+    """vLLM's default for Llama: the residual stream entering layers 2, L // 2 and L - 3 (three distinct layers from
+    L = 7 on; a shallower backbone needs its layers named)."""
+    layers = sorted({2, num_layers // 2, num_layers - 3})
+    if len(layers) != 3 or layers[0] < 0:
+        raise ValueError(f"a backbone of {num_layers} layers has no three distinct default layers (2, L // 2, L - 3) "
+                         "for an EAGLE-3 draft to read: name three with eagle3.aux_layer_ids=[a,b,c]")
+    return layers
 
 
 class RMSNorm(nn.Module):

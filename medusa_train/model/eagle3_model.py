@@ -95,6 +95,10 @@ class Eagle3Model(nn.Module):
     def max_depth(self) -> int:
         return self.config.max_depth
 
+    def medusa_modules(self) -> list[nn.Module]:
+        """What medusa-train adds to the backbone: the draft."""
+        return [self.draft]
+
     @property
     def lm_head(self) -> nn.Module:
         return self.backbone.get_output_embeddings()

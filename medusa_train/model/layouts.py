@@ -77,6 +77,21 @@ def detect_format(config: dict) -> str:
     raise ValueError("config.json is not a Medusa heads config we know (native, medusa_v1 or vllm)")
 
 
+VLLM_LAYOUTS = ("vllm", "eagle3")  #: layouts vLLM loads as they are (Medusa heads' vllm export, an EAGLE-3 draft)
+
+
+def vllm_method(config: dict) -> str:
+    """vLLM's ``--speculative-config`` method for a folder with this ``config.json``: ``eagle3`` or ``medusa``."""
+    return "eagle3" if detect_format(config) == "eagle3" else "medusa"
+
+
+def draft_depth(config: dict) -> int | None:
+    """How many tokens a folder's draft proposes a step at most: Medusa's heads, an EAGLE-3 draft's trained chain."""
+    if detect_format(config) == "eagle3":
+        return (config.get("medusa_train") or {}).get("ttt_steps")
+    return config.get("num_heads", config.get("medusa_num_heads"))
+
+
 # ---------------------------------------------------------------------------------- key schemes
 def native_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
     """Every native tensor name of ``config``'s heads and its shape."""

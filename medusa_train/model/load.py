@@ -18,10 +18,11 @@ import torch
 
 from medusa_train.config.check import Problems
 from medusa_train.config.evaluate import EvalModelConfig
+from medusa_train.model.eagle3 import Eagle3Config
 from medusa_train.model.folder import read_chat_template
-from medusa_train.model.layouts import CONFIG_NAME, read_config_json, resolve_base_model
+from medusa_train.model.layouts import CONFIG_NAME, detect_format, read_config_json, resolve_base_model
 
-__all__ = ["check_heads", "load_heads", "load_medusa2_export", "read_chat_template", "read_export_config",
+__all__ = ["check_heads", "load_draft", "load_heads", "load_medusa2_export", "read_chat_template", "read_export_config",
            "use_export_template"]
 
 
@@ -29,6 +30,8 @@ def read_export_config(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
     """``(num_heads, base model)`` from a heads folder's ``config.json`` (any supported layout); a base
     model stored relative to the heads (Medusa-2's ``merged``) comes back as its path."""
     raw = read_config_json(heads_dir)
+    if detect_format(raw) == "eagle3":  # a draft chains: its default depth stands for the head count
+        raw = {"num_heads": Eagle3Config.from_dict(raw).num_heads, **raw}
     num_heads = raw.get("num_heads", raw.get("medusa_num_heads"))
     if not isinstance(num_heads, int):
         raise ValueError(f"heads={heads_dir}: config.json does not say how many heads there are")
@@ -74,7 +77,6 @@ def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = Non
         ``(MedusaModel, tokenizer)`` in eval mode.
     """
     from medusa_train.backbone.load import load_backbone
-    from medusa_train.model.medusa import MedusaModel
 
     model = model or EvalModelConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,12 +89,22 @@ def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = Non
     backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
                                         attn_implementation=model.attn_implementation)
     backbone.to(device)
-    medusa = MedusaModel.from_pretrained(heads_dir, backbone=backbone)
+    medusa = load_draft(heads_dir, backbone)
     for part in medusa.medusa_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)
     if export_template:
         tokenizer = use_export_template(tokenizer, heads_dir)
     return medusa.eval(), _user_template(tokenizer, model.chat_template)
+
+
+def load_draft(heads_dir: str | os.PathLike, backbone):
+    """The draft in ``heads_dir`` on ``backbone``: Medusa heads (``MedusaModel``, any layout) or an EAGLE-3 draft
+    (``Eagle3Model``), as its ``config.json`` says."""
+    from medusa_train.model.eagle3_model import Eagle3Model
+    from medusa_train.model.medusa import MedusaModel
+
+    eagle3 = detect_format(read_config_json(heads_dir)) == "eagle3"
+    return (Eagle3Model if eagle3 else MedusaModel).from_pretrained(heads_dir, backbone=backbone)
 
 
 def _user_template(tokenizer, value: str | None):

@@ -19,10 +19,10 @@ TINY_VOCAB = 256
 
 
 def make_tiny_backbone(arch: str = "llama", seed: int = 0, vocab_size: int = TINY_VOCAB, hidden_size: int = 64,
-                       tie: bool = False, attn_implementation: str = "sdpa"):
+                       tie: bool = False, attn_implementation: str = "sdpa", layers: int = 2):
     """A small random causal LM of a real architecture, float32, eval mode, frozen."""
     torch.manual_seed(seed)
-    common = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+    common = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
                   num_attention_heads=4, vocab_size=vocab_size, max_position_embeddings=512,
                   tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     if arch == "llama":

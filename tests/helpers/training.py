@@ -13,10 +13,10 @@ from helpers.tokenizers import make_bpe_tokenizer
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
-def make_model_dir(path: Path, arch: str = "llama") -> Path:
+def make_model_dir(path: Path, arch: str = "llama", layers: int = 2) -> Path:
     """Save a tiny random backbone plus a ChatML BPE tokenizer as a Hugging Face folder."""
     tokenizer = make_bpe_tokenizer()
-    backbone = make_tiny_backbone(arch, vocab_size=len(tokenizer))
+    backbone = make_tiny_backbone(arch, vocab_size=len(tokenizer), layers=layers)
     backbone.config.pad_token_id = tokenizer.pad_token_id
     backbone.config.eos_token_id = tokenizer.eos_token_id
     backbone.save_pretrained(path)
