@@ -18,9 +18,9 @@ import torch
 
 from medusa_train.config.check import Problems
 from medusa_train.config.evaluate import EvalModelConfig
-from medusa_train.model.eagle3 import Eagle3Config
+from medusa_train.model.eagle3 import Eagle3Config, is_eagle3_config
 from medusa_train.model.folder import read_chat_template
-from medusa_train.model.layouts import CONFIG_NAME, detect_format, read_config_json, resolve_base_model
+from medusa_train.model.layouts import CONFIG_NAME, read_config_json, resolve_base_model
 
 __all__ = ["check_heads", "load_draft", "load_heads", "load_medusa2_export", "read_chat_template", "read_export_config",
            "use_export_template"]
@@ -30,7 +30,7 @@ def read_export_config(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
     """``(num_heads, base model)`` from a heads folder's ``config.json`` (any supported layout); a base
     model stored relative to the heads (Medusa-2's ``merged``) comes back as its path."""
     raw = read_config_json(heads_dir)
-    if detect_format(raw) == "eagle3":  # a draft chains: its default depth stands for the head count
+    if is_eagle3_config(raw):  # a draft chains: its default depth stands for the head count
         raw = {"num_heads": Eagle3Config.from_dict(raw).num_heads, **raw}
     num_heads = raw.get("num_heads", raw.get("medusa_num_heads"))
     if not isinstance(num_heads, int):
@@ -103,7 +103,7 @@ def load_draft(heads_dir: str | os.PathLike, backbone):
     from medusa_train.model.eagle3_model import Eagle3Model
     from medusa_train.model.medusa import MedusaModel
 
-    eagle3 = detect_format(read_config_json(heads_dir)) == "eagle3"
+    eagle3 = is_eagle3_config(read_config_json(heads_dir))
     return (Eagle3Model if eagle3 else MedusaModel).from_pretrained(heads_dir, backbone=backbone)
 
 
