@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from medusa_train.decoding.generate import candidate_tokens, tree_forward
+from medusa_train.decoding.generate import propose, tree_forward
 from medusa_train.decoding.tree import MedusaTree
 from medusa_train.tree.cost import DecodeSteps
 
@@ -23,7 +23,8 @@ class DecodeStepParts(DecodeSteps):
 
         @torch.no_grad()
         def step():
-            tokens = candidate_tokens(self.model, tree, self.out.hidden_states[0, -1:], self.root, self.heads_state)
+            tokens = propose(self.model, tree, self.out.draft_inputs[0, -1:], self.prompt[0, -1:], self.root,
+                             self.heads_state)
             tokens[-1].item()  # wait for the result, as the tree pass would
             self.heads_state.rewind(self.heads_read)
 

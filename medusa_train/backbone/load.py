@@ -100,6 +100,12 @@ def _hub_error(name: str, err: Exception) -> OSError:
         "or packaged:smollm2-135m-instruct.")
 
 
+def backbone_reference(backbone: PreTrainedModel) -> str | None:
+    """The name or folder ``backbone`` was loaded from (what a draft trained on it records), if it knows one."""
+    name = getattr(backbone, "name_or_path", None) or getattr(backbone.config, "_name_or_path", None)
+    return str(name) if name else None
+
+
 def load_tokenizer(name_or_path: str | os.PathLike, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load the tokenizer that goes with ``name_or_path`` (pad token set, chat template kept)."""
     path, kwargs = resolve_model_path(name_or_path)

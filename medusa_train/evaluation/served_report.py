@@ -17,6 +17,8 @@ from medusa_train.evaluation.sampled_check import against_plain, describe, score
 
 ROWS = {"plain": "vLLM without speculation", "ngram": "vLLM n-gram speculation (prompt lookup; no training)",
         "medusa": "vLLM Medusa speculation with the heads (top-1 chain)"}
+#: the trained draft's row (``medusa``), by the method vLLM serves it with
+DRAFT_ROWS = {"medusa": ROWS["medusa"], "eagle3": "vLLM EAGLE-3 speculation with the draft (a chain of K steps)"}
 FREE_ROWS = ("plain", "ngram")
 
 
@@ -51,7 +53,9 @@ def served_row(name: str, server: dict, plain: dict | None, model, inputs: list[
     greedy = phases["greedy"]
     counted = greedy["prompt_tokens"]
     alike = [n == ids.shape[1] for n, ids in zip(counted, inputs)]
-    row = {"decodes_with": ROWS.get(name, name), "speculative_config": server["speculative_config"],
+    method = (server["speculative_config"] or {}).get("method")
+    label = DRAFT_ROWS.get(method, ROWS["medusa"]) if name == "medusa" else ROWS.get(name, name)
+    row = {"decodes_with": label, "speculative_config": server["speculative_config"],
            "attached": server.get("attached", False), "url": server.get("url"), "startup_s": server["startup_s"],
            **_figures(greedy), "prompts_tokenised_alike": sum(alike), "phases": {}}
     if plain is not None:

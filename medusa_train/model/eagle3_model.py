@@ -14,6 +14,7 @@ pre-norm output at position ``last verified + depth``, attending to the cache an
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from medusa_train.backbone.load import backbone_reference
 from medusa_train.model.eagle3 import Eagle3Config, Eagle3Draft
 from medusa_train.model.layouts import WEIGHTS_NAME, check_tensors, read_config_json, resolve_base_model
 
@@ -85,9 +87,8 @@ class Eagle3Model(nn.Module):
             ttt_steps: Draft steps trained in a chain (training-time test).
             dtype: The draft's weight dtype.
         """
-        name = getattr(backbone, "name_or_path", None) or getattr(backbone.config, "_name_or_path", None)
         config = Eagle3Config.for_backbone(backbone, None if token_map is None else len(token_map), aux_layer_ids,
-                                           intermediate_size, ttt_steps, dtype, str(name) if name else None)
+                                           intermediate_size, ttt_steps, dtype, backbone_reference(backbone))
         return cls(backbone, config, token_map)
 
     # ----------------------------------------------------------------------------- what the decoder asks
@@ -200,6 +201,47 @@ class Eagle3Model(nn.Module):
         return nn.functional.scaled_dot_product_attention(q, draft.group(keys), draft.group(values),
                                                           attn_mask=allowed[None, None])
 
+    # ----------------------------------------------------------------------------- along a text
+    def chained_steps(self, aux: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, steps: int):
+        """Training-time test: the draft chained ``steps`` times along a text, every row at once; yields each step's
+        normed output (batch, seq, H), whose row ``p`` at step ``s`` guesses the token at ``p + s + 2``.
+
+        Step 0 at row ``p`` reads ``x[p + 1]`` and ``fc`` of the backbone's states at ``p`` (``aux``), at rope
+        position ``p``; step ``s`` reads the text's ``x[p + s + 1]`` (teacher-forced) and step ``s - 1``'s pre-norm
+        output at row ``p``, at position ``p + s``, attending causally to step 0's keys and to row ``p``'s keys of
+        steps 1 .. s: what a chain drafting after position ``p`` sees when its earlier guesses were the text's."""
+        draft, seq = self.draft, input_ids.shape[1]
+        feature, keys, values = draft.features(aux.detach()), [], []
+        for s in range(steps):
+            tokens = nn.functional.pad(input_ids[:, s + 1:], (0, s + 1), value=0)
+            positions = (torch.arange(seq, device=input_ids.device) + s)[None].expand(input_ids.shape[0], -1)
+            with torch.no_grad():
+                embeds = self.backbone.get_input_embeddings()(tokens)
+            q, k, v, residual = draft.qkv(embeds, feature, positions)
+            keys.append(k)
+            values.append(v)
+            normed, feature = draft.finish(chained_attention(draft, q, keys, values, attention_mask), residual)
+            yield normed
+
+    def draft_indices(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Each token's index among the draft's outputs, -1 for one it never guesses."""
+        index = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=tokens.device)
+        index[self.draft.token_map.to(tokens.device)] = torch.arange(self.config.draft_vocab_size, device=tokens.device)
+        return index[tokens.clamp(min=0)].masked_fill(tokens < 0, -1)
+
+    @torch.no_grad()
+    def calibration_scores(self, ids: torch.Tensor, start: int):
+        """``(depth k, logits (n, draft vocab), target indices (n,))`` along ``ids`` (1, len): the draft's step ``k``
+        from positions ``start ..``, its earlier steps given the text's tokens (so its accuracy at depth k is
+        conditional on the path so far being right, as a tree's path is walked), and the true token's index."""
+        out = self(ids)
+        length = ids.shape[1]
+        for k, normed in enumerate(self.chained_steps(out.draft_inputs, ids, torch.ones_like(ids), self.config.ttt_steps)):
+            stop = length - k - 2
+            if stop <= start:
+                continue
+            yield k, self.draft.logits(normed[0, start:stop]).float(), self.draft_indices(ids[0, start + k + 2:stop + k + 2])
+
     # ----------------------------------------------------------------------------- persistence
     def native_files(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """``({file name: tensors}, config.json)``: vLLM's layout, which is also ours."""
@@ -250,3 +292,21 @@ def _check_compatible(backbone: PreTrainedModel, config: Eagle3Config) -> None:
     if problems:
         raise ValueError(f"this EAGLE-3 draft does not fit this backbone ({'; '.join(problems)}); it was trained on "
                          f"{config.base_model_name_or_path!r}")
+
+
+def chained_attention(draft, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                   attention_mask: torch.Tensor) -> torch.Tensor:
+    """Training-time test's attention at step ``len(keys) - 1``: causal over step 0's keys (padding masked), and each earlier step's key
+    of the same row. Shapes (batch, heads, seq, head_dim)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    k0, v0 = draft.group(keys[0]), draft.group(values[0])
+    seq = q.shape[2]
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None] \
+        & attention_mask.bool()[:, None, None, :]
+    scores = [(q @ k0.transpose(-1, -2) * scale).float().masked_fill(~allowed, float("-inf"))]
+    scores += [((q * draft.group(k)).sum(-1, keepdim=True) * scale).float() for k in keys[1:]]
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(q.dtype)
+    out = probs[..., :seq] @ v0
+    for j, v in enumerate(values[1:]):
+        out = out + probs[..., seq + j:seq + j + 1] * draft.group(v)
+    return out

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from medusa_train.backbone.load import backbone_reference
 from medusa_train.model.draft_vocab import DraftVocab
 from medusa_train.model.folder import write_heads_folder
 from medusa_train.model.heads import MedusaHead, path_tokens
@@ -24,7 +25,7 @@ from medusa_train.model.layouts import (
     read_heads,
     resolve_base_model,
 )
-from medusa_train.model.medusa_propose import heads_candidates
+from medusa_train.model.medusa_propose import heads_calibration_scores, heads_candidates
 from medusa_train.model.prefix_attention import PrefixAttention, PrefixCache
 
 TokenSource = torch.Tensor | Callable[[], torch.Tensor] | None
@@ -144,7 +145,7 @@ class MedusaModel(nn.Module):
             num_heads=num_heads, num_layers=num_layers, hidden_size=hidden_size,
             vocab_size=lm_head.weight.shape[0], share_lm_head=share_lm_head, next_token_input=next_token_input,
             path_input=path_input, prefix_attention=prefix_attention, prefix_attention_heads=attention_heads,
-            prefix_intermediate_size=intermediate_size, base_model_name_or_path=_base_reference(backbone), dtype=dtype,
+            prefix_intermediate_size=intermediate_size, base_model_name_or_path=backbone_reference(backbone), dtype=dtype,
             draft_vocab_size=None if token_map is None else len(token_map),
         )
         return cls(backbone, config, token_map)
@@ -232,6 +233,10 @@ class MedusaModel(nn.Module):
                 state: DecodeState) -> torch.Tensor:
         """(num_nodes,) the tree's tokens for one verify step (``medusa_propose.heads_candidates``; tokens unused)."""
         return heads_candidates(self, tree, accepted_inputs, root_token, state)
+
+    def calibration_scores(self, ids: torch.Tensor, start: int):
+        """Each head's scores along a text and its targets (``medusa_propose.heads_calibration_scores``)."""
+        return heads_calibration_scores(self, ids, start)
 
     def _context(self, hidden: torch.Tensor, cache: PrefixCache | None = None) -> torch.Tensor:
         """``hidden`` itself, or through the prefix attention layer (consecutive positions; ``cache`` holds
@@ -378,11 +383,6 @@ def load_heads_strict(model: MedusaModel, tensors: dict[str, torch.Tensor], sour
     with torch.no_grad():
         for key, param in expected.items():
             param.copy_(tensors[key])
-
-
-def _base_reference(backbone: PreTrainedModel) -> str | None:
-    name = getattr(backbone, "name_or_path", None) or getattr(backbone.config, "_name_or_path", None)
-    return str(name) if name else None
 
 
 def _check_compatible(backbone: PreTrainedModel, config: MedusaConfig) -> None:

@@ -1,5 +1,6 @@
 """What Medusa heads propose for one verify step: the tree filled depth by depth with each head's top-k guesses
-(``MedusaModel.propose``; the decoder in ``decoding/generate.py`` verifies them)."""
+(``MedusaModel.propose``; the decoder in ``decoding/generate.py`` verifies them), and what they score along a text
+(``MedusaModel.calibration_scores``; ``tree/calibrate.py`` measures rank accuracies from it)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def heads_candidates(model, tree, accepted_hidden: torch.Tensor, root_token: int
     tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=device)
     tokens[0] = root_token
     ancestors, levels = tree.path_buffers(device)
-    if levels and not model.guesses_follow_path:  # every head at once: one LM-head read when it is shared
+    if not levels:  # nothing to guess, but the heads read the accepted positions (their own cache, if any)
+        model.head_features(accepted_hidden, tokens[:1, None], heads_state)
+        return tokens
+    if not model.guesses_follow_path:  # every head at once: one LM-head read when it is shared
         features = model.head_features(accepted_hidden, tokens[:1, None], heads_state)
         logits = model.all_head_logits(features, len(levels))  # (depth, 1, vocab)
         for d, (_, children, _, ranks) in enumerate(levels):
@@ -39,3 +43,19 @@ def heads_candidates(model, tree, accepted_hidden: torch.Tensor, root_token: int
         top = model.head_logits(features, d).topk(tree.head_top_k[d], dim=-1).indices
         tokens[children] = model.guessed_tokens(top[rows, ranks])
     return tokens
+
+
+@torch.no_grad()
+def heads_calibration_scores(model, ids: torch.Tensor, start: int):
+    """``(k, logits (n, heads' vocab), target indices (n,))`` per head ``k`` along ``ids`` (1, len): head k's scores
+    at positions ``start ..`` (the hidden state at t guesses the token at t + k + 2, reading the text's own next
+    tokens) and the index of that token among its outputs (-1: one it never guesses)."""
+    hidden = model(ids).hidden_states[0]
+    inputs = model.head_features(hidden[:-1], ids[0, 1:])  # the next token is the text's own
+    length = ids.shape[1]
+    for k in range(model.config.num_heads):
+        stop = length - k - 2
+        if stop <= start:
+            continue
+        logits = model.head_logits(inputs[start:stop], k).float()
+        yield k, logits, model.head_indices(ids[0, start + k + 2: stop + k + 2].to(logits.device))

@@ -9,13 +9,12 @@ chain writes them while drafting). Step ``s`` at row ``p`` learns the backbone's
 data trains (assistant labels) and the backbone's top token lies inside the draft vocabulary. The loss is
 ``sum_s w_s * mean CE_s`` with ``w = head_weights(steps, decay)`` (``decay**s``, normalised).
 
-The draft vocabulary's logits are computed a chunk of rows at a time and recomputed in the backward pass
+The chained steps are ``Eagle3Model.chained_steps``. The draft vocabulary's logits are computed a chunk of rows at a time and recomputed in the backward pass
 (``torch.utils.checkpoint``), so at most ``chunk x draft vocab`` logits exist at once.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -48,24 +47,12 @@ def ttt_loss(model, aux: torch.Tensor, final_hidden: torch.Tensor, input_ids: to
         A ``LossResult`` whose ``per_head[s]`` are step ``s``'s figures (top-1: the draft's top token is the
         backbone's, among the draft vocabulary).
     """
-    draft = model.draft
-    seq = input_ids.shape[1]
     with torch.no_grad():
         trains = _trained_targets(model, final_hidden, labels)  # (batch, seq): a target at that token
-    keys, values = [], []
-    feature = draft.features(aux.detach())
     total = 0.0
     weights = head_weights(steps, decay)
     metrics = []
-    for s in range(steps):
-        tokens = F.pad(input_ids[:, s + 1:], (0, s + 1), value=0)
-        positions = (torch.arange(seq, device=input_ids.device) + s)[None].expand(input_ids.shape[0], -1)
-        with torch.no_grad():
-            embeds = model.backbone.get_input_embeddings()(tokens)
-        q, k, v, residual = draft.qkv(embeds, feature, positions)
-        keys.append(k)
-        values.append(v)
-        normed, feature = draft.finish(_ttt_attention(draft, q, keys, values, attention_mask), residual)
+    for s, normed in enumerate(model.chained_steps(aux, input_ids, attention_mask, steps)):
         # row p at step s predicts the token at p + s + 2: trained when that token is
         target = F.pad(trains[:, s + 2:], (0, s + 2), value=False)
         rows = target.nonzero(as_tuple=True)
@@ -91,24 +78,6 @@ def _trained_targets(model, final_hidden: torch.Tensor, labels: torch.Tensor) ->
     top = torch.cat([model.base_logits(rows).argmax(-1) for rows in flat.split(1024)]).view(final_hidden.shape[:-1])
     ok = (labels != IGNORE_INDEX) & F.pad(in_vocab[top][:, :-1], (1, 0), value=False)
     return ok
-
-
-def _ttt_attention(draft, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                   attention_mask: torch.Tensor) -> torch.Tensor:
-    """Step ``len(keys) - 1``'s attention: causal over step 0's keys (padding masked), and each earlier step's key
-    of the same row. Shapes (batch, heads, seq, head_dim)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    k0, v0 = draft.group(keys[0]), draft.group(values[0])
-    seq = q.shape[2]
-    allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None] \
-        & attention_mask.bool()[:, None, None, :]
-    scores = [(q @ k0.transpose(-1, -2) * scale).float().masked_fill(~allowed, float("-inf"))]
-    scores += [((q * draft.group(k)).sum(-1, keepdim=True) * scale).float() for k in keys[1:]]
-    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(q.dtype)
-    out = probs[..., :seq] @ v0
-    for j, v in enumerate(values[1:]):
-        out = out + probs[..., seq + j:seq + j + 1] * draft.group(v)
-    return out
 
 
 def _soft_cross_entropy(model, normed: torch.Tensor, teacher_hidden: torch.Tensor, chunk: int):

@@ -103,12 +103,14 @@ def greedy_continuations(model, tokenizer, prompts: Sequence[str], max_new_token
 @torch.no_grad()
 def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]],
                             top_k: int = 10) -> tuple[list[list[float]], list[int]]:
-    """Per head and rank, how often the head's rank-i guess is the token k + 2 ahead.
+    """Per head (draft depth) and rank, how often the rank-i guess is the token k + 2 ahead.
 
-    Only positions from the last prompt token on are counted (where decoding asks the heads).
+    Only positions from the last prompt token on are counted (where decoding asks the heads). Medusa heads each
+    read the text; an EAGLE-3 draft's depth k is its k-th chained step given the text's tokens before it, so its
+    accuracy is conditional on the path so far (``calibration_scores`` of either model).
 
     Args:
-        model: A ``MedusaModel``.
+        model: A ``MedusaModel`` or ``Eagle3Model``.
         sequences: ``(ids (1, len), prompt length)`` pairs, e.g. from ``greedy_continuations``.
         top_k: Ranks measured.
 
@@ -119,19 +121,12 @@ def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]]
     hits = torch.zeros(num_heads, top_k, dtype=torch.long)
     counts = [0] * num_heads
     for ids, prompt_len in sequences:
-        hidden = model(ids).hidden_states[0]
-        inputs = model.head_features(hidden[:-1], ids[0, 1:])  # the next token is the continuation's own (greedy)
-        length = ids.shape[1]
-        for k in range(num_heads):
-            start, stop = prompt_len - 1, length - k - 2  # hidden at t predicts token t + k + 2 < length
-            if stop <= start:
-                continue
-            logits = model.head_logits(inputs[start:stop], k).float()
-            targets = model.head_indices(ids[0, start + k + 2: stop + k + 2].to(logits.device))
+        # the model says what its draft scores at each depth along the text, and which output is the true token
+        for k, logits, targets in model.calibration_scores(ids, prompt_len - 1):
             target_logits = logits.gather(-1, targets.clamp(min=0)[:, None])
             ranks = (logits > target_logits).sum(-1).masked_fill_(targets < 0, top_k)  # outside a draft vocabulary: never guessed
             hits[k] += torch.bincount(ranks[ranks < top_k].cpu(), minlength=top_k)[:top_k]
-            counts[k] += stop - start
+            counts[k] += len(targets)
     accuracies = [[hits[k, i].item() / counts[k] if counts[k] else 0.0 for i in range(top_k)]
                   for k in range(num_heads)]
     return accuracies, counts

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from medusa_train.decoding.acceptance import greedy_accept
-from medusa_train.decoding.generate import candidate_tokens, compact_cache, verify_tree
+from medusa_train.decoding.generate import compact_cache, propose, verify_tree
 from medusa_train.decoding.tree import MedusaTree
 
 AUTO_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
@@ -99,11 +99,11 @@ class DecodeSteps:
         self.out = model(self.prompt, past_key_values=self.cache, use_cache=True)
         self.dtype = self.out.hidden_states.dtype
         self.root = int(model.base_logits(self.out.hidden_states[:, -1])[0].argmax())  # the backbone's own next token
-        self.heads_state = model.new_decode_state()  # what the heads keep between steps (e.g. their own cache)
-        # the heads have read every position but the last, which each step reads as its accepted one
+        self.heads_state = model.new_decode_state()  # what the draft keeps between steps (e.g. its own cache)
+        # the draft has read every position but the last, which each step reads as its accepted one
         self.heads_read = context - 1
-        model.head_features(self.out.hidden_states[0, :-1], torch.tensor([[self.root]], device=device),
-                            self.heads_state)
+        model.propose(MedusaTree([]), self.out.draft_inputs[0, :-1], self.prompt[0, :-1], int(self.prompt[0, -1]),
+                      self.heads_state)
 
     @torch.no_grad()
     def plain_step(self, explicit_mask: bool = False) -> None:
@@ -118,14 +118,16 @@ class DecodeSteps:
         self.cache.crop(-1)
 
     def verify_step(self, tree: MedusaTree) -> Callable[[], None]:
-        """A full verify step over ``tree``: the heads' candidates (their own pass included), the tree pass,
-        the LM head at every node, greedy acceptance and cache compaction."""
+        """A full verify step over ``tree``: the draft's candidates (its own passes included: an EAGLE-3 draft runs
+        once per depth, so a deeper tree costs more there too), the tree pass, the LM head at every node, greedy
+        acceptance and cache compaction."""
         mask, offsets = tree.attention_mask(self.dtype).to(self.device), tree.position_offsets.to(self.device)
 
         @torch.no_grad()
         def step():
             model, context = self.model, self.context
-            tokens = candidate_tokens(model, tree, self.out.hidden_states[0, -1:], self.root, self.heads_state)
+            tokens = propose(model, tree, self.out.draft_inputs[0, -1:], self.prompt[0, -1:], self.root,
+                             self.heads_state)
             _, logits = verify_tree(model, tokens, mask, offsets, self.cache, context)
             result = greedy_accept(tree, tokens, logits)
             compact_cache(self.cache, context, result.path)

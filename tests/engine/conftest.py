@@ -32,3 +32,23 @@ def trained_heads(tmp_path_factory) -> str:
         "optim.lr=3e-3", f"trainer.output_dir={out}"])
     run(cfg)
     return str(out / "export")
+
+
+@pytest.fixture(scope="session")
+def free_servers(model_folder, tmp_path_factory):
+    """The packaged model served in float32 without speculation and with vLLM's n-gram speculation, as a user
+    runs them already: the served evaluations of every engine test attach to them (``served.plain_url``,
+    ``served.ngram_url``), so they start once a session."""
+    import contextlib
+
+    from medusa_train.config.engine import ServedConfig
+    from medusa_train.engine import VllmServer
+    from medusa_train.evaluation.served import speculative_configs
+
+    logs = tmp_path_factory.mktemp("free-servers")
+    ngram = speculative_configs(None, 0, ServedConfig())["ngram"]
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(VllmServer(model_folder, dtype="float32", speculative_config=spec,
+                                                     log_path=logs / f"{name}.log")).url
+                for name, spec in (("plain", None), ("ngram", ngram))}
+        yield urls

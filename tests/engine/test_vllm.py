@@ -24,24 +24,6 @@ PROMPTS = 6  # MT-Bench first turns, spread over the categories
 MAX_TOKENS = 48
 
 
-@pytest.fixture(scope="module")
-def free_servers(model_folder, tmp_path_factory):
-    """The packaged model served in float32 without speculation and with vLLM's n-gram speculation, as a user
-    runs them already: the evaluations below attach to them (``served.plain_url``, ``served.ngram_url``)."""
-    import contextlib
-
-    from medusa_train.config.engine import ServedConfig
-    from medusa_train.evaluation.served import speculative_configs
-
-    logs = tmp_path_factory.mktemp("free-servers")
-    ngram = speculative_configs(None, 0, ServedConfig())["ngram"]
-    with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(VllmServer(model_folder, dtype="float32", speculative_config=spec,
-                                                     log_path=logs / f"{name}.log")).url
-                for name, spec in (("plain", None), ("ngram", ngram))}
-        yield urls
-
-
 def _served_eval(heads, out, urls, **served):
     from medusa_train.cli.evaluate import build_eval_config, run
 

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.model.eagle3 import Eagle3Config, default_aux_layers, is_eagle3_config
-from medusa_train.model.eagle3_model import Eagle3Model
+from medusa_train.model.eagle3_model import Eagle3Model, chained_attention
 from medusa_train.model.layouts import detect_format
-from medusa_train.training.eagle3_loss import _ttt_attention, ttt_loss
+from medusa_train.training.eagle3_loss import ttt_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,7 +93,7 @@ def _training_argmax(model: Eagle3Model, text: torch.Tensor, row: int, steps: in
                                       (torch.arange(seq) + s)[None])
         keys.append(k)
         values.append(v)
-        normed, feature = draft.finish(_ttt_attention(draft, q, keys, values, torch.ones_like(text)), residual)
+        normed, feature = draft.finish(chained_attention(draft, q, keys, values, torch.ones_like(text)), residual)
         best.append(int(model.guessed_tokens(draft.logits(normed[0, row]).argmax())))
     return best
 
