@@ -1,4 +1,4 @@
-"""``medusa-train capture +recipe=medusa1 ...``: the hidden-state capture stage on its own (several processes:
+"""``medusa-train capture +recipe=medusa1|eagle3 ...``: the hidden-state capture stage on its own (several processes:
 ``accelerate launch [--num_processes N] -m medusa_train capture ...``), with the training command's own config
 (so training with the same keys and ``data.cache_hidden_states=true`` finds what it wrote)."""
 
@@ -34,6 +34,11 @@ def run(cfg: TrainConfig) -> dict:
 
     def hidden_fn(input_ids, attention_mask):
         return decoder(input_ids=input_ids.to(first), attention_mask=attention_mask.to(first)).last_hidden_state
+
+    if cfg.method == "eagle3":  # +recipe=eagle3: the three states the draft reads and the final one
+        from medusa_train.model.eagle3 import captured_states
+
+        hidden_fn = captured_states(backbone, cfg.eagle3.aux_layer_ids)
 
     train, evals = setup.load_examples(cfg, tokenizer, accelerator)
     setup.capture_hidden_states(cfg, tokenizer, hidden_fn, accelerator, train, evals)

@@ -51,7 +51,9 @@ class DataConfig:
     batch_size: int = 4  #: examples per device per micro-batch
     eval_batch_size: int | None = None  #: default: batch_size
     seed: int = 0  #: train/eval split and shuffling seed
-    cache_hidden_states: bool = False  #: medusa1 only: run the frozen backbone once, train heads from cached states
+    #: medusa1 and eagle3: run the frozen backbone once, train from its captured states (eagle3: the three states
+    #: the draft reads, the final one and the token ids)
+    cache_hidden_states: bool = False
     cache_dir: str | None = None  #: where hidden-state caches go (default: $MEDUSA_TRAIN_CACHE/hidden)
     #: bytes of hidden states + labels per capture shard (medusa-train capture; each process holds one whole shard
     #: in host memory while writing it): 2**30 = 1 GiB, about 131k tokens at hidden 4096 in bf16
@@ -248,8 +250,6 @@ def eagle3_problems(c: TrainConfig) -> list[str]:
            "an EAGLE-3 draft learns the backbone's distribution: use loss.targets=teacher (+recipe=eagle3 sets it)")
     p.need(c.model.quantization is None, "model.quantization", c.model.quantization,
            "the EAGLE-3 recipe reads a frozen unquantized backbone: drop model.quantization")
-    p.need(not c.data.cache_hidden_states, "data.cache_hidden_states", True,
-           "the EAGLE-3 recipe runs the frozen backbone online (its captured states are not read yet): drop it")
     p.need(not c.model.fsdp, "model.fsdp", True, "the EAGLE-3 recipe does not shard the backbone: drop model.fsdp")
     return p
 

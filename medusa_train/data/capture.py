@@ -11,6 +11,8 @@ One folder per split, named by the settings key (a hash of everything that chang
 model section, data, max_length, tokenizer, split)::
 
     <root>/<key>-<split>/shard-00000.safetensors   {"<i>.hidden": (T, H), "<i>.labels": (T,)}
+                                                   (+ "<i>.input_ids": (T,) for an EAGLE-3 draft, whose
+                                                   "hidden" is its three states and the final one, T x 4H)
                          shard-00000.json          its manifest: key, example ids, tokens, bytes
                          index.json                written last: key, settings, shards, bytes per token
 
@@ -83,12 +85,15 @@ def tokens_per_shard(shard_bytes: int, hidden_size: int, dtype: torch.dtype) -> 
 
 
 @torch.no_grad()
-def probe_tokens_per_shard(hidden_fn: HiddenFn, shard_bytes: int, device: torch.device | str = "cpu") -> int:
+def probe_tokens_per_shard(hidden_fn: HiddenFn, shard_bytes: int, device: torch.device | str = "cpu",
+                           extra_bytes: int = 0) -> int:
     """``tokens_per_shard`` for the states ``hidden_fn`` returns (its width and dtype, autocast included),
-    from a one-token forward."""
+    from a one-token forward; ``extra_bytes``: what else a token stores (its id, for an EAGLE-3 draft)."""
     one = torch.ones(1, 1, dtype=torch.long, device=device)
     hidden = hidden_fn(one, one)
-    return tokens_per_shard(shard_bytes, hidden.shape[-1], hidden.dtype)
+    if shard_bytes < 1:
+        raise ValueError(f"data.shard_bytes={shard_bytes}: must be >= 1")
+    return max(1, shard_bytes // (bytes_per_token(hidden.shape[-1], hidden.dtype) + extra_bytes))
 
 
 def plan_shards(lengths: Sequence[int], shard_tokens: int) -> list[list[int]]:
@@ -113,7 +118,7 @@ def shard_name(number: int) -> str:
 @torch.no_grad()
 def capture_split(hidden_fn: HiddenFn, examples: Sequence[dict], folder: str | os.PathLike, key: str,
                   batch_size: int = 8, device: torch.device | str = "cpu", rank: int = 0, world: int = 1,
-                  shard_bytes: int = SHARD_BYTES, desc: str = "capture") -> dict:
+                  shard_bytes: int = SHARD_BYTES, desc: str = "capture", keep_tokens: bool = False) -> dict:
     """Write this process's shards of ``examples`` into ``folder`` (finished ones are kept).
 
     Args:
@@ -123,6 +128,8 @@ def capture_split(hidden_fn: HiddenFn, examples: Sequence[dict], folder: str | o
         key: The settings key; stored in every manifest, and a stored one that differs is refused.
         rank, world: This process writes shards ``rank, rank + world, ...``.
         shard_bytes: Bytes of states and labels per shard (``data.shard_bytes``).
+        keep_tokens: Also store each example's token ids (``<i>.input_ids``): an EAGLE-3 draft reads the tokens'
+            embeddings beside the states (Medusa heads do not: their captures stay as they were).
 
     Returns:
         ``{"shards": written here, "kept": found finished, "tokens": captured here, "seconds": ...,
@@ -132,7 +139,7 @@ def capture_split(hidden_fn: HiddenFn, examples: Sequence[dict], folder: str | o
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    shard_tokens = probe_tokens_per_shard(hidden_fn, shard_bytes, device)
+    shard_tokens = probe_tokens_per_shard(hidden_fn, shard_bytes, device, LABEL_BYTES if keep_tokens else 0)
     plan = plan_shards([len(e["input_ids"]) for e in examples], shard_tokens)
     mine = [s for s in range(len(plan)) if s % world == rank]
     todo = [s for s in mine if not shard_finished(folder, s, plan[s], key)]
@@ -141,7 +148,7 @@ def capture_split(hidden_fn: HiddenFn, examples: Sequence[dict], folder: str | o
                disable=not todo)
     started, written = time.perf_counter(), 0
     for s in todo:
-        written += _capture_shard(hidden_fn, examples, plan[s], folder, s, key, batch_size, device, bar)
+        written += _capture_shard(hidden_fn, examples, plan[s], folder, s, key, batch_size, device, bar, keep_tokens)
         bar.set_postfix(bytes_per_tok=f"{written / max(bar.n, 1):.0f}")
     bar.close()
     return {"shards": len(todo), "kept": len(mine) - len(todo), "tokens": tokens,
@@ -149,7 +156,7 @@ def capture_split(hidden_fn: HiddenFn, examples: Sequence[dict], folder: str | o
 
 
 def _capture_shard(hidden_fn: HiddenFn, examples: Sequence[dict], ids: list[int], folder: Path, number: int,
-                   key: str, batch_size: int, device, bar) -> int:
+                   key: str, batch_size: int, device, bar, keep_tokens: bool = False) -> int:
     tensors, tokens = {}, 0
     for begin in range(0, len(ids), batch_size):
         batch_ids = ids[begin:begin + batch_size]
@@ -163,6 +170,8 @@ def _capture_shard(hidden_fn: HiddenFn, examples: Sequence[dict], ids: list[int]
         for row, (i, n) in enumerate(zip(batch_ids, lengths)):
             tensors[f"{i}.hidden"] = hidden[row, :n].clone()
             tensors[f"{i}.labels"] = torch.tensor(examples[i]["labels"], dtype=torch.long)
+            if keep_tokens:
+                tensors[f"{i}.input_ids"] = input_ids[row, :n].clone()
         tokens += sum(lengths)
         bar.update(sum(lengths))
     path = folder / shard_name(number)
@@ -237,7 +246,8 @@ def read_index(folder: str | os.PathLike, key: str) -> dict | None:
 
 
 def load_captured(folder: str | os.PathLike, key: str) -> list[dict]:
-    """Examples ``{"hidden": (shard path, name), "labels": (shard path, name), "input_ids": range(T)}`` in
+    """Examples ``{"hidden": (shard path, name), "labels": (shard path, name), "input_ids": range(T)}`` (and
+    ``"tokens": (shard path, name)`` where the capture kept the token ids) in
     the split's original order. States and labels stay on disk until ``HiddenCollator`` reads a batch
     (the lengths come from the shards' headers); ``input_ids`` holds only the length so length-grouped
     samplers work unchanged.
@@ -255,12 +265,15 @@ def load_captured(folder: str | os.PathLike, key: str) -> list[dict]:
     for shard in index["shards"]:
         path = str(folder / shard["file"])
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            names = set(f.keys())
+            for name in names:
                 i, kind = name.split(".")
                 if kind == "labels":
                     length = f.get_slice(name).get_shape()[0]
                     examples[int(i)] = {"hidden": (path, f"{i}.hidden"), "labels": (path, name),
                                         "input_ids": range(length)}
+                    if f"{i}.input_ids" in names:  # kept for an EAGLE-3 draft
+                        examples[int(i)]["tokens"] = (path, f"{i}.input_ids")
     missing = [i for i, e in enumerate(examples) if e is None]
     if missing:
         raise FileNotFoundError(f"{folder}: examples {missing[:5]} are in no shard; delete the folder and capture again")
@@ -294,7 +307,13 @@ class HiddenCollator:
             hidden[row, :n] = state
             labels[row, :n] = target
             mask[row, :n] = 1
-        return {"hidden": hidden, "labels": labels, "attention_mask": mask}
+        batch = {"hidden": hidden, "labels": labels, "attention_mask": mask}
+        if "tokens" in examples[0]:  # the token ids, where the capture kept them
+            batch["input_ids"] = torch.zeros(len(examples), longest, dtype=torch.long)
+            for row, e in enumerate(examples):
+                tokens = self.read(e["tokens"])
+                batch["input_ids"][row, :len(tokens)] = tokens
+        return batch
 
 
 def _read_json(path: Path) -> dict | None:

@@ -311,3 +311,20 @@ class Eagle3Draft(nn.Module):
         """Keys or values (b, kv heads, s, d) repeated to one per query head."""
         repeat = self.config.num_attention_heads // self.config.num_key_value_heads
         return kv if repeat == 1 else kv.repeat_interleave(repeat, dim=1)
+
+
+def captured_states(backbone, aux_layer_ids: list[int] | None = None):
+    """``(input_ids, attention_mask) -> (batch, seq, 4H)``: what a capture stores for an EAGLE-3 draft per token, the
+    three states it reads (``aux_layer_ids``, vLLM's default when ``None``) then the final-norm state its teacher's
+    logits come from (``Eagle3Model.split_captured`` takes them apart)."""
+    layers = sorted(aux_layer_ids) if aux_layer_ids else default_aux_layers(
+        backbone.config.get_text_config(decoder=True).num_hidden_layers)
+    decoder = backbone.get_decoder()
+    first = backbone.get_input_embeddings().weight.device  # device_map=auto: where the inputs go
+
+    def states(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = decoder(input_ids=input_ids.to(first), attention_mask=attention_mask.to(first), output_hidden_states=True)
+        final = out.last_hidden_state
+        return torch.cat([*(out.hidden_states[i].to(final.device) for i in layers), final], dim=-1)
+
+    return states

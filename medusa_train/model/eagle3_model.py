@@ -118,6 +118,11 @@ class Eagle3Model(nn.Module):
         """The three states the draft reads, from transformers' ``hidden_states`` (input to each layer), ascending."""
         return torch.cat([hidden_states[i] for i in self.config.aux_layer_ids], dim=-1)
 
+    def split_captured(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(draft_inputs (..., 3H), final hidden states (..., H))`` of what ``eagle3.captured_states`` stored."""
+        width = 3 * self.config.hidden_size
+        return states[..., :width], states[..., width:]
+
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 

@@ -3,10 +3,12 @@
     medusa-train train +recipe=eagle3                          # the draft vLLM serves at full strength
     medusa-train train +recipe=eagle3 debug=smoke              # a few steps, minutes on CPU
     medusa-train train +recipe=eagle3 eagle3.vocab_size=4096   # a draft vocabulary of the 4,096 most trained tokens
+    medusa-train train +recipe=eagle3 data.cache_hidden_states=true   # the backbone runs once (medusa-train capture)
 
 setup -> train -> cleanup, as the Medusa recipes (``export/run.py`` writes the export, vLLM's EAGLE-3 layout, in
-between); the loop, checkpoints, resume rules and W&B are theirs (``loop.py``). The backbone runs online each step
-and keeps the three hidden states the draft reads and its final ones (the teacher's logits);
+between); the loop, checkpoints, resume rules and W&B are theirs (``loop.py``). The backbone runs online each step,
+or once with ``data.cache_hidden_states`` (``medusa-train capture +recipe=eagle3``), for the three hidden states the
+draft reads, its final ones (the teacher's logits) and, from a capture, the token ids;
 ``eagle3_loss.ttt_loss`` chains ``eagle3.ttt_steps`` draft steps and learns the backbone's distribution at each.
 """
 
@@ -18,6 +20,7 @@ import torch
 
 from medusa_train.backbone import load_tokenizer
 from medusa_train.config.train import TrainConfig
+from medusa_train.model.eagle3 import captured_states
 from medusa_train.training import loop, setup
 from medusa_train.training.eagle3_loss import ttt_loss
 from medusa_train.training.losses import LossResult
@@ -34,12 +37,17 @@ class Eagle3Recipe:
         self.accelerator = acc = setup.make_accelerator(cfg)
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
         train, evals = setup.load_examples(cfg, self.tokenizer, acc)
-        backbone, _ = setup.load_backbone_for(cfg, acc.device)
+        backbone = None
+        if cfg.data.cache_hidden_states and setup.captured_already(cfg, self.tokenizer, acc, train, evals):
+            backbone = setup.load_without_layers_for(cfg, acc)  # the embeddings and LM head the draft reads
+        if backbone is None:
+            backbone, _ = setup.load_backbone_for(cfg, acc.device)
         self.model = build_draft(cfg, backbone, acc.device, train)
         c = self.model.config
         loop.say(acc, f"EAGLE-3 draft: reads layers {c.aux_layer_ids} of {c.num_target_layers}, "
                       f"{c.draft_vocab_size:,}-token draft vocabulary, {cfg.eagle3.ttt_steps} chained steps trained")
-        data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
+        states = captured_states(backbone, self.model.config.aux_layer_ids) if cfg.data.cache_hidden_states else None
+        data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals, states)
         trainable = [p for p in self.model.draft.parameters() if p.requires_grad]
         self.run = loop.start_run(cfg, acc, self.model, data, [{"params": trainable, "lr": cfg.optim.lr}],
                                   loop.MetricsLog(Path(cfg.trainer.output_dir), acc))
@@ -51,10 +59,14 @@ class Eagle3Recipe:
     def loss(self, batch: dict, backward=None, loss_scale: float = 1.0) -> LossResult:
         """Training-time test on ``batch``: the frozen backbone's states, then the draft's chained steps."""
         acc = self.accelerator
-        with torch.no_grad(), acc.autocast():
-            out = self.model(batch["input_ids"], attention_mask=batch["attention_mask"])
+        if "hidden" in batch:  # captured: the three states, the final one, and the token ids
+            aux, final = self.model.split_captured(batch["hidden"])
+        else:
+            with torch.no_grad(), acc.autocast():
+                out = self.model(batch["input_ids"], attention_mask=batch["attention_mask"])
+            aux, final = out.draft_inputs, out.hidden_states
         with acc.autocast():
-            return ttt_loss(self.model, out.draft_inputs, out.hidden_states, batch["input_ids"],
+            return ttt_loss(self.model, aux, final, batch["input_ids"],
                             batch["attention_mask"], batch["labels"], self.cfg.eagle3.ttt_steps,
                             self.cfg.loss.head_decay, self.cfg.loss.chunk_size, backward, loss_scale)
 

@@ -216,16 +216,18 @@ def data_lines(cfg: TrainConfig, data) -> list[str]:
     return lines
 
 
-def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict], evals: list[dict]) -> TrainData:
+def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict], evals: list[dict],
+               states_fn=None) -> TrainData:
     """Length-grouped batches of the tokenised examples (``load_examples``); with ``data.cache_hidden_states``
-    of the frozen backbone's states instead."""
+    of the frozen backbone's states instead (``states_fn(input_ids, attention_mask)``: what to capture; by default
+    ``model``'s final hidden states)."""
     from medusa_train.data import LengthGroupedBatchSampler, MedusaCollator, example_lengths
 
     d = cfg.data
     collator = MedusaCollator(tokenizer.pad_token_id)
     if d.cache_hidden_states:
-        train, evals, collator = capture_hidden_states(
-            cfg, tokenizer, lambda ids, mask: model(ids, attention_mask=mask).hidden_states, accelerator, train, evals)
+        states_fn = states_fn or (lambda ids, mask: model(ids, attention_mask=mask).hidden_states)
+        train, evals, collator = capture_hidden_states(cfg, tokenizer, states_fn, accelerator, train, evals)
     train_sampler = LengthGroupedBatchSampler(example_lengths(train), d.batch_size, seed=d.seed, shuffle=True)
     eval_sampler = LengthGroupedBatchSampler(example_lengths(evals), d.eval_batch_size or d.batch_size,
                                              seed=d.seed, shuffle=False)
@@ -252,7 +254,16 @@ def capture_settings(cfg: TrainConfig, tokenizer, n_train: int, n_eval: int) -> 
     return {"examples": cache_key(tokenizer, d.source, d.max_length, d.max_samples, d.eval_size, d.seed),
             "model": m.name_or_path, "model_section": json.dumps(model_section, sort_keys=True), "source": d.source,
             "max_samples": d.max_samples, "max_length": d.max_length, "eval_size": d.eval_size, "seed": d.seed,
-            "tokenizer": tokenizer.name_or_path, "n_train": n_train, "n_eval": n_eval}
+            "tokenizer": tokenizer.name_or_path, "n_train": n_train, "n_eval": n_eval, **eagle3_states(cfg)}
+
+
+def eagle3_states(cfg: TrainConfig) -> dict:
+    """What an EAGLE-3 capture stores beyond Medusa's, in its settings (so the key tells them apart); nothing for
+    Medusa, whose keys stay as they were."""
+    if cfg.method != "eagle3":
+        return {}
+    return {"states": "eagle3: aux hidden states, then the final one; token ids",
+            "aux_layer_ids": cfg.eagle3.aux_layer_ids or "default (2, L//2, L-3)"}
 
 
 def capture_folders(cfg: TrainConfig, settings: dict) -> dict[str, tuple[Path, str]]:
@@ -282,7 +293,8 @@ def capture_hidden_states(cfg: TrainConfig, tokenizer, hidden_fn, accelerator, t
                 done = capture.capture_split(
                     hidden_fn, examples, folder, key,
                     cfg.data.batch_size * 2, accelerator.device, accelerator.process_index,
-                    accelerator.num_processes, cfg.data.shard_bytes, desc=f"capture {split}")
+                    accelerator.num_processes, cfg.data.shard_bytes, desc=f"capture {split}",
+                    keep_tokens=cfg.method == "eagle3")
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 capture.write_index(folder, examples, key, {**settings, "split": split}, done["shard_tokens"])

@@ -70,13 +70,36 @@ def test_a_changed_draft_setting_is_not_resumed_into(tiny_setup, tmp_path):
 
 def test_what_the_recipe_cannot_run_with_is_reported_up_front(tiny_setup, tmp_path):
     with pytest.raises(ConfigError) as err:
-        eagle3_config(tiny_setup, tmp_path, **{"model.quantization": "nf4", "data.cache_hidden_states": "true",
+        eagle3_config(tiny_setup, tmp_path, **{"model.quantization": "nf4", "model.fsdp": "true",
                                                "loss.targets": "text", "eagle3.aux_layer_ids": "[1,1,2]",
                                                "eagle3.ttt_steps": 0})
     problems = "\n".join(err.value.problems)
-    for key in ("model.quantization", "data.cache_hidden_states", "loss.targets", "eagle3.aux_layer_ids",
+    for key in ("model.quantization", "model.fsdp", "loss.targets", "eagle3.aux_layer_ids",
                 "eagle3.ttt_steps"):
         assert key in problems, key
+
+
+def test_training_on_captured_states_is_training_online(tiny_setup, tmp_path):
+    """``data.cache_hidden_states=true``: the backbone runs once and stores, per token, the three states the draft
+    reads, the final one and the token id (in a capture keyed apart from Medusa's); training on them gives the
+    online run's losses step by step, and a second run reads the capture without the backbone's layers."""
+    import json as _json
+
+    from medusa_train.cli.train import run
+
+    common = {"trainer.max_steps": 3, "data.max_samples": 24, "trainer.eval_every": 0, "trainer.save_every": 0,
+              "data.cache_dir": str(tmp_path / "cache")}
+    run(eagle3_config(tiny_setup, tmp_path / "online", **common))
+    run(eagle3_config(tiny_setup, tmp_path / "captured", **common, **{"data.cache_hidden_states": "true"}))
+    losses = {name: [r["loss"] for r in read_metrics(tmp_path / name) if r.get("split") == "train"]
+              for name in ("online", "captured")}
+    assert len(losses["online"]) == 3 and losses["captured"] == pytest.approx(losses["online"], rel=1e-5, abs=1e-6)
+    index = _json.loads(next((tmp_path / "cache").glob("*-train/index.json")).read_text())
+    assert index["settings"]["states"].startswith("eagle3") and index["settings"]["aux_layer_ids"] == [0, 1, 3]
+    assert index["bytes_per_token"] > 4 * 64 * 4  # aux (3H) + final (H) float32, a label and a token id
+    run(eagle3_config(tiny_setup, tmp_path / "again", **common, **{"data.cache_hidden_states": "true"}))
+    again = [r["loss"] for r in read_metrics(tmp_path / "again") if r.get("split") == "train"]
+    assert again == pytest.approx(losses["online"], rel=1e-5, abs=1e-6)
 
 
 def test_chunked_logits_give_the_gradients_of_the_whole_loss():
