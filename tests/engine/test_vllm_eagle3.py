@@ -85,7 +85,7 @@ def test_the_engine_serves_the_draft_and_accepts_what_our_chain_accepts(fitted, 
         "heads": str(export), "engine": "vllm", "tree": "chain", "model": {"dtype": "float32"},
         "bench": {"limit": PROMPTS, "turns": 1}, "generation": {"max_new_tokens": MAX_TOKENS}, "warmup": False,
         "progress": False, "output_dir": str(tmp_path / "report"),
-        "baselines": {"lookup_num_tokens": 5, "lookup_ngram_size": 2},
+        "baselines": {"prompt_lookup": False},  # the free rows are test_vllm.py's claim
         "served": {"concurrency": 1, "sampled_temperature": 0, "ngram": False, "plain_url": free_servers["plain"]}}))
     row = report["served"]["rows"]["medusa"]
     assert list(report["served"]["rows"]) == ["plain", "medusa"] and "EAGLE-3" in row["decodes_with"]
