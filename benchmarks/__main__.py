@@ -7,6 +7,7 @@
     python -m benchmarks rounding  # how often a multi-token bf16 pass picks another greedy token
     python -m benchmarks loop heads=... tree=...  # the real decode loop against the timed verify step
     python -m benchmarks tokenize  # the data's tokenisation: first run, cached run, peak memory
+    python -m benchmarks eagle3_served  # an EAGLE-3 draft in vLLM: a drafting step's cost, served = simulated
 
 Extra ``key=value`` arguments are passed to the chosen benchmark. vLLM's num_speculative_tokens is chosen by the
 installed command, ``medusa-train choose-k heads=...`` (one server per K, the fastest kept in serving.json).
@@ -18,7 +19,8 @@ import importlib
 import sys
 
 BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
-              "rounding": "bench_rounding", "loop": "bench_loop", "tokenize": "bench_tokenize"}
+              "rounding": "bench_rounding", "loop": "bench_loop", "tokenize": "bench_tokenize",
+              "eagle3_served": "bench_eagle3_served"}
 
 
 def main(argv: list[str]) -> int:

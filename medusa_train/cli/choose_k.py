@@ -28,10 +28,19 @@ def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
     num_heads, base = check_heads(c.heads, p)
     if num_heads is not None and not (c.model or base):
         p.append(f"model: required; the heads' config.json ({c.heads}) names no base model: pass model=<base model>")
-    p.extend(check_ks(c.ks, num_heads))
+    # Medusa heads: vLLM builds the first K, so K > heads fails to load; an EAGLE-3 draft chains any K
+    p.extend(check_ks(c.ks, None if num_heads is not None and chains(c.heads) else num_heads))
     if num_heads is not None and (reason := served_problem(c.heads)):
         p.append(f"heads={c.heads}: vLLM cannot serve these heads: {reason}")
     return p
+
+
+def chains(heads: str) -> bool:
+    """Whether the folder holds an EAGLE-3 draft (it drafts any number of tokens, one after another)."""
+    from medusa_train.model.eagle3 import is_eagle3_config
+    from medusa_train.model.layouts import read_config_json
+
+    return is_eagle3_config(read_config_json(heads))
 
 
 def served_problem(heads: str) -> str | None:
