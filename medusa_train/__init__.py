@@ -1,4 +1,4 @@
-"""medusa-train: train, export and measure Medusa decoding heads on any Hugging Face causal LM.
+"""medusa-train: train, export and measure Medusa decoding heads (and EAGLE-3 drafts) on any Hugging Face causal LM.
 
 The folders follow the data flow: ``config`` -> ``backbone`` -> ``model`` -> ``engine`` -> ``data`` ->
 ``training`` | ``decoding`` -> ``export`` -> ``tree`` -> ``evaluation`` -> ``cli``; no module imports from a
@@ -7,7 +7,7 @@ later stage (tests/test_layout.py).
 
 from medusa_train.backbone import load_backbone, load_tokenizer
 from medusa_train.decoding import MedusaTree, medusa_generate
-from medusa_train.model import MedusaConfig, MedusaModel, MedusaOutput
+from medusa_train.model import Eagle3Config, Eagle3Model, MedusaConfig, MedusaModel, MedusaOutput
 
-__all__ = ["load_backbone", "load_tokenizer", "MedusaConfig", "MedusaModel", "MedusaOutput", "MedusaTree",
-           "medusa_generate"]
+__all__ = ["load_backbone", "load_tokenizer", "Eagle3Config", "Eagle3Model", "MedusaConfig", "MedusaModel",
+           "MedusaOutput", "MedusaTree", "medusa_generate"]

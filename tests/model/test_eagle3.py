@@ -178,3 +178,20 @@ def test_default_layers_are_vllms_and_shallow_backbones_must_name_theirs():
         default_aux_layers(4)
     with pytest.raises(ValueError, match="three distinct layers, ascending"):
         Eagle3Config.for_backbone(backbone(), aux_layer_ids=[1, 1, 2])
+
+
+def test_calibration_measures_the_draft_along_its_own_path():
+    """``build-tree``'s rank accuracies for a draft: depth k is its k-th chained step given the text before it; a
+    draft fitted to the text scores it far above a random one, every depth counts the positions it can guess, and
+    the ranks of one depth never sum past 1."""
+    from medusa_train.tree.calibrate import measure_rank_accuracies
+
+    bb = backbone()
+    fitted, prompts = fitted_draft(bb)
+    sequences = [(greedy(bb, p, 40), p.shape[1]) for p in prompts]
+    accuracies, counts = measure_rank_accuracies(fitted, sequences, top_k=4)
+    random_accuracies, _ = measure_rank_accuracies(draft_for(bb, token_map=None), sequences, top_k=4)
+    assert counts == [sum(ids.shape[1] - start - k - 1 for ids, start in sequences) for k in range(4)]
+    assert all(sum(row) <= 1 + 1e-9 for row in accuracies)
+    assert accuracies[0][0] > 0.8 and accuracies[3][0] > 0.5, accuracies
+    assert all(row[0] < 0.2 for row in random_accuracies), random_accuracies
