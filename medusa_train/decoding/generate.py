@@ -35,7 +35,8 @@ class MedusaGenerateOutput:
         sequences: (1, prompt_len + new_tokens) prompt followed by the generated tokens.
         new_tokens: Number of generated tokens.
         accept_lengths: Tokens gained per verify step (each >= 1; the last one may be cut short by
-            eos or ``max_new_tokens``). ``sum(accept_lengths) == new_tokens``.
+            eos or ``max_new_tokens``, and also counts the token it chose after its path when that one ends
+            the generation: emitting it takes no forward). ``sum(accept_lengths) == new_tokens``.
         accepted_depths: Per verify step, how many head guesses the acceptance rule kept (the depth
             of the accepted node, before any cut by eos or ``max_new_tokens``): head k's guess was kept
             in a step exactly when its accepted depth is > k.
@@ -137,6 +138,12 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     accepted_depths: list[int] = []
     past_len = prompt_len
     while True:
+        if accept_lengths and (len(generated) + 1 >= max_new_tokens or next_token in eos):
+            # the last token is the root, the base model's own, known from the last step: emitting it takes no
+            # forward (nor does it in generate or an engine), so the last step is credited with it
+            generated.append(next_token)
+            accept_lengths[-1] += 1
+            break
         tokens = candidates(model, tree, accepted_inputs, accepted_tokens, next_token, draft_state)
         verified = forward(model, tokens, tree_mask, offsets, cache, past_len)  # = verify_tree, phase by phase
         logits = lm_head(verified.hidden_states[0])
