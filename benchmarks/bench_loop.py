@@ -85,7 +85,8 @@ def main(**overrides) -> int:
             plain_tokens, plain_s = plain_tokens + len(plain) - 1, plain_s + timing["decode_s"]
             out = medusa_generate(model, ids, tree, max_new_tokens=new_tokens, eos_token_id=eos,
                                   wrap_phase=clock.wrap)
-            steps, tokens, decode_s = steps + out.steps, tokens + out.new_tokens, decode_s + out.timings["decode_s"]
+            # tokens after each reply's first per forward after its prefill, as generate_ms counts its tokens
+            steps, tokens, decode_s = steps + out.steps, tokens + out.new_tokens - 1, decode_s + out.timings["decode_s"]
             contexts.append(ids.shape[1] + out.new_tokens // 2)
         phases = {k: v / max(steps, 1) * 1e3 for k, v in clock.seconds.items()}
         context = round(statistics.mean(contexts))

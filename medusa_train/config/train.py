@@ -233,7 +233,8 @@ def fsdp_problems(c: TrainConfig, fsdp: bool | None = None) -> list[str]:
 
 
 def eagle3_problems(c: TrainConfig) -> list[str]:
-    """What ``+recipe=eagle3`` needs: a frozen unquantized backbone read online, the backbone's distribution as target."""
+    """What ``+recipe=eagle3`` needs: a frozen unquantized backbone on each process, the backbone's distribution as
+    target, a draft it can build."""
     e = c.eagle3
     if c.method != "eagle3":
         return []

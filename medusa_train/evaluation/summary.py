@@ -5,8 +5,8 @@ tokens after each reply's first, per target forward after that reply's prefill, 
 The prefill makes a reply's first token whatever the decoder, so it is left out of both counts:
 plain decoding scores exactly 1.00, and a decoder that verifies drafts scores the tokens each of its
 forwards adds. The same count is made of a served engine (``evaluation.served``), so rows compare.
-Our tree decoder's own ``new tokens / verify steps`` (``tokens_per_verify_step``) counts the first
-token too; it is kept, labelled, for the tree fit's predictions.
+Our tree decoder's tokens per verify step (``tokens_per_verify_step``: 1 + the drafts each step accepted, cuts by
+eos or the token limit aside) is kept, labelled, for the tree fit's predictions, which count the same.
 
 **Speedup**: a method's tokens/s over HF ``generate`` greedy (the ``plain`` row) in the same process,
 measured prompt by prompt in turn with the others (wall clock, prefill + decode; ``decode_speedup``:
@@ -68,6 +68,13 @@ def method_rows(records: list[dict]) -> dict[str, dict]:
     return rows
 
 
+def verify_step_tokens(records: list[dict]) -> float:
+    """1 + the drafts each verify step accepted, averaged over the steps of ``records`` (what the tree fit's
+    expected accepted length predicts)."""
+    depths = [d for r in records for d in r["accepted_depths"]]
+    return sum(1 + d for d in depths) / max(len(depths), 1)
+
+
 def _totals(records: list[dict], rows: dict[str, dict] | None = None) -> dict:
     """Accepted length, tokens/s and speedups of a group of per-prompt records (``rows``: their ``method_rows``,
     when already computed)."""
@@ -77,7 +84,7 @@ def _totals(records: list[dict], rows: dict[str, dict] | None = None) -> dict:
     checked = [r for r in records if r["match"] is not None]
     totals = {
         "count": n, "accepted_length": per_forward(tokens, n, steps) or 0.0,
-        "tokens_per_verify_step": tokens / max(steps, 1), "speedup": medusa["speedup"],
+        "tokens_per_verify_step": verify_step_tokens(records), "speedup": medusa["speedup"],
         "decode_speedup": medusa["decode_speedup"],
         "tokens_per_s": {"medusa": medusa["tokens_per_s"], "plain": plain["tokens_per_s"]},
         "decode_tokens_per_s": {"medusa": medusa["decode_tokens_per_s"], "plain": plain["decode_tokens_per_s"]},

@@ -85,7 +85,7 @@ class Eagle3Config:
 
     @property
     def max_depth(self) -> int:
-        """How deep a tree the decoder may ask the draft for: it chains, so any depth; the trained one by default."""
+        """How deep a tree the decoder asks the draft for: the chained steps it was trained on (vLLM's K may be more)."""
         return self.ttt_steps
 
     @property
@@ -150,9 +150,27 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, data: dict) -> Eagle3Config:
+        """From a ``config.json`` (ours, or another tool's EAGLE-3 draft: the backbone's layer count then comes from
+        its aux layer ids' default only when it names them).
+
+        Raises:
+            ValueError: a size it needs is missing, naming them.
+        """
+        needed = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [k for k in needed if k not in data]
         ours = data.get("medusa_train") or {}
+        layers = ours.get("num_target_layers") or data.get("target_layer_count")
+        if layers is None and not (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+            missing.append("medusa_train.num_target_layers (or eagle_config.eagle_aux_hidden_state_layer_ids)")
+        if missing:
+            raise ValueError(f"this EAGLE-3 config.json lacks {', '.join(missing)}: it cannot be rebuilt here")
+        data = {"num_key_value_heads": data["num_attention_heads"],
+                "head_dim": data["hidden_size"] // data["num_attention_heads"],
+                "draft_vocab_size": data["vocab_size"], **data}
         values = {**data, **ours, "dtype": data.get("torch_dtype", "float32"),
                   "aux_layer_ids": (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")}
+        if layers is None:  # another tool's draft: the backbone's depth is checked against the backbone at load
+            values["num_target_layers"] = max(values["aux_layer_ids"]) + 1
         if values["aux_layer_ids"] is None:
             values["aux_layer_ids"] = default_aux_layers(values["num_target_layers"])
         names = {f.name for f in fields(cls)}

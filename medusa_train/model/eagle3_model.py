@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from medusa_train.backbone.load import backbone_reference
@@ -116,7 +117,8 @@ class Eagle3Model(nn.Module):
 
     def aux_states(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The three states the draft reads, from transformers' ``hidden_states`` (input to each layer), ascending."""
-        return torch.cat([hidden_states[i] for i in self.config.aux_layer_ids], dim=-1)
+        last = hidden_states[-1].device  # with device_map=auto the layers sit on several devices
+        return torch.cat([hidden_states[i].to(last) for i in self.config.aux_layer_ids], dim=-1)
 
     def split_captured(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(draft_inputs (..., 3H), final hidden states (..., H))`` of what ``eagle3.captured_states`` stored."""
@@ -129,8 +131,15 @@ class Eagle3Model(nn.Module):
     def draft_base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The backbone's logits over the draft vocabulary (its softmax: the backbone's distribution given that the
         token is one the draft can guess)."""
-        weight = self.lm_head.weight[self.draft.token_map.to(self.lm_head.weight.device)]
+        weight = self.draft_lm_head_rows()
         return hidden.to(weight.dtype) @ weight.T
+
+    def draft_lm_head_rows(self) -> torch.Tensor:
+        """The backbone's LM-head rows of the draft vocabulary (the whole weight, uncopied, for the whole vocabulary)."""
+        weight = self.lm_head.weight
+        if self.config.draft_vocab_size == self.config.vocab_size and not self.draft.d2t.any():
+            return weight
+        return weight[self.draft.token_map.to(weight.device)]
 
     def new_decode_state(self) -> Eagle3DecodeState:
         return Eagle3DecodeState()
@@ -173,6 +182,7 @@ class Eagle3Model(nn.Module):
         feature = {0: prenorm[0, -1:]}  # node -> the pre-norm output its children read
         spec_nodes: list[int] = []
         spec_k = spec_v = None
+        visibility = tree.visibility.to(device)
         for d, (parents, children, rows, ranks) in enumerate(levels):
             if d > 0:  # run the draft on the depth-d nodes that have children
                 nodes = parents.tolist()
@@ -183,7 +193,7 @@ class Eagle3Model(nn.Module):
                 spec_nodes += nodes
                 spec_k = k if spec_k is None else torch.cat([spec_k, k], dim=-2)
                 spec_v = v if spec_v is None else torch.cat([spec_v, v], dim=-2)
-                sees = tree.visibility.to(device)[parents][:, spec_nodes]  # ancestors-or-self among the drafted
+                sees = visibility[parents][:, spec_nodes]  # ancestors-or-self among the drafted
                 mask = torch.cat([torch.ones(len(nodes), keys.shape[-2], dtype=torch.bool, device=device), sees], 1)
                 normed, prenorm = draft.finish(self._attend(q, torch.cat([keys, spec_k], -2),
                                                             torch.cat([values, spec_v], -2), mask), residual)
@@ -225,7 +235,12 @@ class Eagle3Model(nn.Module):
             q, k, v, residual = draft.qkv(embeds, feature, positions)
             keys.append(k)
             values.append(v)
-            normed, feature = draft.finish(chained_attention(draft, q, keys, values, attention_mask), residual)
+            if q.requires_grad:  # its (batch, heads, seq, seq) scores are recomputed in the backward pass, not kept
+                attended = checkpoint(chained_attention, draft, q, list(keys), list(values), attention_mask,
+                                      use_reentrant=False)
+            else:
+                attended = chained_attention(draft, q, keys, values, attention_mask)
+            normed, feature = draft.finish(attended, residual)
             yield normed
 
     def draft_indices(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -268,7 +283,8 @@ class Eagle3Model(nn.Module):
         from safetensors.torch import load_file
 
         directory = Path(directory)
-        config = Eagle3Config.from_dict(read_config_json(directory))
+        raw = read_config_json(directory)
+        config = Eagle3Config.from_dict(raw)
         tensors = load_file(str(directory / WEIGHTS_NAME))
         if backbone is None:
             if not config.base_model_name_or_path:
@@ -277,6 +293,8 @@ class Eagle3Model(nn.Module):
 
             backbone, _ = load_backbone(resolve_base_model(directory, config.base_model_name_or_path),
                                         **backbone_kwargs)
+        if "medusa_train" not in raw:  # another tool's draft: the backbone's depth is the backbone's
+            config.num_target_layers = backbone.config.get_text_config(decoder=True).num_hidden_layers
         d2t = tensors.get("d2t")
         token_map = None if d2t is None else d2t.long() + torch.arange(len(d2t))
         model = cls(backbone, config, token_map)

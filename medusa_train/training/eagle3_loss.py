@@ -82,25 +82,27 @@ def _trained_targets(model, final_hidden: torch.Tensor, labels: torch.Tensor) ->
 
 def _soft_cross_entropy(model, normed: torch.Tensor, teacher_hidden: torch.Tensor, chunk: int):
     """Summed CE of the draft's logits at ``normed`` (n, H) against the backbone's renormalised distribution at
-    ``teacher_hidden`` (n, H), chunk by chunk (logits recomputed in the backward pass), and top-1 / top-5 hits."""
+    ``teacher_hidden`` (n, H), chunk by chunk, and top-1 / top-5 hits. Both sides' logits are recomputed in the
+    backward pass (``checkpoint``), so only one chunk's exist at a time, forward or backward."""
+    teacher_rows = model.draft_lm_head_rows()  # (draft vocab, H): gathered once per call, not per chunk
     ce = normed.new_zeros((), dtype=torch.float32)
     top1 = topk = 0
     for start in range(0, normed.shape[0], chunk):
         rows, teacher = normed[start:start + chunk], teacher_hidden[start:start + chunk]
-        with torch.no_grad():
-            target = torch.softmax(model.draft_base_logits(teacher).float(), dim=-1)
-            best = target.argmax(-1)
         if rows.requires_grad:
-            part, top = checkpoint(_chunk_ce, model.draft, rows, target, use_reentrant=False)
+            part, top, best = checkpoint(_chunk_ce, model.draft, rows, teacher, teacher_rows, use_reentrant=False)
         else:
-            part, top = _chunk_ce(model.draft, rows, target)
+            part, top, best = _chunk_ce(model.draft, rows, teacher, teacher_rows)
         ce = ce + part
         top1 += int((top[:, 0] == best).sum())
         topk += int((top == best[:, None]).any(-1).sum())
     return ce, top1, topk, normed.shape[0]
 
 
-def _chunk_ce(draft, rows: torch.Tensor, target: torch.Tensor):
+def _chunk_ce(draft, rows: torch.Tensor, teacher: torch.Tensor, teacher_rows: torch.Tensor):
+    with torch.no_grad():
+        target = torch.softmax((teacher.to(teacher_rows.dtype) @ teacher_rows.T).float(), dim=-1)
+        best = target.argmax(-1)
     logits = draft.logits(rows).float()
     ce = -(target * torch.log_softmax(logits, dim=-1)).sum()
-    return ce, logits.detach().topk(min(TOPK, logits.shape[-1]), dim=-1).indices
+    return ce, logits.detach().topk(min(TOPK, logits.shape[-1]), dim=-1).indices, best

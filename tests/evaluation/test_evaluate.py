@@ -66,10 +66,10 @@ def test_report_numbers_recompute_from_per_prompt(loaded):
     tokens, steps = sum(r["new_tokens"] for r in rows), sum(r["steps"] for r in rows)
     # tokens after each reply's first per target forward after its prefill; the decoder's own count kept beside
     assert report["mean_accepted_length"] == pytest.approx((tokens - len(rows)) / steps)
-    assert report["tokens_per_verify_step"] == pytest.approx(tokens / steps)
+    depths = [d for r in rows for d in r["accepted_depths"]]
+    assert report["tokens_per_verify_step"] == pytest.approx(sum(1 + d for d in depths) / steps)  # the tree fit's count
     assert all(sum(r["accept_lengths"]) == r["new_tokens"] and len(r["accept_lengths"]) == r["steps"] for r in rows)
     assert sum(report["accept_length_histogram"].values()) == steps
-    depths = [d for r in rows for d in r["accepted_depths"]]
     assert report["per_head_acceptance"] == pytest.approx([sum(d > k for d in depths) / steps for k in range(3)])
     assert report["per_head_acceptance"] == sorted(report["per_head_acceptance"], reverse=True)
     # plain decoding is the reference: greedy Medusa reproduces it token for token

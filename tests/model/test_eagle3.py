@@ -195,3 +195,9 @@ def test_calibration_measures_the_draft_along_its_own_path():
     assert all(sum(row) <= 1 + 1e-9 for row in accuracies)
     assert accuracies[0][0] > 0.8 and accuracies[3][0] > 0.5, accuracies
     assert all(row[0] < 0.2 for row in random_accuracies), random_accuracies
+
+
+def test_a_config_json_lacking_the_draft_sizes_is_refused_naming_them():
+    with pytest.raises(ValueError, match="lacks hidden_size, vocab_size"):
+        Eagle3Config.from_dict({"architectures": ["LlamaForCausalLMEagle3"], "num_attention_heads": 4,
+                                "intermediate_size": 128, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}})

@@ -67,3 +67,17 @@ def test_differences_name_nested_keys_and_ignore_resumable_ones():
     current = {"optim": {"lr": 1e-3, "betas": [0.9, 0.99]}, "trainer": {"max_steps": 20, "seed": 2},
                "logger": {"project": "p"}}
     assert differences(stored, current) == [("optim.betas", [0.9, 0.999], [0.9, 0.99]), ("trainer.seed", 1, 2)]
+
+
+def test_a_checkpoint_written_before_a_setting_existed_resumes_at_its_default():
+    """A checkpoint from before ``eagle3`` was a section resumes a run at the defaults; the new section's other values
+    are still named."""
+    from medusa_train.config.train import TrainConfig, to_dict
+    from medusa_train.training.resume import differences
+
+    current = to_dict(TrainConfig())
+    stored = {k: v for k, v in current.items() if k != "eagle3"}
+    assert differences(stored, current) == []
+    changed = to_dict(TrainConfig())
+    changed["eagle3"]["ttt_steps"] = 3
+    assert differences(stored, changed) == [("eagle3.ttt_steps", 7, 3)]
