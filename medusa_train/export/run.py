@@ -1,6 +1,7 @@
 """What a finished training run leaves in ``<trainer.output_dir>/export``: the recipe trains, this writes.
 
-- Medusa-1: the heads (native layout) and ``training_config.json``.
+- Medusa-1: the heads (native layout) and ``training_config.json``; EAGLE-3: the draft (vLLM's layout, ``model/eagle3.py``)
+  and ``training_config.json``.
 - Both: ``chat_template.jinja``, the template the run rendered its data with (``data.chat_template`` when set,
   else the tokenizer's), which ``model.load.load_heads`` sets on the tokenizer again.
 - Medusa-2: the heads, the LoRA adapter (``adapter/``, peft), ``backbone.json`` (how to rebuild the backbone:
@@ -44,7 +45,8 @@ def save_run_export(recipe) -> Path | None:
                 loop.write_training_config(cfg, tmp)
 
             replace_folder(target, fill, OPTION)
-            loop.say(recipe.accelerator, f"exported heads to {target}")
+            what = "the EAGLE-3 draft (vLLM's layout)" if cfg.method == "eagle3" else "heads"
+            loop.say(recipe.accelerator, f"exported {what} to {target}")
     recipe.accelerator.wait_for_everyone()
     return target
 
