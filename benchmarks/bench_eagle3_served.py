@@ -27,60 +27,82 @@ from pathlib import Path
 import torch
 
 
-def main(prompts: str = "6", max_tokens: str = "48", k: str = "3", dtype: str = "float32", fit_steps: str = "40",
-         vocab: str = "4096", out: str | None = None) -> int:
-    from medusa_train.backbone.generation import encode_chat, eos_token_ids
-    from medusa_train.backbone.load import load_backbone, resolve_model_path
-    from medusa_train.data.benchmarks import load_benchmark
-    from medusa_train.decoding import MedusaTree, medusa_generate
-    from medusa_train.engine import VllmServer
-    from medusa_train.evaluation.served import measure_phase
+def fit_draft(backbone, tokenizer, conversations: list[list[dict]], max_tokens: int, depth: int, steps: int,
+              vocab: int = 4096, seed: int = 0):
+    """An EAGLE-3 draft (a ``vocab``-token draft vocabulary, ``depth`` chained steps) fitted with training-time test,
+    ``steps`` AdamW steps on the backbone's own greedy replies to ``conversations`` (``max_tokens + depth`` tokens),
+    in eval mode: an upper bound on acceptance on those prompts, not a trained draft."""
+    from medusa_train.backbone.generation import encode_chat
     from medusa_train.model.draft_vocab import most_frequent_tokens
     from medusa_train.model.eagle3_model import Eagle3Model
     from medusa_train.training.eagle3_loss import ttt_loss
+
+    texts = []
+    for messages in conversations:
+        ids = encode_chat(tokenizer, messages)
+        reply = backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=max_tokens + depth)[0]
+        texts.append((ids.shape[1], reply))
+    width = max(len(t) for _, t in texts)
+    ids = torch.zeros(len(texts), width, dtype=torch.long)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, (start, text) in enumerate(texts):
+        ids[i, :len(text)], mask[i, :len(text)], labels[i, start:len(text)] = text, 1, text[start:]
+    torch.manual_seed(seed)
+    model = Eagle3Model.from_backbone(backbone, token_map=most_frequent_tokens(labels, vocab, backbone.config.vocab_size),
+                                      ttt_steps=depth)
+    with torch.no_grad():
+        states = model(ids, attention_mask=mask)
+    optimizer = torch.optim.AdamW(model.draft.parameters(), lr=1e-2)
+    for _ in range(steps):
+        ttt_loss(model, states.draft_inputs, states.hidden_states, ids, mask, labels, depth, 0.8,
+                 backward=torch.Tensor.backward)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def chain_figures(model, tokenizer, conversations: list[list[dict]], max_tokens: int, eos: list[int]):
+    """Our decoder's ``tree=chain`` (the draft's default depth) over ``conversations``: ``(replies, {"tokens_per_step",
+    "per_position"})``, tokens after each reply's first per verify step, as the engine counts them."""
+    from medusa_train.backbone.generation import encode_chat
+    from medusa_train.decoding import MedusaTree, medusa_generate
+
+    depth = model.max_depth
+    replies, depths, gained, steps = [], [], 0, 0
+    for messages in conversations:
+        ids = encode_chat(tokenizer, messages)
+        out = medusa_generate(model, ids, MedusaTree.chain(depth), max_new_tokens=max_tokens, eos_token_id=eos)
+        replies.append(out.sequences[0, ids.shape[1]:].tolist())
+        depths += out.accepted_depths
+        gained, steps = gained + out.new_tokens - 1, steps + out.steps
+    return replies, {"tokens_per_step": gained / steps, "steps": steps,
+                     "per_position": [sum(d > k for d in depths) / len(depths) for k in range(depth)]}
+
+
+def main(prompts: str = "6", max_tokens: str = "48", k: str = "3", dtype: str = "float32", fit_steps: str = "40",
+         vocab: str = "4096", out: str | None = None) -> int:
+    from medusa_train.backbone.generation import eos_token_ids
+    from medusa_train.backbone.load import load_backbone, resolve_model_path
+    from medusa_train.data.benchmarks import load_benchmark
+    from medusa_train.engine import VllmServer
+    from medusa_train.evaluation.served import measure_phase
+    from medusa_train.model.eagle3_model import Eagle3Model
 
     n, new, depth, steps = int(prompts), int(max_tokens), int(k), int(fit_steps)
     folder = resolve_model_path("packaged:smollm2-135m-instruct")[0]
     backbone, tokenizer = load_backbone(folder, dtype="float32")
     eos = eos_token_ids(backbone, tokenizer)
     conversations = [[{"role": "user", "content": p.turns[0]}] for p in load_benchmark(limit=n, pick="spread")]
-    texts = []
-    for messages in conversations:
-        ids = encode_chat(tokenizer, messages)
-        reply = backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=new + depth)[0]
-        texts.append((ids.shape[1], reply))
-    width = max(len(t) for _, t in texts)
-    ids = torch.zeros(n, width, dtype=torch.long)
-    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-    for i, (start, text) in enumerate(texts):
-        ids[i, :len(text)], mask[i, :len(text)], labels[i, start:len(text)] = text, 1, text[start:]
-    token_map = most_frequent_tokens(labels, int(vocab), backbone.config.vocab_size)
     root = Path(out or tempfile.mkdtemp(prefix="eagle3-served-"))
-    torch.manual_seed(0)
-    random_draft = Eagle3Model.from_backbone(backbone, token_map=token_map, ttt_steps=depth)
-    random_folder = random_draft.save_pretrained(root / "random")
-    model = Eagle3Model.from_backbone(backbone, token_map=token_map, ttt_steps=depth)
-    with torch.no_grad():
-        states = model(ids, attention_mask=mask)
-    optimizer = torch.optim.AdamW(model.draft.parameters(), lr=1e-2)
     started = time.perf_counter()
-    for _ in range(steps):
-        ttt_loss(model, states.draft_inputs, states.hidden_states, ids, mask, labels, depth, 0.8,
-                 backward=torch.Tensor.backward)
-        optimizer.step()
-        optimizer.zero_grad()
+    model = fit_draft(backbone, tokenizer, conversations, new, depth, steps, int(vocab))
     fit_s = time.perf_counter() - started
-    model.eval()
     fitted_folder = model.save_pretrained(root / "fitted")
-    gained = verify_steps = 0
-    depths = []
-    for messages in conversations:
-        x = encode_chat(tokenizer, messages)
-        o = medusa_generate(model, x, MedusaTree.chain(depth), max_new_tokens=new, eos_token_id=eos)
-        gained, verify_steps, depths = gained + o.new_tokens - 1, verify_steps + o.steps, depths + o.accepted_depths
-    ours = {"tokens_per_step": gained / verify_steps,
-            "per_position": [sum(d > j for d in depths) / len(depths) for j in range(depth)]}
+    torch.manual_seed(0)
+    random_draft = Eagle3Model.from_backbone(backbone, token_map=model.draft.token_map, ttt_steps=depth)
+    random_folder = random_draft.save_pretrained(root / "random")
+    _, ours = chain_figures(model, tokenizer, conversations, new, eos)
 
     rows = {}
     for name, draft in (("plain", None), ("random draft", random_folder), ("fitted draft", fitted_folder)):

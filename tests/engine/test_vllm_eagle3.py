@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -25,49 +24,16 @@ FIT_STEPS = 40
 def fitted(packaged_backbone, tmp_path_factory):
     """``(export folder, prompts, our chain's figures)``: a draft (a 4,096-token draft vocabulary, so ``d2t`` is
     exercised) fitted for ``FIT_STEPS`` steps on the greedy replies, and our decoder's K-long chain over the prompts."""
-    from medusa_train.backbone.generation import encode_chat, eos_token_ids
+    from benchmarks.bench_eagle3_served import chain_figures, fit_draft
+    from medusa_train.backbone.generation import eos_token_ids
     from medusa_train.data.benchmarks import load_benchmark
-    from medusa_train.decoding import MedusaTree, medusa_generate
-    from medusa_train.model.draft_vocab import most_frequent_tokens
-    from medusa_train.model.eagle3_model import Eagle3Model
-    from medusa_train.training.eagle3_loss import ttt_loss
 
     backbone, tokenizer = packaged_backbone
     eos = eos_token_ids(backbone, tokenizer)
     prompts = [[{"role": "user", "content": p.turns[0]}] for p in load_benchmark(limit=PROMPTS, pick="spread")]
-    texts = []
-    for messages in prompts:
-        ids = encode_chat(tokenizer, messages)
-        reply = backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=MAX_TOKENS + K)[0]
-        texts.append((ids.shape[1], reply))
-    width = max(len(t) for _, t in texts)
-    ids = torch.zeros(len(texts), width, dtype=torch.long)
-    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-    for i, (start, text) in enumerate(texts):
-        ids[i, :len(text)], mask[i, :len(text)], labels[i, start:len(text)] = text, 1, text[start:]
-    torch.manual_seed(0)
-    model = Eagle3Model.from_backbone(backbone, token_map=most_frequent_tokens(labels, 4096, backbone.config.vocab_size),
-                                      ttt_steps=K)
-    with torch.no_grad():
-        states = model(ids, attention_mask=mask)
-    optimizer = torch.optim.AdamW(model.draft.parameters(), lr=1e-2)
-    for _ in range(FIT_STEPS):
-        ttt_loss(model, states.draft_inputs, states.hidden_states, ids, mask, labels, K, 0.8,
-                 backward=torch.Tensor.backward)
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
+    model = fit_draft(backbone, tokenizer, prompts, MAX_TOKENS, K, FIT_STEPS)
     export = model.save_pretrained(tmp_path_factory.mktemp("eagle3") / "draft")
-    replies, depths, gained, steps = [], [], 0, 0
-    for messages in prompts:
-        ids = encode_chat(tokenizer, messages)
-        out = medusa_generate(model, ids, MedusaTree.chain(K), max_new_tokens=MAX_TOKENS, eos_token_id=eos)
-        replies.append(out.sequences[0, ids.shape[1]:].tolist())
-        depths += out.accepted_depths
-        gained, steps = gained + out.new_tokens - 1, steps + out.steps
-    ours = {"tokens_per_step": gained / steps, "steps": steps,
-            "per_position": [sum(d > k for d in depths) / len(depths) for k in range(K)]}
+    replies, ours = chain_figures(model, tokenizer, prompts, MAX_TOKENS, eos)
     return export, prompts, replies, ours, eos
 
 
