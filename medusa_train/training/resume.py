@@ -50,7 +50,7 @@ def differences(stored: dict, current: dict) -> list[tuple[str, object, object]]
     """``(key, stored value, current value)`` of every key that differs and may not change on resume. A key the
     stored config lacks (written before that setting existed) counts as its default, which that run trained with."""
     a, b = flatten(stored), flatten(current)
-    a = {**{k: v for k, v in flatten(to_dict(TrainConfig())).items() if k not in a}, **a}
+    a = {**{k: v for k, v in flatten(to_dict(TrainConfig())).items() if k not in a and k in b}, **a}
     missing = object()
     return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
             if not _may_change(k) and a.get(k, missing) != b.get(k, missing)]
