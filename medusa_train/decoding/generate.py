@@ -21,7 +21,6 @@ from transformers import DynamicCache
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
 from medusa_train.decoding.tree import MedusaTree, tree_from_config
-from medusa_train.model.medusa_propose import heads_candidates
 
 # the verify step's phases, in the order the loop runs them (``medusa_generate``'s ``wrap_phase`` sees these names)
 PHASES = ("candidates", "tree pass", "LM head", "acceptance", "compaction")
@@ -248,12 +247,6 @@ def propose(model, tree: MedusaTree, accepted_inputs: torch.Tensor, accepted_tok
         state: ``model.new_decode_state()`` of this sequence.
     """
     return model.propose(tree, accepted_inputs, accepted_tokens, root_token, state)
-
-
-def candidate_tokens(model, tree: MedusaTree, accepted_hidden: torch.Tensor, root_token: int,
-                     heads_state) -> torch.Tensor:
-    """Medusa heads' candidates (``model.medusa_propose.heads_candidates``), for callers that hold heads only."""
-    return heads_candidates(model, tree, accepted_hidden, root_token, heads_state)
 
 
 def _check_arguments(model, input_ids, tree, max_new_tokens, temperature, acceptance, top_p) -> torch.Tensor:

@@ -15,7 +15,7 @@ before and after it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
@@ -175,9 +175,6 @@ class Eagle3Config:
             values["aux_layer_ids"] = default_aux_layers(values["num_target_layers"])
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
-
-    def as_record(self) -> dict:
-        return asdict(self)
 
 
 def is_eagle3_config(data: dict) -> bool:

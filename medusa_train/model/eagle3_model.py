@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,7 +50,6 @@ class Eagle3DecodeState:
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
-    stats: dict = field(default_factory=lambda: {"draft_forwards": 0})
 
     @property
     def length(self) -> int:
@@ -174,7 +173,6 @@ class Eagle3Model(nn.Module):
         state.keys, state.values = keys, values
         causal = torch.ones(len(after), keys.shape[-2], dtype=torch.bool, device=device).tril(start)
         normed, prenorm = draft.finish(self._attend(q, keys, values, causal), residual)
-        state.stats["draft_forwards"] += 1
         if tree.depth == 0:
             return tokens
         ancestors, levels = tree.path_buffers(device)
@@ -197,7 +195,6 @@ class Eagle3Model(nn.Module):
                 mask = torch.cat([torch.ones(len(nodes), keys.shape[-2], dtype=torch.bool, device=device), sees], 1)
                 normed, prenorm = draft.finish(self._attend(q, torch.cat([keys, spec_k], -2),
                                                             torch.cat([values, spec_v], -2), mask), residual)
-                state.stats["draft_forwards"] += 1
                 scores = draft.logits(normed[0])
                 for i, n in enumerate(nodes):
                     logits[n], feature[n] = scores[i:i + 1], prenorm[0, i:i + 1]

@@ -72,6 +72,8 @@ def ttt_loss(model, aux: torch.Tensor, final_hidden: torch.Tensor, input_ids: to
 def _trained_targets(model, final_hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """(batch, seq) bool: the token at ``t`` is trained (a label) and the backbone's top token for it (its logits at
     ``t - 1``) lies in the draft vocabulary, so its renormalised distribution there is a fair target."""
+    if model.config.draft_vocab_size == model.config.vocab_size:  # every top token is one the draft can guess
+        return labels != IGNORE_INDEX
     in_vocab = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=final_hidden.device)
     in_vocab[model.draft.token_map.to(final_hidden.device)] = True
     flat = final_hidden.reshape(-1, final_hidden.shape[-1])

@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 from medusa_train import MedusaModel
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.decoding import MedusaTree, medusa_generate
-from medusa_train.decoding.generate import candidate_tokens
 from medusa_train.evaluation.engines import engine_rows
 from medusa_train.export.write import export_heads
 from medusa_train.model.draft_vocab import most_frequent_tokens
+from medusa_train.model.medusa_propose import heads_candidates
 from medusa_train.training.targets import Teacher, inputs_and_targets
 from medusa_train.tree.calibrate import measure_rank_accuracies
 
@@ -104,8 +104,8 @@ def test_candidates_are_the_full_heads_top_k_within_the_draft_vocabulary(share_l
             [full.head_logits(inputs, k) for k in range(n or full.num_heads)])
     tree = MedusaTree.from_name(tree_name, num_heads=4)
     hidden = draft(torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))).hidden_states[0]
-    got = candidate_tokens(draft, tree, hidden, 7, draft.new_decode_state())
-    want = candidate_tokens(full, tree, hidden, 7, full.new_decode_state())
+    got = heads_candidates(draft, tree, hidden, 7, draft.new_decode_state())
+    want = heads_candidates(full, tree, hidden, 7, full.new_decode_state())
     assert got.tolist() == want.tolist()
     assert set(got[1:].tolist()) <= set(TOKEN_MAP.tolist())
 

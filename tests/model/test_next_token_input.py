@@ -15,9 +15,9 @@ from medusa_train.config.check import ConfigError
 from medusa_train.config.train import build_config
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.decoding import MedusaTree, medusa_generate
-from medusa_train.decoding.generate import candidate_tokens
 from medusa_train.export.write import export_heads
 from medusa_train.model.heads import MedusaHead
+from medusa_train.model.medusa_propose import heads_candidates
 from medusa_train.training.losses import medusa_loss_backward, medusa_loss_naive
 from medusa_train.training.targets import (
     following_tokens,
@@ -208,14 +208,14 @@ def test_candidates_come_from_the_root_they_are_given(tiny_llama):
         hidden = prompt[-1:]
         greedy = int(model.base_logits(hidden).argmax())
         other = (greedy + 7) % 256
-        tokens = candidate_tokens(model, tree, prompt, other, model.new_decode_state())
+        tokens = heads_candidates(model, tree, prompt, other, model.new_decode_state())
         logits = model.all_head_logits(model.head_features(hidden, torch.tensor([other])), 3)
     assert tokens[0] == other
     for node in range(1, tree.num_nodes):
         head, rank = int(tree.node_heads[node]), int(tree.node_ranks[node])
         assert tokens[node] == logits[head, 0].topk(rank + 1).indices[rank]
     with torch.no_grad():  # another root, other guesses
-        assert not torch.equal(tokens[1:], candidate_tokens(model, tree, prompt, greedy, model.new_decode_state())[1:])
+        assert not torch.equal(tokens[1:], heads_candidates(model, tree, prompt, greedy, model.new_decode_state())[1:])
 
 
 def test_training_gives_heads_the_texts_next_token_else_the_greedy_one():

@@ -14,10 +14,10 @@ from medusa_train import MedusaModel
 from medusa_train.config.check import ConfigError
 from medusa_train.config.train import build_config
 from medusa_train.decoding import MedusaTree
-from medusa_train.decoding.generate import candidate_tokens
 from medusa_train.export.write import export_heads
 from medusa_train.model.layouts import MedusaConfig
 from medusa_train.model.medusa import path_tokens
+from medusa_train.model.medusa_propose import heads_candidates
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -101,7 +101,7 @@ def test_candidates_are_read_from_each_nodes_parent_path(tiny_llama):
     with torch.no_grad():
         prompt = model(torch.randint(0, 256, (1, 6))).hidden_states[0]
         hidden = prompt[-1:]
-        tokens = candidate_tokens(model, tree, prompt, 17, model.new_decode_state())
+        tokens = heads_candidates(model, tree, prompt, 17, model.new_decode_state())
         assert tokens[0] == 17
         for node in range(1, tree.num_nodes):
             depth, rank = int(tree.node_heads[node]), int(tree.node_ranks[node])
