@@ -81,7 +81,7 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
     (["eval.dtype=fp16"], "eval.dtype='fp16': must be one of auto, float32, bfloat16 (or fp32, bf16)"),
     (['train.overrides=["heads.vocab_size=0"]'], "heads.vocab_size=0: must be >= 1"),
     (['train.overrides=["heads.num_head=3"]'], "heads.num_head"),  # a typo in a training key: Hydra names it
-    (["train.experiment=fast"], "train.experiment='fast': must name a preset in configs/experiment/ (demo, served)"),
+    (["train.experiment=fast"], "train.experiment='fast': must name a preset in configs/experiment/ (demo, eagle3, served)"),
     (["+tree.depth=3"], "tree.depth: unknown key"),
 ])
 def test_an_impossible_demo_setting_stops_before_anything_runs_and_names_the_key(overrides, named):
