@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.bench_options import bench_options
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
-from medusa_train.config.evaluate import EvalModelConfig
+from medusa_train.config.model import EvalModelConfig
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, load_benchmark
 from medusa_train.decoding.generate import medusa_generate
 from medusa_train.evaluation.evaluate import resolve_tree

@@ -7,7 +7,7 @@
 Takes the training command's own keys: training with the same keys plus ``data.cache_hidden_states=true``
 reads what this wrote (``<data.cache_dir>/<settings key>-{train,eval}/``: safetensors shards and
 index.json). Each process writes its share of the shards; re-running the same command after a kill
-keeps every finished shard and redoes a torn one. See medusa_train/data/capture.py.
+keeps every finished shard and redoes a torn one. See medusa_train/data/capture/.
 """
 
 from medusa_train.cli.capture import main

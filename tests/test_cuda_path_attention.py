@@ -11,7 +11,7 @@ from medusa_train.cli.build_tree import build_build_tree_config
 from medusa_train.cli.evaluate import build_eval_config
 from medusa_train.config.check import ConfigError
 from medusa_train.config.distill import build_distill_config
-from medusa_train.config.train import ModelConfig, check_model, flash_attention_available
+from medusa_train.config.model import ModelConfig, check_model, flash_attention_available
 
 KEY = "model.attn_implementation='flash_attention_2'"
 

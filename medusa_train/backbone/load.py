@@ -18,6 +18,7 @@ from medusa_train.backbone import assets
 from medusa_train.config.dtype import ALIASES as DTYPE_ALIASES
 from medusa_train.config.dtype import DTYPES as DTYPE_NAMES
 from medusa_train.config.dtype import torch_dtype
+from medusa_train.config.model import ModelConfig
 
 #: every dtype spelling a config takes -> its torch dtype (the vocabulary is ``medusa_train.config.dtype``'s)
 DTYPES = {name: torch_dtype(name) for name in (*DTYPE_NAMES, *DTYPE_ALIASES)}
@@ -254,3 +255,21 @@ def load_without_weights(name_or_path: str | os.PathLike, trust_remote_code: boo
         generation = None
     eos = eos_token_ids(SimpleNamespace(generation_config=generation, config=config), tokenizer)
     return tokenizer, eos, getattr(config, "max_position_embeddings", None), path
+
+
+def load_backbone_for(m: ModelConfig, device: torch.device, sharded: bool = False):
+    """``(backbone, tokenizer)`` as a config's ``model`` section says, on ``device`` (a quantized one is placed at load time).
+
+    ``sharded``: its layers will be sharded over the processes (FSDP-QLoRA, ``training/shard.py``), so 4-bit
+    weights are stored as the compute dtype (``bnb_4bit_quant_storage``: the same bits, in elements FSDP shards
+    with the layer's other weights)."""
+    placement = "auto" if m.device_map == "auto" else ({"": device} if m.quantization else None)
+    storage = (m.bnb_compute_dtype or m.dtype) if sharded and m.quantization == "nf4" else None
+    backbone, tokenizer = load_backbone(
+        m.name_or_path, dtype=m.dtype, quantization=m.quantization, trust_remote_code=m.trust_remote_code,
+        attn_implementation=m.attn_implementation, bnb_compute_dtype=m.bnb_compute_dtype,
+        bnb_double_quant=m.bnb_double_quant, device_map=placement, offload_folder=assets.cache_dir() / "offload",
+        bnb_quant_storage=storage)
+    if placement is None:
+        backbone.to(device)
+    return backbone, tokenizer

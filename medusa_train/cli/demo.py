@@ -108,7 +108,8 @@ def training_settings(c: DemoConfig) -> dict:
 def training_problems(c: DemoConfig) -> list[str]:
     """What the train command would refuse in the demo's training settings (``train.experiment`` + ``train.overrides``),
     said now rather than after distilling; and whether Medusa-2's stage 1 leaves epochs to train jointly."""
-    from medusa_train.config.train import DataConfig, build_config
+    from medusa_train.config.capture import DataConfig
+    from medusa_train.config.train import build_config
 
     probe = replace(c, train=replace(c.train, dtype="float32" if c.train.dtype == "auto" else c.train.dtype))
     try:

@@ -21,7 +21,7 @@ from medusa_train.config.evaluate import EvalConfig, check_eval_config, default_
 from medusa_train.evaluation.drift import measure_drift
 from medusa_train.evaluation.evaluate import evaluate, resolve_tree
 from medusa_train.evaluation.report import headline_lines
-from medusa_train.model.load import check_heads, load_heads, read_export_config
+from medusa_train.model.load import ExportedHeads, check_heads, load_heads, read_exported_heads
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -90,7 +90,8 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     prompts = load_benchmark(cfg.bench.source, cfg.bench.limit, pick=cfg.bench.pick)
-    model, tokenizer = load_heads(cfg.heads, cfg.model, cfg.device)
+    heads = read_exported_heads(cfg.heads)  # its config.json, read once and handed along
+    model, tokenizer = load_heads(heads, cfg.model, cfg.device)
     if model.lm_head.weight.device.type == "cpu":
         busy_cpu_note()
     output_dir = cfg.output_dir or default_output_dir(cfg.heads)
@@ -102,7 +103,7 @@ def run(cfg: EvalConfig) -> dict:
         d = extra["drift"]
         print(f"backbone drift from {d['original']}: mean KL {d['mean_kl']:.4f} per token, greedy agreement "
               f"{d['greedy_agreement']:.1%} over {d['num_tokens']} tokens of {d['prompts']} prompts", flush=True)
-    served = served_runner(cfg, model, tokenizer, output_dir) if cfg.engine == "vllm" else None
+    served = served_runner(cfg, heads, model, tokenizer, output_dir) if cfg.engine == "vllm" else None
     report = evaluate(model, tokenizer, prompts, cfg.tree, turns=cfg.bench.turns, generation=cfg.generation,
                       baselines=cfg.baselines, warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress,
                       settings=settings, extra=extra, served=served)
@@ -132,7 +133,7 @@ def run(cfg: EvalConfig) -> dict:
     return report
 
 
-def served_runner(cfg: EvalConfig, model, tokenizer, output_dir: str):
+def served_runner(cfg: EvalConfig, heads: ExportedHeads, model, tokenizer, output_dir: str):
     """``served(conversations, servable)`` for ``evaluate``: the backbone's folder (``packaged:`` names resolved)
     served in the evaluation's dtype without speculation and with n-gram speculation, and, when the heads are
     ``servable``, with them as a vllm export (the folder itself when it is one). Started servers render prompts
@@ -143,17 +144,15 @@ def served_runner(cfg: EvalConfig, model, tokenizer, output_dir: str):
     from medusa_train.backbone.load import resolve_model_path
     from medusa_train.evaluation.served import serve_and_measure
     from medusa_train.export.write import export_heads
-    from medusa_train.model.layouts import VLLM_LAYOUTS, detect_format, read_config_json
+    from medusa_train.model.layouts import VLLM_LAYOUTS
 
-    heads = Path(cfg.heads).expanduser()
-    _, base = read_export_config(heads)
-    base_model = resolve_model_path(cfg.model.name_or_path or base)[0]
+    base_model = resolve_model_path(cfg.model.name_or_path or heads.base_model)[0]
     eos = eos_token_ids(model.backbone)
 
     def served(conversations, servable: bool):
         export = None
         if servable and not cfg.served.medusa_url:  # an attached heads server has its own
-            export = heads if detect_format(read_config_json(heads)) in VLLM_LAYOUTS \
+            export = heads.path if heads.layout in VLLM_LAYOUTS \
                 else export_heads(model, Path(output_dir) / "vllm-export", "vllm")
         template = None
         if getattr(tokenizer, "chat_template", None) and "--chat-template" not in cfg.server.args:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from medusa_train.config.check import Problems
 from medusa_train.config.dtype import parse_dtype
-from medusa_train.config.evaluate import EvalModelConfig, check_decoder_attention
+from medusa_train.config.model import EvalModelConfig, check_decoder_attention
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 from medusa_train.config.chat_template import chat_template_problem
 from medusa_train.config.check import Problems, data_source_problem, parse_config
 from medusa_train.config.engine import ServerConfig, check_server
-from medusa_train.config.train import ModelConfig, check_model
+from medusa_train.config.model import ModelConfig, check_model
 
 # Settings that change what a record contains: resuming an output made with others is refused.
 # The engine too: another engine's numerics give other greedy replies, so a resume never mixes them.

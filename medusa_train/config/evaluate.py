@@ -11,23 +11,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medusa_train.config.chat_template import chat_template_problem
 from medusa_train.config.check import Problems
 from medusa_train.config.dtype import parse_dtype
 from medusa_train.config.engine import ServedConfig, ServerConfig, check_server
-
-
-@dataclass
-class EvalModelConfig:
-    name_or_path: str | None = None  #: backbone; default: the one named in the heads' config.json
-    dtype: str = "float32"  #: float32 | bfloat16 | float16 (float32: greedy parity without near-ties)
-    #: sdpa | eager | null (transformers' default); not flash attention: the tree's verify pass needs a 4D mask
-    attn_implementation: str | None = "sdpa"
-    trust_remote_code: bool = False
-    form: str = "merged"  #: Medusa-2 exports: merged (plain transformers) | adapter (4-bit base + LoRA; peft, bitsandbytes)
-    #: null: the template the heads were trained with (their chat_template.jinja), else the tokenizer's; or a
-    #: Jinja template's text, or a file holding one, to render the prompts with instead
-    chat_template: str | None = None
+from medusa_train.config.model import EvalModelConfig, check_decoder_attention
+from medusa_train.config.paths import heads_name
 
 
 @dataclass
@@ -97,24 +85,7 @@ def default_output_dir(heads: str | None) -> str:
     """``outputs/eval/<name>``: the heads folder's name, or its run's name for ``<run>/export``."""
     if not heads:
         return "outputs/eval"
-    path = Path(heads).expanduser().resolve()
-    name = path.parent.name if path.name == "export" and path.parent.name else path.name
-    return str(Path("outputs") / "eval" / name)
-
-
-def check_decoder_attention(m: EvalModelConfig) -> list[str]:
-    """``model.attn_implementation`` and ``model.chat_template`` of a command that runs the tree decoder
-    (evaluate, build-tree)."""
-    template = chat_template_problem("model.chat_template", m.chat_template)
-    value = m.attn_implementation
-    if value in (None, "sdpa", "eager"):
-        return [template] if template else []
-    if "flash" in str(value):
-        why = ("the tree decoder's verify pass attends through a 4D tree mask, which flash attention does not take "
-               "(training, distillation and capture can use it): use model.attn_implementation=sdpa (or eager)")
-    else:
-        why = "must be sdpa, eager or null"
-    return [f"model.attn_implementation={value!r}: {why}", *([template] if template else [])]
+    return str(Path("outputs") / "eval" / heads_name(heads))
 
 
 def check_eval_config(c: EvalConfig) -> list[str]:

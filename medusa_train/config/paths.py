@@ -20,3 +20,10 @@ def _config_dir() -> Path:
 CONFIG_DIR: Path = _config_dir()
 COMMANDS_DIR: Path = CONFIG_DIR / "commands"  # every command but train and capture: a config root of its own
 TREE_DIR: Path = CONFIG_DIR / "tree"  # built-in trees: tree=default | chain | small
+
+
+def heads_name(heads: str) -> str:
+    """What a run's outputs about exported heads are named by: the heads folder's name, or its run's name for
+    ``<run>/export`` (``outputs/eval/<name>``, ``outputs/trees/<name>-n<nodes>.yaml``)."""
+    path = Path(heads).expanduser().resolve()
+    return path.parent.name if path.name == "export" and path.parent.name else path.name

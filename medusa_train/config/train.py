@@ -11,53 +11,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from medusa_train.config.chat_template import chat_template_problem
+from medusa_train.config.capture import (
+    DataConfig,
+    Eagle3Settings,
+    check_aux_layers,
+    check_data,
+    check_mixed_precision,
+    check_placement,
+)
 from medusa_train.config.check import (
     Problems,
-    data_source_problem,
     parse_config,
 )
-from medusa_train.config.dtype import parse_dtype
-
-
-@dataclass
-class ModelConfig:
-    name_or_path: str = "packaged:smollm2-135m-instruct"  #: local HF folder, hub id, .gguf, or packaged:NAME
-    dtype: str = "bfloat16"  #: backbone weight dtype: bfloat16 | float32 | float16 (or bf16, fp32, fp16)
-    quantization: str | None = None  #: null | nf4 | int8 (bitsandbytes; the medusa2 recipe uses nf4)
-    trust_remote_code: bool = False  #: allow custom modeling code shipped with the model
-    #: sdpa | eager | flash_attention_2 | flash_attention_3 (installed, CUDA, bf16/fp16) | null (transformers' default)
-    attn_implementation: str | None = "sdpa"
-    bnb_compute_dtype: str | None = None  #: compute dtype of 4-bit layers (default: dtype)
-    bnb_double_quant: bool = True  #: double-quantise the 4-bit scales
-    #: null (one device per process) | auto (accelerate's big-model placement over every GPU, then CPU and
-    #: disk: for a backbone larger than one device, in medusa-train capture with one process)
-    device_map: str | None = None
-    #: with several processes: shard the backbone's decoder layers over them (FSDP2), each process holding 1/N of
-    #: them (medusa1: the frozen backbone; medusa2: the NF4 layers with their LoRA, FSDP-QLoRA); the heads stay
-    #: whole on every process. Implied by accelerate's FSDP (configs/accelerate/fsdp.yaml)
-    fsdp: bool = False
-
-
-@dataclass
-class DataConfig:
-    source: str = "packaged:sharegpt-v3"  #: json/jsonl file (ShareGPT or messages records), hub id, or packaged:NAME
-    max_samples: int | None = None  #: use the first N conversations (null = all; data=sharegpt: 2000)
-    max_length: int = 2048  #: tokens per example after the chat template (longer ones are cut; data=sharegpt: 512)
-    #: Jinja chat template (its text, or a file holding it) used instead of the tokenizer's; null: the tokenizer's
-    chat_template: str | None = None
-    num_proc: int | None = None  #: processes tokenising (null: the CPUs, at most 8); the result is cached on disk
-    eval_size: int = 64  #: held-out conversations for periodic eval
-    batch_size: int = 4  #: examples per device per micro-batch
-    eval_batch_size: int | None = None  #: default: batch_size
-    seed: int = 0  #: train/eval split and shuffling seed
-    #: medusa1 and eagle3: run the frozen backbone once, train from its captured states (eagle3: the three states
-    #: the draft reads, the final one and the token ids)
-    cache_hidden_states: bool = False
-    cache_dir: str | None = None  #: where hidden-state caches go (default: $MEDUSA_TRAIN_CACHE/hidden)
-    #: bytes of hidden states + labels per capture shard (medusa-train capture; each process holds one whole shard
-    #: in host memory while writing it): 2**30 = 1 GiB, about 131k tokens at hidden 4096 in bf16
-    shard_bytes: int = 1073741824
+from medusa_train.config.model import ModelConfig, check_model
 
 
 @dataclass
@@ -72,18 +38,6 @@ class HeadsConfig:
     #: heads score only the K most frequent training targets (a draft vocabulary, token_map); null: every token.
     #: The verify pass keeps the whole vocabulary, so greedy output is unchanged. Native and vllm export only.
     vocab_size: int | None = None
-
-
-@dataclass
-class Eagle3Settings:
-    """The EAGLE-3 draft of ``+recipe=eagle3`` (one decoder layer on three of the backbone's hidden states)."""
-
-    ttt_steps: int = 7  #: chained draft steps trained (training-time test); step s weighs loss.head_decay**s
-    #: the draft scores only the K tokens most often trained on (d2t maps them back); null: every token
-    vocab_size: int | None = None
-    #: the three backbone layers whose entering hidden state the draft reads (vLLM's count); null: (2, L//2, L-3)
-    aux_layer_ids: list[int] | None = None
-    intermediate_size: int | None = None  #: the draft MLP's width; null: the backbone's
 
 
 @dataclass
@@ -170,37 +124,6 @@ def build_config(raw: Any) -> TrainConfig:
     return parse_config(TrainConfig, raw, check)
 
 
-def check_model(m: ModelConfig) -> list[str]:
-    """Problems of a ``model`` section (shared by training and distillation), each naming its key; its dtypes
-    are stored by their canonical names (``bf16`` -> ``bfloat16``)."""
-    problems: list[str] = []
-    parse_dtype(problems, m, "model.dtype")
-    parse_dtype(problems, m, "model.bnb_compute_dtype", "bnb_compute_dtype", optional=True)
-    rules = [(bool(m.name_or_path), "name_or_path", m.name_or_path, "must name a model"),
-             (m.quantization in (None, "nf4", "int8"), "quantization", m.quantization, "must be null, nf4 or int8"),
-             (m.attn_implementation in (None, "sdpa", "eager", *FLASH_ATTENTION), "attn_implementation",
-              m.attn_implementation, f"must be sdpa, eager, {', '.join(FLASH_ATTENTION)} or null")]
-    if m.attn_implementation in FLASH_ATTENTION:
-        rules += [(m.dtype != "float32", "attn_implementation", m.attn_implementation,
-                   "runs in bfloat16 or float16 only: set model.dtype=bfloat16, or use model.attn_implementation=sdpa"),
-                  (flash_attention_available(m.attn_implementation), "attn_implementation", m.attn_implementation,
-                   f"not available here: it needs CUDA and {FLASH_ATTENTION[m.attn_implementation]}, "
-                   "or use model.attn_implementation=sdpa")]
-    return problems + [f"model.{key}={value!r}: {rule}" for ok, key, value, rule in rules if not ok]
-
-
-#: attention kernels training, distillation and capture may use, and what each needs installed
-FLASH_ATTENTION = {"flash_attention_2": "the flash-attn package: pip install flash-attn --no-build-isolation",
-                   "flash_attention_3": "FlashAttention-3: install flash_attn_interface from flash-attention's hopper/"}
-
-
-def flash_attention_available(name: str) -> bool:
-    """Whether transformers can run ``name`` (``flash_attention_2`` / ``_3``) here: package installed, CUDA present."""
-    from transformers import utils
-
-    return utils.is_flash_attn_3_available() if name == "flash_attention_3" else utils.is_flash_attn_2_available()
-
-
 def fsdp_problems(c: TrainConfig, fsdp: bool | None = None) -> list[str]:
     """What ``model.fsdp`` (or accelerate's FSDP, ``fsdp=True``) cannot run with, each naming the key to change.
 
@@ -242,9 +165,7 @@ def eagle3_problems(c: TrainConfig) -> list[str]:
     p.need(e.ttt_steps >= 1, "eagle3.ttt_steps", e.ttt_steps, "must be >= 1")
     p.need(e.vocab_size is None or e.vocab_size >= 1, "eagle3.vocab_size", e.vocab_size,
            "must be >= 1 (the draft vocabulary's size), or null for the whole vocabulary")
-    p.need(e.aux_layer_ids is None or (len(e.aux_layer_ids) == 3 and len(set(e.aux_layer_ids)) == 3
-                                       and min(e.aux_layer_ids) >= 0), "eagle3.aux_layer_ids", e.aux_layer_ids,
-           "must be three distinct layer indices >= 0, or null for vLLM's (2, L//2, L-3)")
+    p += check_aux_layers(e)
     p.need(e.intermediate_size is None or e.intermediate_size >= 1, "eagle3.intermediate_size", e.intermediate_size,
            "must be >= 1 or null")
     p.need(c.loss.targets == "teacher", "loss.targets", c.loss.targets,
@@ -265,6 +186,7 @@ def check(c: TrainConfig) -> list[str]:
     p.need(not (c.method == "medusa2" and c.stage == 2 and not c.heads.init_from), "heads.init_from", None,
            "stage=2 starts from stage 1's heads: set heads.init_from=<stage-1 output_dir>/export")
     p += check_model(c.model)
+    p += check_placement(c.model)
     p.need(c.heads.num_heads >= 1, "heads.num_heads", c.heads.num_heads, "must be >= 1")
     p.need(c.heads.num_layers >= 0, "heads.num_layers", c.heads.num_layers, "must be >= 0")
     p.need(c.heads.vocab_size is None or c.heads.vocab_size >= 1, "heads.vocab_size", c.heads.vocab_size,
@@ -273,23 +195,10 @@ def check(c: TrainConfig) -> list[str]:
            "the next token enters the first ResBlock: needs heads.num_layers >= 1")
     p.need(not c.heads.path_input or c.heads.next_token_input, "heads.path_input", True,
            "the path starts with the next token: needs heads.next_token_input=true")
-    p.need(c.data.max_length >= 8, "data.max_length", c.data.max_length, "must be >= 8")
-    if problem := data_source_problem("data.source", c.data.source):
-        p.append(problem)
-    if problem := chat_template_problem("data.chat_template", c.data.chat_template):
-        p.append(problem)
-    p.need(c.data.num_proc is None or c.data.num_proc >= 1, "data.num_proc", c.data.num_proc, "must be >= 1 or null")
-    p.need(c.data.max_samples is None or c.data.max_samples >= 1, "data.max_samples", c.data.max_samples,
-           "must be >= 1 or null (all)")
-    p.need(c.data.eval_size >= 0, "data.eval_size", c.data.eval_size, "must be >= 0")
-    p.need(c.data.batch_size >= 1, "data.batch_size", c.data.batch_size, "must be >= 1")
-    p.need(c.data.eval_batch_size is None or c.data.eval_batch_size >= 1, "data.eval_batch_size",
-           c.data.eval_batch_size, "must be >= 1")
+    p += check_data(c.data)
     p.need(not (c.data.cache_hidden_states and c.method == "medusa2" and c.stage != 1), "data.cache_hidden_states",
            True, "needs a frozen backbone: use it with +recipe=medusa1 (or medusa2 stage=1)")
-    p.need(c.model.device_map in (None, "auto"), "model.device_map", c.model.device_map, "must be null or auto")
     p += fsdp_problems(c)
-    p.need(c.data.shard_bytes >= 1, "data.shard_bytes", c.data.shard_bytes, "must be >= 1")
     p.need(0.0 < c.loss.head_decay <= 1.0, "loss.head_decay", c.loss.head_decay, "must be in (0, 1]")
     p.need(c.loss.chunk_size is None or c.loss.chunk_size >= 1, "loss.chunk_size", c.loss.chunk_size,
            "must be >= 1 or null")
@@ -322,8 +231,7 @@ def check(c: TrainConfig) -> list[str]:
         p.need(getattr(c.trainer, key) >= 0, f"trainer.{key}", getattr(c.trainer, key), "must be >= 0")
     p.need(c.trainer.keep_last >= 1, "trainer.keep_last", c.trainer.keep_last, "must be >= 1")
     p.need(c.trainer.log_every >= 1, "trainer.log_every", c.trainer.log_every, "must be >= 1")
-    p.need(c.trainer.mixed_precision in ("no", "bf16", "fp16"), "trainer.mixed_precision", c.trainer.mixed_precision,
-           "must be no, bf16 or fp16")
+    p += check_mixed_precision(c.trainer.mixed_precision)
     p.need(bool(c.trainer.output_dir), "trainer.output_dir", c.trainer.output_dir, "must be set")
     p.need(c.trainer.merge_into in ("original", "dequantized"), "trainer.merge_into", c.trainer.merge_into,
            "must be original or dequantized")

@@ -18,7 +18,8 @@ import torch
 
 from medusa_train.backbone.generation import encode_chat
 from medusa_train.backbone.merge import merged_from, read_backbone_info
-from medusa_train.config.evaluate import DriftConfig, EvalModelConfig
+from medusa_train.config.evaluate import DriftConfig
+from medusa_train.config.model import EvalModelConfig
 from medusa_train.data.benchmarks import BenchPrompt
 
 

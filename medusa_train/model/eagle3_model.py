@@ -274,13 +274,14 @@ class Eagle3Model(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, backbone: PreTrainedModel | None = None,
-                        **backbone_kwargs) -> Eagle3Model:
+                        stored_config: dict | None = None, **backbone_kwargs) -> Eagle3Model:
         """Load a draft written by ``save_pretrained`` (vLLM's EAGLE-3 layout); the backbone its config names unless
-        one is given. Every tensor must be there with its shape (``d2t`` only with a smaller draft vocabulary)."""
+        one is given; ``stored_config``: its ``config.json`` when already read. Every tensor must be there with its
+        shape (``d2t`` only with a smaller draft vocabulary)."""
         from safetensors.torch import load_file
 
         directory = Path(directory)
-        raw = read_config_json(directory)
+        raw = read_config_json(directory) if stored_config is None else stored_config
         config = Eagle3Config.from_dict(raw)
         tensors = load_file(str(directory / WEIGHTS_NAME))
         if backbone is None:

@@ -176,12 +176,13 @@ def read_config_json(directory: str | os.PathLike) -> dict:
     return json.loads(config_path.read_text())
 
 
-def read_heads(directory: str | os.PathLike) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+def read_heads(directory: str | os.PathLike, raw: dict | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
     """Read a heads folder in any supported layout, strictly, returning native-keyed tensors.
 
     Args:
         directory: A folder written by ``save_pretrained`` or ``export_heads`` (or by the original
             Medusa, TensorRT-LLM's or vLLM's tooling).
+        raw: Its ``config.json`` when already read (else read here).
 
     Returns:
         ``(config, tensors)``: tensors keyed by native name, plus, for vLLM heads saved with
@@ -194,7 +195,7 @@ def read_heads(directory: str | os.PathLike) -> tuple[MedusaConfig, dict[str, to
             as the layout names it).
     """
     directory = Path(directory)
-    raw = read_config_json(directory)
+    raw = read_config_json(directory) if raw is None else raw
     layout = detect_format(raw)
     if layout == "eagle3":
         raise ValueError(f"{directory} holds an EAGLE-3 draft, not Medusa heads: load it with Eagle3Model.from_pretrained "

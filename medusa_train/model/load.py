@@ -1,8 +1,10 @@
 """Loading an export: heads + backbone from a heads folder, for every command that reads one (evaluate,
 build-tree, export).
 
-- ``read_export_config``: ``(num_heads, base model)`` from a heads folder's ``config.json`` (any layout,
-  read by ``model.layouts.read_config_json``, as every command reads it);
+- ``read_exported_heads``: a heads folder with its ``config.json`` read once (any layout, by
+  ``model.layouts.read_config_json``): its layout, head count (a draft's default depth) and base model, handed on to
+  ``load_heads`` / ``load_draft`` and the served evaluation so none reads it again; ``read_export_config``:
+  ``(num_heads, base model)`` of it;
 - ``check_heads``: the same as config problems (``heads=<dir>``), for a command's checks;
 - ``load_heads``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given), the
   tokenizer rendering chats with the template the heads were trained with (``read_chat_template``);
@@ -12,30 +14,59 @@ build-tree, export).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from medusa_train.config.check import Problems
-from medusa_train.config.evaluate import EvalModelConfig
+from medusa_train.config.model import EvalModelConfig
 from medusa_train.model.eagle3 import Eagle3Config, is_eagle3_config
 from medusa_train.model.folder import read_chat_template
-from medusa_train.model.layouts import CONFIG_NAME, read_config_json, resolve_base_model
+from medusa_train.model.layouts import CONFIG_NAME, detect_format, read_config_json, resolve_base_model
 
-__all__ = ["check_heads", "load_draft", "load_heads", "load_medusa2_export", "read_chat_template", "read_export_config",
-           "use_export_template"]
+__all__ = ["ExportedHeads", "check_heads", "load_draft", "load_heads", "load_medusa2_export", "read_chat_template",
+           "read_export_config", "read_exported_heads", "use_export_template"]
+
+
+@dataclass(frozen=True)
+class ExportedHeads:
+    """A heads folder and its ``config.json`` as stored, read once (``read_exported_heads``)."""
+
+    path: Path
+    config: dict  #: ``config.json`` as stored (any layout)
+    num_heads: int  #: heads, or an EAGLE-3 draft's default depth
+    base_model: str | None  #: the backbone it names (a path relative to the heads resolved), if any
+
+    @property
+    def layout(self) -> str:
+        """``native``, ``medusa_v1``, ``vllm`` or ``eagle3`` (``model.layouts.detect_format``)."""
+        return detect_format(self.config)
+
+
+def read_exported_heads(heads_dir: str | os.PathLike | ExportedHeads) -> ExportedHeads:
+    """``heads_dir`` with its ``config.json`` read (an ``ExportedHeads`` is returned as it is); a base model stored
+    relative to the heads (Medusa-2's ``merged``) comes back as its path.
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+        ValueError: it does not say how many heads there are.
+    """
+    if isinstance(heads_dir, ExportedHeads):
+        return heads_dir
+    path = Path(heads_dir).expanduser()
+    raw = read_config_json(path)
+    counted = {"num_heads": Eagle3Config.from_dict(raw).num_heads, **raw} if is_eagle3_config(raw) else raw
+    num_heads = counted.get("num_heads", counted.get("medusa_num_heads"))  # a draft chains: its default depth
+    if not isinstance(num_heads, int):
+        raise ValueError(f"heads={heads_dir}: config.json does not say how many heads there are")
+    return ExportedHeads(path, raw, num_heads, resolve_base_model(path, raw.get("base_model_name_or_path")))
 
 
 def read_export_config(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
-    """``(num_heads, base model)`` from a heads folder's ``config.json`` (any supported layout); a base
-    model stored relative to the heads (Medusa-2's ``merged``) comes back as its path."""
-    raw = read_config_json(heads_dir)
-    if is_eagle3_config(raw):  # a draft chains: its default depth stands for the head count
-        raw = {"num_heads": Eagle3Config.from_dict(raw).num_heads, **raw}
-    num_heads = raw.get("num_heads", raw.get("medusa_num_heads"))
-    if not isinstance(num_heads, int):
-        raise ValueError(f"heads={heads_dir}: config.json does not say how many heads there are")
-    return num_heads, resolve_base_model(heads_dir, raw.get("base_model_name_or_path"))
+    """``(num_heads, base model)`` of ``read_exported_heads(heads_dir)``."""
+    heads = read_exported_heads(heads_dir)
+    return heads.num_heads, heads.base_model
 
 
 def check_heads(heads: str | None, p: Problems) -> tuple[int | None, str | None]:
@@ -61,12 +92,13 @@ def use_export_template(tokenizer, heads_dir: str | os.PathLike):
     return tokenizer
 
 
-def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = None, device: str | None = None,
-               export_template: bool = True):
+def load_heads(heads_dir: str | os.PathLike | ExportedHeads, model: EvalModelConfig | None = None,
+               device: str | None = None, export_template: bool = True):
     """Load a backbone and the heads in ``heads_dir``, in the backbone's dtype, on ``device``.
 
     Args:
-        heads_dir: Folder of exported heads (any layout ``MedusaModel.from_pretrained`` reads).
+        heads_dir: Folder of exported heads (any layout ``MedusaModel.from_pretrained`` reads, or an EAGLE-3
+            draft), or the ``ExportedHeads`` read of it.
         model: Backbone settings; its ``name_or_path`` defaults to the base model of the heads.
         device: ``cuda`` when available, else ``cpu`` by default.
         export_template: Render chats with the template the heads were trained with, when the folder records
@@ -81,30 +113,32 @@ def load_heads(heads_dir: str | os.PathLike, model: EvalModelConfig | None = Non
     model = model or EvalModelConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model.form == "adapter":  # Medusa-2: the 4-bit base + LoRA, as in training (peft and bitsandbytes)
-        medusa, tokenizer = load_medusa2_export(heads_dir, "adapter", dtype=model.dtype, device_map=device,
+        medusa, tokenizer = load_medusa2_export(read_exported_heads(heads_dir).path, "adapter", dtype=model.dtype, device_map=device,
                                                 attn_implementation=model.attn_implementation,
                                                 export_template=export_template)
         return medusa.eval(), _user_template(tokenizer, model.chat_template)
-    name = model.name_or_path or read_export_config(heads_dir)[1]
+    heads = read_exported_heads(heads_dir)
+    name = model.name_or_path or heads.base_model
     backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
                                         attn_implementation=model.attn_implementation)
     backbone.to(device)
-    medusa = load_draft(heads_dir, backbone)
+    medusa = load_draft(heads, backbone)
     for part in medusa.medusa_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)
     if export_template:
-        tokenizer = use_export_template(tokenizer, heads_dir)
+        tokenizer = use_export_template(tokenizer, heads.path)
     return medusa.eval(), _user_template(tokenizer, model.chat_template)
 
 
-def load_draft(heads_dir: str | os.PathLike, backbone):
+def load_draft(heads_dir: str | os.PathLike | ExportedHeads, backbone):
     """The draft in ``heads_dir`` on ``backbone``: Medusa heads (``MedusaModel``, any layout) or an EAGLE-3 draft
-    (``Eagle3Model``), as its ``config.json`` says."""
+    (``Eagle3Model``), as its ``config.json`` says (read once, handed to ``from_pretrained``)."""
     from medusa_train.model.eagle3_model import Eagle3Model
     from medusa_train.model.medusa import MedusaModel
 
-    eagle3 = is_eagle3_config(read_config_json(heads_dir))
-    return (Eagle3Model if eagle3 else MedusaModel).from_pretrained(heads_dir, backbone=backbone)
+    heads = read_exported_heads(heads_dir)
+    kind = Eagle3Model if heads.layout == "eagle3" else MedusaModel
+    return kind.from_pretrained(heads.path, backbone=backbone, stored_config=heads.config)
 
 
 def _user_template(tokenizer, value: str | None):

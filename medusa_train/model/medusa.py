@@ -336,20 +336,21 @@ class MedusaModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, backbone: PreTrainedModel | None = None,
-                        **backbone_kwargs) -> MedusaModel:
+                        stored_config: dict | None = None, **backbone_kwargs) -> MedusaModel:
         """Load heads saved by ``save_pretrained`` or ``export_heads`` (native, medusa_v1 or vllm).
 
         Args:
             directory: A heads folder; its layout is read from ``config.json`` (see ``model/layouts.py``).
             backbone: The backbone to attach to; when ``None`` the one named in ``config.json`` is
                 loaded with ``load_backbone(**backbone_kwargs)``.
+            stored_config: ``config.json`` as already read (``model.load.read_exported_heads``), not read again.
 
         Raises:
             ValueError: the backbone's hidden size or vocabulary differs from the heads', a
                 tensor is missing, unexpected, or of the wrong shape (named in the message), or
                 vLLM heads stored with ``original_lm_head`` carry an LM head other than the backbone's.
         """
-        config, tensors = read_heads(directory)
+        config, tensors = read_heads(directory, stored_config)
         stored_lm_head = tensors.pop(SHARED_LM_HEAD_KEY, None)  # vLLM original_lm_head heads only
         if backbone is None:
             if not config.base_model_name_or_path:

@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 
 from medusa_train.backbone import load_tokenizer
+from medusa_train.backbone.load import load_backbone_for
+from medusa_train.config.capture import capture_view
 from medusa_train.config.train import TrainConfig
+from medusa_train.data.capture.run import captured_already
+from medusa_train.data.examples import load_examples
 from medusa_train.model.eagle3 import captured_states
 from medusa_train.training import loop, setup
 from medusa_train.training.eagle3_loss import ttt_loss
@@ -36,12 +40,12 @@ class Eagle3Recipe:
         cfg = self.cfg
         self.accelerator = acc = setup.make_accelerator(cfg)
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
-        train, evals = setup.load_examples(cfg, self.tokenizer, acc)
+        train, evals = load_examples(cfg.data, self.tokenizer, acc)
         backbone = None
-        if cfg.data.cache_hidden_states and setup.captured_already(cfg, self.tokenizer, acc, train, evals):
+        if cfg.data.cache_hidden_states and captured_already(capture_view(cfg), self.tokenizer, acc, train, evals):
             backbone = setup.load_without_layers_for(cfg, acc)  # the embeddings and LM head the draft reads
         if backbone is None:
-            backbone, _ = setup.load_backbone_for(cfg, acc.device)
+            backbone, _ = load_backbone_for(cfg.model, acc.device)
         self.model = build_draft(cfg, backbone, acc.device, train)
         c = self.model.config
         loop.say(acc, f"EAGLE-3 draft: reads layers {c.aux_layer_ids} of {c.num_target_layers}, "

@@ -25,12 +25,13 @@ from typing import TypeVar
 import torch
 from torch.utils.data import DataLoader
 
+from medusa_train.backbone.processes import say
 from medusa_train.config.train import TrainConfig, to_dict
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.training import checkpoint
 from medusa_train.training.losses import LossResult, head_weights, medusa_loss_backward
 from medusa_train.training.one_backward import OneBackward
-from medusa_train.training.setup import TrainData, say
+from medusa_train.training.setup import TrainData
 from medusa_train.training.shard import clip_gradients
 from medusa_train.training.targets import HeadTargets, inputs_and_targets
 

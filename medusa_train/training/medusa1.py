@@ -16,7 +16,11 @@ from pathlib import Path
 import torch
 
 from medusa_train.backbone import load_tokenizer
+from medusa_train.backbone.load import load_backbone_for
+from medusa_train.config.capture import capture_view
 from medusa_train.config.train import TrainConfig
+from medusa_train.data.capture.run import captured_already
+from medusa_train.data.examples import load_examples
 from medusa_train.training import loop, setup
 from medusa_train.training.losses import LossResult
 from medusa_train.training.shard import shard_backbone
@@ -33,15 +37,15 @@ class Medusa1Recipe:
         self.accelerator = acc = setup.make_accelerator(cfg)
         sharded = setup.shards_backbone(cfg, acc)  # read by process 0, its layers sharded onto every device
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
-        train, evals = setup.load_examples(cfg, self.tokenizer, acc)
+        train, evals = load_examples(cfg.data, self.tokenizer, acc)
         backbone = None
-        if cfg.data.cache_hidden_states and setup.captured_already(cfg, self.tokenizer, acc, train, evals):
+        if cfg.data.cache_hidden_states and captured_already(capture_view(cfg), self.tokenizer, acc, train, evals):
             backbone = setup.load_without_layers_for(cfg, acc)
         if backbone is None and sharded:  # before the heads: they start from the LM head process 0 broadcasts
             backbone = setup.load_backbone_on_first_process(cfg, acc, self.tokenizer.pad_token_id)
             loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes).summary(acc.num_processes))
         elif backbone is None:
-            backbone, _ = setup.load_backbone_for(cfg, acc.device)
+            backbone, _ = load_backbone_for(cfg.model, acc.device)
         self.model = setup.build_heads(cfg, backbone, acc.device, train)
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
         trainable = [p for p in self.model.parameters() if p.requires_grad]

@@ -39,8 +39,10 @@ from pathlib import Path
 
 import torch
 
+from medusa_train.backbone.load import load_backbone_for
 from medusa_train.backbone.lora import add_lora
 from medusa_train.config.train import TrainConfig
+from medusa_train.data.examples import load_examples
 from medusa_train.model.layouts import MEDUSA_PARAMETERS
 from medusa_train.training import loop, setup
 from medusa_train.training.backbone_loss import (
@@ -106,7 +108,7 @@ class Medusa2Recipe:
         cfg, m = self.cfg, self.cfg.model
         self.accelerator = acc = setup.make_accelerator(cfg)
         sharded = setup.shards_backbone(cfg, acc)  # 4-bit weights stored as the compute dtype, to shard
-        backbone, self.tokenizer = setup.load_backbone_for(cfg, acc.device, sharded=sharded)
+        backbone, self.tokenizer = load_backbone_for(cfg.model, acc.device, sharded=sharded)
         self.peft_model = None
         if self.joint:
             p = cfg.peft
@@ -119,7 +121,7 @@ class Medusa2Recipe:
         if sharded:  # every process loaded it (with the same LoRA initialisation): each keeps its shards
             loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes, loaded_everywhere=True)
                      .summary(acc.num_processes))
-        train, evals = setup.load_examples(cfg, self.tokenizer, acc)
+        train, evals = load_examples(cfg.data, self.tokenizer, acc)
         self.model = setup.build_heads(cfg, backbone, acc.device, train)
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]

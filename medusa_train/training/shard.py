@@ -26,7 +26,7 @@ shape), which the state dict broadcast does not carry. So every process reads th
 the whole backbone itself, onto its own device (the NF4 model once per process, at load), then keeps 1/N of
 each layer's parameters; the statistics stay whole on every process (``Linear4bit.quant_state``, from which
 bitsandbytes restores them when FSDP hands it the gathered weight). The packed weights are stored as the
-compute dtype (``bnb_4bit_quant_storage``, set by ``setup.load_backbone_for``), so a layer's parameters are
+compute dtype (``bnb_4bit_quant_storage``, set by ``backbone.load.load_backbone_for``), so a layer's parameters are
 all floating point. The LoRA weights inside the layers become sharded trainable parameters: FSDP
 reduce-scatters (averages) their gradients in the backward, the optimizer steps each process's shard, and
 checkpoints and the adapter export gather them whole (``loop.save_checkpoint``, ``medusa2.py``).

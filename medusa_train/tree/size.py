@@ -11,7 +11,7 @@ from pathlib import Path
 
 from medusa_train.backbone.generation import encode_chat
 from medusa_train.config.build_tree import BuildTreeConfig
-from medusa_train.config.evaluate import default_output_dir
+from medusa_train.config.paths import heads_name
 from medusa_train.data.benchmarks import load_benchmark
 from medusa_train.decoding.tree import MedusaTree
 from medusa_train.tree.calibrate import (
@@ -39,7 +39,7 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
               f"({len(seen):,} training prompts passed over)")
     sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
     accuracies, counts = measure_rank_accuracies(model, sequences, cfg.top_k)
-    name = Path(default_output_dir(cfg.heads)).name
+    name = heads_name(cfg.heads)
     output = cfg.output or str(Path("outputs") / "trees" / f"{name}-n{cfg.nodes}.yaml")
     command = (f"medusa-train build-tree heads={cfg.heads} nodes={cfg.nodes} calibration={cfg.calibration} "
                f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "

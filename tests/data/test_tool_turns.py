@@ -117,7 +117,7 @@ def test_training_reads_tool_conversations_with_the_configured_template(tmp_path
 
     from medusa_train.backbone import load_tokenizer
     from medusa_train.config.train import build_config
-    from medusa_train.training.setup import load_examples
+    from medusa_train.data.examples import load_examples
 
     template = tmp_path / "tools.jinja"
     template.write_text(TOOL_TEMPLATE)
@@ -126,7 +126,7 @@ def test_training_reads_tool_conversations_with_the_configured_template(tmp_path
                         "trainer": {"output_dir": str(tmp_path / "run")}})
     tokenizer = load_tokenizer(PACKAGED_MODEL)
     monkeypatch.setenv("MEDUSA_TRAIN_CACHE", str(tmp_path / "cache"))
-    train, evals = load_examples(cfg, tokenizer, Accelerator(cpu=True))
+    train, evals = load_examples(cfg.data, tokenizer, Accelerator(cpu=True))
     assert len(train) == 4 and len(evals) == 2
     assert "<tool_call>" in tokenizer.decode(train[0]["input_ids"])
     out = capsys.readouterr().out

@@ -8,7 +8,7 @@ from helpers.training import compose_config, make_chat_jsonl, make_model_dir, tr
 
 from medusa_train.backbone.generation import encode_chat
 from medusa_train.cli.train import run
-from medusa_train.config.evaluate import EvalModelConfig
+from medusa_train.config.model import EvalModelConfig
 from medusa_train.export.write import export_folder
 from medusa_train.model.load import load_heads, read_chat_template
 

@@ -35,7 +35,7 @@ from helpers.training import (
 )
 
 from medusa_train.cli.train import run
-from medusa_train.config.train import flash_attention_available
+from medusa_train.config.model import flash_attention_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
