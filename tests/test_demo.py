@@ -71,7 +71,8 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["recipe=medusa3"], "recipe='medusa3': must be medusa1 or medusa2"),
+    (["recipe=medusa3"], "recipe='medusa3': must be medusa1, medusa2 or eagle3"),
+    (["recipe=eagle3"], "train.experiment='demo': recipe=eagle3 trains the draft with its own preset: add train.experiment=eagle3"),
     (["train.dtype=float16"], "train.dtype='float16': must be one of auto, float32, bfloat16 (or fp32, bf16)"),
     (["recipe=medusa2", 'train.overrides=["trainer.epochs=6"]', "medusa2.stage1_epochs=6"],
      "medusa2.stage1_epochs=6: must be in [0, trainer.epochs=6)"),
@@ -116,18 +117,20 @@ def changed(before: dict, after: dict) -> set[str]:
     ('train.overrides=["heads.vocab_size=null"]', {"run", "tree", "report"}),
     ("train.experiment=served", {"run", "tree", "report"}),
     ("recipe=medusa2", {"run", "tree", "report"}),
+    (("recipe=eagle3", "train.experiment=eagle3"), {"run", "tree", "report"}),  # the same data, a draft
     ("tree.nodes=64", {"tree", "report"}),  # the same heads, another tree
     ("eval.dtype=float32", {"tree", "report"}),  # an auto tree is sized in the evaluation's dtype...
     ("eval.max_new_tokens=256", {"tree", "report"}),  # ... at its answers' mean context
     ("eval.limit=8", {"report"}),
 ])
 def test_a_setting_redoes_its_stage_and_the_stages_after_it_only(override, redone):
+    overrides = (override,) if isinstance(override, str) else override
     base = {stage: path for stage, path in demo.stage_paths(demo_config("train.dtype=bfloat16",
                                                                           "eval.dtype=bfloat16")).items()}
     other = {stage: path for stage, path in demo.stage_paths(demo_config("train.dtype=bfloat16", "eval.dtype=bfloat16",
-                                                                           override)).items()}
+                                                                           *overrides)).items()}
     assert changed(base, other) == redone
-    assert base["run"].name.startswith("medusa1-") and other["run"].name.startswith(demo_config(override).recipe)
+    assert base["run"].name.startswith("medusa1-") and other["run"].name.startswith(demo_config(*overrides).recipe)
 
 
 def test_auto_dtype_is_bfloat16_only_where_it_runs_natively_and_keys_folders_as_the_dtype_it_becomes():

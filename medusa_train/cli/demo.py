@@ -5,6 +5,7 @@
         tree.nodes=128 output_dir=outputs/scale   # the README's largest run: 2.25 tokens/step, ~85 min on 2 cores
         # (float32 then: add the dtypes of docs/results.md to repeat it exactly)
     medusa-train demo recipe=medusa2   # Medusa-2 on the same data, epochs and (teacher) targets
+    medusa-train demo recipe=eagle3 train.experiment=eagle3   # an EAGLE-3 draft on the same data, its chosen tree
     medusa-train demo train.experiment=served 'train.overrides=["trainer.epochs=2"]'   # heads vLLM loads, 2 epochs
 
 The heads train as ``medusa-train train +recipe=medusa1 experiment=demo`` (configs/experiment/demo.yaml) on the
@@ -96,10 +97,11 @@ def training_overrides(c: DemoConfig, recipe: str | None = None) -> list[str]:
 
 
 def training_settings(c: DemoConfig) -> dict:
-    """The heads' training settings as the train command composes them (Medusa-1 over ``train.experiment``): what
+    """The heads' training settings as the train command composes them (Medusa-2: Medusa-1's over ``train.experiment``,
+    whose epochs and learning rate its stages split; EAGLE-3: its own): what
     the run folder is keyed by, and the epochs and learning rate Medusa-2's stages split. ``data.source`` and
     ``trainer.output_dir`` are left out: the distilled data has a key of its own and the folder is what is keyed."""
-    settings = compose_training(training_overrides(c, "medusa1"))
+    settings = compose_training(training_overrides(c, "medusa1" if c.recipe == "medusa2" else c.recipe))
     settings["data"].pop("source")
     settings["trainer"].pop("output_dir")
     return settings
@@ -169,8 +171,9 @@ def run(cfg: DemoConfig) -> None:
         f"filters.trim_loops={str(d.trim_loops).lower()}",
         f"output={data}"], done=distilled)
 
-    if cfg.recipe == "medusa1":
-        times["train"] = stage(f"2/4 train heads (medusa1, experiment={t.experiment})", [
+    if cfg.recipe in ("medusa1", "eagle3"):
+        what = "the EAGLE-3 draft" if cfg.recipe == "eagle3" else "heads"
+        times["train"] = stage(f"2/4 train {what} ({cfg.recipe}, experiment={t.experiment})", [
             *py, "train", *training_overrides(cfg), f"data.source={data}", f"trainer.output_dir={run_dir}"],
             done=newer(export / "training_config.json", data))
     else:

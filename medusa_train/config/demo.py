@@ -68,7 +68,9 @@ class DemoConfig:
     output_dir: str = "outputs/demo"
     model: str = "packaged:smollm2-135m-instruct"
     threads: int | None = None  #: torch threads per stage (null = all cores)
-    recipe: str = "medusa1"  #: medusa1 | medusa2
+    #: medusa1 | medusa2 | eagle3 (an EAGLE-3 draft, with train.experiment=eagle3: the same data, compared with the
+    #: heads in our decoder; served in vLLM by ``medusa-train evaluate heads=<its export> engine=vllm``)
+    recipe: str = "medusa1"
     distill: DistillStage = field(default_factory=DistillStage)
     train: TrainStage = field(default_factory=TrainStage)
     medusa2: Medusa2Stage = field(default_factory=Medusa2Stage)
@@ -83,7 +85,9 @@ DEMO_DTYPES = ("float32", "bfloat16")
 def check_demo_config(c: DemoConfig) -> list[str]:
     """What the demo cannot run; every problem names its key."""
     p = Problems()
-    p.need(c.recipe in ("medusa1", "medusa2"), "recipe", c.recipe, "must be medusa1 or medusa2")
+    p.need(c.recipe in ("medusa1", "medusa2", "eagle3"), "recipe", c.recipe, "must be medusa1, medusa2 or eagle3")
+    p.need(c.recipe != "eagle3" or c.train.experiment == "eagle3", "train.experiment", c.train.experiment,
+           "recipe=eagle3 trains the draft with its own preset: add train.experiment=eagle3")
     for key, section in (("distill.dtype", c.distill), ("train.dtype", c.train), ("eval.dtype", c.eval)):
         parse_dtype(p, section, key, auto=True, allowed=DEMO_DTYPES)
     p.need((CONFIG_DIR / "experiment" / f"{c.train.experiment}.yaml").is_file(), "train.experiment", c.train.experiment,
