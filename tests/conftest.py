@@ -9,6 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# ``make test`` runs the suite in several processes (pytest-xdist, ``-n auto``): each gets its share of the cores
+# for torch and the processes it starts, since two OpenMP pools on one core crawl (``one_thread`` below)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -44,8 +49,18 @@ def packaged_backbone():
     return load_backbone(PACKAGED_MODEL, dtype="float32")
 
 
+#: test folders whose tests run one after another in one process, first (``make test`` runs the rest beside
+#: them): the engine tests share their servers (session fixtures) and take the longest
+SERIAL_FIRST = ("engine",)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: without it they are skipped (and counted), not failed."""
+    """Tests marked ``gpu`` need CUDA: without it they are skipped (and counted), not failed. The tests of
+    ``SERIAL_FIRST`` form one xdist group, collected first (``--dist loadgroup`` hands a group to one worker)."""
+    serial = [item for item in items if item.path.parent.name in SERIAL_FIRST]
+    for item in serial:
+        item.add_marker(pytest.mark.xdist_group("serial"))
+    items[:] = serial + [item for item in items if item.path.parent.name not in SERIAL_FIRST]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")

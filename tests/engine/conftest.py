@@ -3,6 +3,8 @@ and data, and the packaged model's folder (what vLLM loads; ``packaged:`` names 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from helpers.backbones import PACKAGED_MODEL
 from helpers.training import compose_config
@@ -20,15 +22,15 @@ def model_folder() -> str:
 @pytest.fixture(scope="session")
 def trained_heads(tmp_path_factory) -> str:
     """Plain heads as the demo trains them (shared LM head, a 4,096-token draft vocabulary, teacher targets),
-    a minute of training on ShareGPT with the frozen float32 backbone: the native export's folder."""
+    half a minute of training on ShareGPT with the frozen float32 backbone: the native export's folder."""
     from medusa_train.cli.train import run
 
     out = tmp_path_factory.mktemp("engine-heads")
     cfg = compose_config([
         f"model.name_or_path={PACKAGED_MODEL}", "model.dtype=float32", "trainer.mixed_precision=no",
         f"heads.num_heads={NUM_HEADS}", "heads.share_lm_head=true", "heads.vocab_size=4096",
-        "loss.targets=teacher", "data.max_samples=160", "data.max_length=192", "data.eval_size=8",
-        "data.batch_size=8", "trainer.max_steps=20", "trainer.eval_every=20", "trainer.save_every=20",
+        "loss.targets=teacher", "data.max_samples=160", "data.max_length=128", "data.eval_size=8",
+        "data.batch_size=8", "trainer.max_steps=14", "trainer.eval_every=14", "trainer.save_every=14",
         "optim.lr=3e-3", f"trainer.output_dir={out}"])
     run(cfg)
     return str(out / "export")
@@ -47,8 +49,11 @@ def free_servers(model_folder, tmp_path_factory):
 
     logs = tmp_path_factory.mktemp("free-servers")
     ngram = speculative_configs(None, 0, ServedConfig())["ngram"]
+    servers = {name: VllmServer(model_folder, dtype="float32", speculative_config=spec, log_path=logs / f"{name}.log")
+               for name, spec in (("plain", None), ("ngram", ngram))}
     with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(VllmServer(model_folder, dtype="float32", speculative_config=spec,
-                                                     log_path=logs / f"{name}.log")).url
-                for name, spec in (("plain", None), ("ngram", ngram))}
-        yield urls
+        for server in servers.values():
+            stack.callback(server.stop)
+        with ThreadPoolExecutor(len(servers)) as pool:  # both start at once: a start is mostly one core's work
+            list(pool.map(VllmServer.start, servers.values()))
+        yield {name: server.url for name, server in servers.items()}

@@ -14,8 +14,8 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-PROMPTS = 4  # MT-Bench first turns, spread over the categories
-MAX_TOKENS = 40
+PROMPTS = 3  # MT-Bench first turns, spread over the categories
+MAX_TOKENS = 32
 K = 3
 FIT_STEPS = 40
 
