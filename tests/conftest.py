@@ -54,6 +54,7 @@ def packaged_backbone():
 SERIAL_FIRST = ("engine",)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA: without it they are skipped (and counted), not failed. The tests of
     ``SERIAL_FIRST`` form one xdist group, collected first (``--dist loadgroup`` hands a group to one worker)."""
