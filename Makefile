@@ -45,10 +45,10 @@ $(VLLM_VENV)/.installed: Makefile
 	touch $@
 
 test: setup  ## install everything and run the whole test suite (slow tests use the packaged model)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: setup  ## only the fast unit tests (tiny random models, in this process)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not integration" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not integration" $(PYTEST_ARGS)
 
 gpu-tier: setup  ## on a CUDA machine: pytest -m gpu, the demo on the GPU, the verify-step cost to 128 nodes
 	PY=$(PY) bash scripts/gpu_tier.sh
