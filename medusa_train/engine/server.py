@@ -103,6 +103,7 @@ class VllmServer:
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
+        self._started = 0.0
 
     @property
     def url(self) -> str:
@@ -125,24 +126,34 @@ class VllmServer:
         Raises:
             EngineError: the server exited or did not answer within ``startup_timeout`` (with its log's end).
         """
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the server process and return at once (``wait_ready`` waits for it): several servers start side by
+        side this way. Launch from a thread that lives as long as the server (the main thread): the server is
+        stopped when the thread that started it ends (Linux's parent-death signal is the starting thread's)."""
         env = dict(os.environ)
         if self.kv_cache_gib is not None:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.kv_cache_gib)))  # vLLM reads an int
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
+        self._started = time.perf_counter()
         with open(self.log_path, "ab") as log:
             log.write(("$ " + " ".join(self.command) + "\n").encode())
             log.flush()
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True, preexec_fn=_die_with_parent)
         _RUNNING.add(self)
+
+    def wait_ready(self) -> EngineClient:
+        """Wait until the launched server answers ``/health`` (stopping it if it exits or times out first)."""
         client = EngineClient(self.url, server=self)
         try:
             while not client.healthy():
                 if self.process.poll() is not None:
                     raise EngineError(f"the vLLM server exited with status {self.process.returncode} before it "
                                       f"answered /health; its log ({self.log_path}) ends:\n{self.log_tail()}")
-                if time.perf_counter() - started > self.startup_timeout:
+                if time.perf_counter() - self._started > self.startup_timeout:
                     raise EngineError(f"the vLLM server did not answer {self.url}/health within "
                                       f"{self.startup_timeout:.0f} s (server.startup_timeout); its log "
                                       f"({self.log_path}) ends:\n{self.log_tail()}")
@@ -150,7 +161,7 @@ class VllmServer:
         except BaseException:
             self.stop()
             raise
-        self.startup_seconds = time.perf_counter() - started
+        self.startup_seconds = time.perf_counter() - self._started
         return client
 
     def log_tail(self, lines: int = 40) -> str:

@@ -3,8 +3,6 @@ and data, and the packaged model's folder (what vLLM loads; ``packaged:`` names 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 from helpers.backbones import PACKAGED_MODEL
 from helpers.training import compose_config
@@ -54,6 +52,8 @@ def free_servers(model_folder, tmp_path_factory):
     with contextlib.ExitStack() as stack:
         for server in servers.values():
             stack.callback(server.stop)
-        with ThreadPoolExecutor(len(servers)) as pool:  # both start at once: a start is mostly one core's work
-            list(pool.map(VllmServer.start, servers.values()))
+        for server in servers.values():  # both start at once: a start is mostly one core's work
+            server.launch()
+        for server in servers.values():
+            server.wait_ready()
         yield {name: server.url for name, server in servers.items()}

@@ -96,6 +96,25 @@ def test_an_exception_inside_the_block_still_stops_the_server(stand_in, tmp_path
 
 
 @pytest.mark.integration
+def test_servers_launched_side_by_side_all_answer_and_stop(stand_in, tmp_path, monkeypatch):
+    """``launch`` returns at once and ``wait_ready`` waits: two servers start together (as the engine tests' free
+    servers do), from this thread, so each lives until stopped."""
+    servers = []
+    for name in ("a", "b"):
+        monkeypatch.setenv("STAND_IN_PIDS", str(tmp_path / f"pids-{name}"))  # read by the child at its start
+        server = VllmServer("/m", dtype="float32", python=str(stand_in), log_path=tmp_path / f"{name}.log")
+        server.launch()
+        servers.append(server)
+    try:
+        clients = [server.wait_ready() for server in servers]
+        assert all(client.healthy() for client in clients) and servers[0].url != servers[1].url
+    finally:
+        for server in servers:
+            server.stop()
+    assert all(_gone(int((tmp_path / f"pids-{n}").read_text().split()[0])) for n in ("a", "b"))
+
+
+@pytest.mark.integration
 def test_a_killed_toolkit_process_leaves_no_server_behind(stand_in, tmp_path):
     """SIGKILL gives us no chance to clean up: the kernel's parent-death signal stops the server."""
     code = (f"from medusa_train.engine import VllmServer\n"
