@@ -53,19 +53,25 @@ def packaged_backbone():
 #: (pytest-xdist, ``-n auto``) run the rest beside them: the engine tests share their servers (session fixtures)
 #: and take the longest
 SERIAL_FIRST = ("tests/engine/test_vllm",)
+#: the longest modules after them (about 1 to 6 minutes each here), so no worker is left with one at the end
+LONG_NEXT = ("tests/training/test_distributed.py", "tests/training/test_cuda_path_gradient_checkpointing.py",
+             "tests/training/test_fsdp_qlora.py", "tests/decoding/test_acceptance.py", "tests/decoding/test_generate.py",
+             "tests/training/test_targets.py", "tests/backbone/test_load.py", "tests/training/test_medusa1.py",
+             "tests/training/test_medusa2.py", "tests/evaluation/test_sampled_check.py")
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's ``load`` scheduling, but ``SERIAL_FIRST`` is one unit (one worker). Its ``loadgroup`` would do it with
-    marks, but under pytest 9.2 it cannot rename node ids any more, so its groups are ignored."""
+    """xdist's scheduling by module (a module's fixtures are made once), with ``SERIAL_FIRST`` one unit: one worker.
+    Its ``loadgroup`` would group with marks, but under pytest 9.2 it cannot rename node ids, so its groups are
+    ignored."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class SerialFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "serial" if nodeid.startswith(SERIAL_FIRST) else nodeid
+            return "serial" if nodeid.startswith(SERIAL_FIRST) else super()._split_scope(nodeid)
 
     return SerialFirst(config, log)
 
@@ -73,8 +79,13 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA: without it they are skipped (and counted), not failed. The ``SERIAL_FIRST``
-    tests are collected first, so a worker starts on them at once."""
-    items.sort(key=lambda item: not item.nodeid.startswith(SERIAL_FIRST))  # stable: the order within each part
+    tests are collected first, so a worker starts on them at once, then the ``LONG_NEXT`` modules."""
+    def rank(item) -> int:
+        if item.nodeid.startswith(SERIAL_FIRST):
+            return 0
+        return next((1 + i for i, module in enumerate(LONG_NEXT) if item.nodeid.startswith(module)), len(LONG_NEXT) + 1)
+
+    items.sort(key=rank)  # stable: the order within each part
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")

@@ -356,7 +356,7 @@ def test_greedy_parity_packaged_model(packaged_backbone):
     for text in CHATS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
-        ref = hf_greedy(backbone, ids, 48, eos_token_id=tokenizer.eos_token_id)
-        out = medusa_generate(model, ids, tree, max_new_tokens=48, eos_token_id=tokenizer.eos_token_id)
+        ref = hf_greedy(backbone, ids, 32, eos_token_id=tokenizer.eos_token_id)
+        out = medusa_generate(model, ids, tree, max_new_tokens=32, eos_token_id=tokenizer.eos_token_id)
         assert out.sequences.tolist() == ref.tolist(), (text, tokenizer.decode(out.sequences[0, ids.shape[1]:]),
                                                         tokenizer.decode(ref[0, ids.shape[1]:]))

@@ -52,9 +52,9 @@ def assert_same_run(one: Path, two: Path, files: tuple[str, ...] = ("model.safet
             torch.testing.assert_close(saved_b[name], saved_a[name], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("captured, accumulate, sharded", [(True, 1, False), (False, 1, False), (False, 2, False),
-                                                            (False, 2, True)],
-                         ids=["captured", "online", "online-accumulating", "online-sharded-backbone"])
+# (online without accumulation is the accumulating case's last micro-batch: not run on its own, for CI's time)
+@pytest.mark.parametrize("captured, accumulate, sharded", [(True, 1, False), (False, 2, False), (False, 2, True)],
+                         ids=["captured", "online-accumulating", "online-sharded-backbone"])
 @pytest.mark.integration
 def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path, captured, accumulate, sharded):
     """``accumulate`` micro-batches per process and step (no_sync before the last) against one process
