@@ -69,6 +69,8 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False  # keep the order below (xdist would put the modules with most tests first)
+
     class SerialFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return "serial" if nodeid.startswith(SERIAL_FIRST) else super()._split_scope(nodeid)
