@@ -70,10 +70,12 @@ def test_every_served_row_counts_tokens_per_decode_step_and_the_heads_agree_with
         assert row["prompts_tokenised_alike"] == PROMPTS  # the engine's chat template gave our input ids
     assert set(heads["phases"]) == {"greedy_c3", "sampled"}
     # sampled replies are scored under the backbone: the plain server's pass; vLLM 0.32's CPU build samples wrong
-    # with speculation (FACTS.md), and the check says so for both rows (if this fails, the engine was fixed:
-    # say so in FACTS.md and here); a flagged row shows no speedup
+    # with speculation (FACTS.md), and the check says so for the heads, which draft on every step (if this fails,
+    # the engine was fixed: say so in FACTS.md and here). n-gram's wrong token follows a rejected draft only, which
+    # 4 prompts x 32 sampled tokens may not contain (CI saw it unflagged once), so its flag is not claimed here;
+    # for every row, a flagged row shows no speedup
     assert not plain["phases"]["sampled"]["check"]["flagged"], plain["phases"]["sampled"]["check"]
-    assert heads["phases"]["sampled"]["check"]["flagged"] and ngram["phases"]["sampled"]["check"]["flagged"]
+    assert heads["phases"]["sampled"]["check"]["flagged"], heads["phases"]["sampled"]["check"]
     for row in rows.values():
         sampled = row["phases"]["sampled"]
         assert sampled["check"]["tokens"] > 0 and (sampled["check"]["flagged"] == (sampled.get("speedup") is None)
