@@ -24,7 +24,9 @@ TEST_WORKERS ?= auto
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-setup: $(VENV)/.installed $(if $(VLLM_SPEC),$(VLLM_VENV)/.installed)  ## create .venv and .venv-vllm (fast when already done)
+# the two environments are independent: installed side by side (most of the time is downloads and unpacking)
+setup:  ## create .venv and .venv-vllm (fast when already done)
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(if $(VLLM_SPEC),$(VLLM_VENV)/.installed)
 
 $(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
