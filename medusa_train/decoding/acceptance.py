@@ -19,6 +19,12 @@ follows its last node (the next step's root).
   (lossless in law).
 
 At ``temperature == 0`` every rule is greedy.
+
+Every rule also takes ``valid`` (num_nodes,) bool, the nodes that hold a guess this step (``None``: all):
+a lookup chain's nodes past what lookup found hold no guess and are never accepted, whatever token they
+carry. A lookup token may equal a sibling head guess: greedy follows every matching child and keeps the
+longest path (ties: the heads'); rejection sampling, having accepted a token, descends into the sibling
+holding it whose guesses below reach deepest (a choice made from the drafts alone, so the law is kept).
 """
 
 from __future__ import annotations
@@ -70,23 +76,34 @@ def first_token(logits: torch.Tensor, method: str, temperature: float, top_p: fl
 
 
 # --------------------------------------------------------------------------------- rules
-def greedy_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor) -> Acceptance:
-    """Keep candidates equal to their parent's argmax (children of a node hold distinct tokens,
-    so at most one child matches and the walk is unique)."""
+def _usable(tree: MedusaTree, valid: torch.Tensor | None) -> list[bool]:
+    return [True] * tree.num_nodes if valid is None else [bool(v) for v in valid.tolist()]
+
+
+def greedy_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor,
+                  valid: torch.Tensor | None = None) -> Acceptance:
+    """Keep candidates equal to their parent's argmax; where two children match (a lookup token equal to
+    a head guess), the longer accepted path wins (ties: the first child, the heads')."""
     best = logits.argmax(-1).tolist()
     tokens = tokens.tolist()
-    node, path = 0, [0]
-    while True:
-        child = next((c for c in tree.children[node] if tokens[c] == best[node]), None)
-        if child is None:
-            return Acceptance(path, best[node])
-        node = child
-        path.append(child)
+    usable = _usable(tree, valid)
+
+    def longest(node: int) -> list[int]:
+        path = [node]
+        for child in tree.children[node]:
+            if usable[child] and tokens[child] == best[node]:
+                below = longest(child)
+                if len(below) + 1 > len(path):
+                    path = [node, *below]
+        return path
+
+    path = longest(0)
+    return Acceptance(path, best[path[-1]])
 
 
 def typical_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
                    top_p: float = 1.0, threshold: float = 0.09, alpha: float = 0.3,
-                   generator: torch.Generator | None = None) -> Acceptance:
+                   generator: torch.Generator | None = None, valid: torch.Tensor | None = None) -> Acceptance:
     """Medusa's typical acceptance (lossy); the next token is sampled from the last accepted node."""
     probs = probabilities(logits, temperature)
     entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
@@ -94,6 +111,8 @@ def typical_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor,
     parents = tree.parents.to(logits.device).clamp_min(0)
     candidate_probs = probs[parents, tokens]  # each node's probability under its parent
     kept = candidate_probs > cutoff[parents]
+    if valid is not None:
+        kept &= valid.to(kept.device)
     kept[0] = True
     paths = tree.retrieve_paths.to(logits.device)
     valid = paths >= 0
@@ -108,18 +127,27 @@ def typical_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor,
 
 
 def rejection_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
-                     top_p: float = 1.0, generator: torch.Generator | None = None) -> Acceptance:
+                     top_p: float = 1.0, generator: torch.Generator | None = None,
+                     valid: torch.Tensor | None = None) -> Acceptance:
     """Recursive rejection sampling over deterministic drafts (lossless in law)."""
     tokens = tokens.tolist()
+    usable = _usable(tree, valid)
+
+    def reach(node: int) -> int:  # how deep the usable guesses below a node go
+        return max((1 + reach(c) for c in tree.children[node] if usable[c]), default=0)
+
     node, path = 0, [0]
     while True:
         residual = probabilities(logits[node], temperature, top_p)
         for child in tree.children[node]:
+            if not usable[child]:
+                continue
             x = tokens[child]
             p_x = float(residual[x])
             if p_x > 0 and float(torch.rand((), generator=generator, device=residual.device)) < p_x:
-                node = child
-                path.append(child)
+                same = [c for c in tree.children[node] if usable[c] and tokens[c] == x]
+                node = max(same, key=reach)  # the first of the deepest (x is accepted: which holds it is free)
+                path.append(node)
                 break
             residual[x] = 0.0
             residual = residual / residual.sum()  # sum is 1 - p_x > 0 since p_x < 1 here
@@ -129,12 +157,14 @@ def rejection_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tenso
 
 def accept(method: str, tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float = 0.0,
            top_p: float = 1.0, typical_threshold: float = 0.09, typical_alpha: float = 0.3,
-           generator: torch.Generator | None = None) -> Acceptance:
-    """Dispatch to the acceptance rule ``method`` (greedy when ``temperature == 0``)."""
+           generator: torch.Generator | None = None, valid: torch.Tensor | None = None) -> Acceptance:
+    """Dispatch to the acceptance rule ``method`` (greedy when ``temperature == 0``); ``valid``: the nodes
+    holding a guess this step (``None``: all)."""
     if method == "greedy" or temperature == 0:
-        return greedy_accept(tree, tokens, logits)
+        return greedy_accept(tree, tokens, logits, valid)
     if method == "typical":
-        return typical_accept(tree, tokens, logits, temperature, top_p, typical_threshold, typical_alpha, generator)
+        return typical_accept(tree, tokens, logits, temperature, top_p, typical_threshold, typical_alpha, generator,
+                              valid)
     if method == "rejection":
-        return rejection_accept(tree, tokens, logits, temperature, top_p, generator)
+        return rejection_accept(tree, tokens, logits, temperature, top_p, generator, valid)
     raise ValueError(f"acceptance={method!r}: must be one of {list(ACCEPTANCE_METHODS)}")

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
+from medusa_train.decoding.lookup import ContextLookup
 from medusa_train.decoding.tree import MedusaTree, tree_from_config
 
 # the verify step's phases, in the order the loop runs them (``medusa_generate``'s ``wrap_phase`` sees these names)
@@ -38,7 +39,9 @@ class MedusaGenerateOutput:
             the generation: emitting it takes no forward). ``sum(accept_lengths) == new_tokens``.
         accepted_depths: Per verify step, how many head guesses the acceptance rule kept (the depth
             of the accepted node, before any cut by eos or ``max_new_tokens``): head k's guess was kept
-            in a step exactly when its accepted depth is > k.
+            in a step exactly when its accepted depth is > k. 0 in a step that kept the lookup chain.
+        lookup_depths: Per verify step, how many lookup tokens were kept (0 in a step that kept head
+            guesses, and every step of a tree without a lookup chain).
         steps: Number of verify steps (= tree forward passes after the prefill).
         timings: ``prefill_s`` and ``decode_s`` (seconds, wall clock, device synchronised).
         tree_nodes: Number of nodes in the tree that was used.
@@ -51,6 +54,7 @@ class MedusaGenerateOutput:
     steps: int
     timings: dict[str, float] = field(default_factory=dict)
     tree_nodes: int = 0
+    lookup_depths: list[int] = field(default_factory=list)
 
     @property
     def mean_accept_length(self) -> float:
@@ -86,7 +90,8 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     Args:
         model: A ``MedusaModel`` in eval mode (dropout would break the greedy parity).
         input_ids: (1, prompt_len) prompt token ids (a 1D tensor is taken as one sequence).
-        tree: A ``MedusaTree`` or the name of one (see ``MedusaTree.from_name``).
+        tree: A ``MedusaTree`` or the name of one (see ``MedusaTree.from_name``). A tree with a lookup chain
+            also guesses from the text so far (prompt and generated tokens; ``decoding.lookup``).
         max_new_tokens: Exactly this many tokens are generated unless eos comes first.
         temperature: 0 for greedy; > 0 samples (``typical``, ``rejection``).
         acceptance: ``greedy`` (lossless), ``typical`` (lossy, Medusa's typical acceptance) or
@@ -127,6 +132,9 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     draft_state = model.new_decode_state()  # what the draft keeps between steps (e.g. its own cache)
     accepted_inputs, accepted_tokens = out.draft_inputs[0], input_ids[0]  # the positions the draft has not read yet
     next_token = first_token(model.base_logits(out.hidden_states[:, -1])[0], acceptance, **sampling)
+    # the text so far with the root (the token just decided), indexed for the lookup chain
+    context = ContextLookup(tree.lookup_ngram[1], tree.lookup_ngram[0], [*input_ids[0].tolist(), next_token]) \
+        if tree.lookup_depth else None
     prefill_s = _now(device) - start
 
     candidates, forward, lm_head, accept_nodes, compact = _phases(model, wrap_phase)
@@ -135,6 +143,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     generated: list[int] = []
     accept_lengths: list[int] = []
     accepted_depths: list[int] = []
+    lookup_depths: list[int] = []
     past_len = prompt_len
     while True:
         if accept_lengths and (len(generated) + 1 >= max_new_tokens or next_token in eos):
@@ -143,12 +152,14 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
             generated.append(next_token)
             accept_lengths[-1] += 1
             break
-        tokens = candidates(model, tree, accepted_inputs, accepted_tokens, next_token, draft_state)
+        tokens, valid = candidates(model, tree, accepted_inputs, accepted_tokens, next_token, draft_state, context)
         verified = forward(model, tokens, tree_mask, offsets, cache, past_len)  # = verify_tree, phase by phase
         logits = lm_head(verified.hidden_states[0])
         result = accept_nodes(acceptance, tree, tokens, logits, typical_threshold=typical_threshold,
-                              typical_alpha=typical_alpha, **sampling)
-        accepted_depths.append(len(result.path) - 1)
+                              typical_alpha=typical_alpha, valid=valid, **sampling)
+        by_lookup = tree.node_lookup[result.path[-1]] >= 0  # the path kept is the lookup chain's
+        accepted_depths.append(0 if by_lookup else len(result.path) - 1)
+        lookup_depths.append(len(result.path) - 1 if by_lookup else 0)
         new = tokens[result.path].tolist()
         cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)  # eos is kept, nothing after it
         keep, done = (len(new), False) if cut is None else (cut, True)
@@ -162,16 +173,18 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
         past_len += len(result.path)
         accepted_inputs, accepted_tokens = verified.draft_inputs[0][result.path], tokens[result.path]
         next_token = result.next_token
+        if context is not None:
+            context.extend([*new[1:], next_token])
     decode_s = _now(device) - start - prefill_s
 
     sequences = torch.cat([input_ids, torch.tensor([generated], dtype=input_ids.dtype, device=device)], dim=1)
     return MedusaGenerateOutput(sequences, len(generated), accept_lengths, accepted_depths, len(accept_lengths),
-                                {"prefill_s": prefill_s, "decode_s": decode_s}, tree.num_nodes)
+                                {"prefill_s": prefill_s, "decode_s": decode_s}, tree.num_nodes, lookup_depths)
 
 
 def _phases(model, wrap_phase: Callable[[str, Callable], Callable] | None) -> tuple[Callable, ...]:
     """The functions of the verify step's ``PHASES``, each through ``wrap_phase`` when one is given."""
-    functions = (propose, tree_pass, model.base_logits, accept, compact_cache)
+    functions = (candidates, tree_pass, model.base_logits, accept, compact_cache)
     return functions if wrap_phase is None else tuple(wrap_phase(n, f) for n, f in zip(PHASES, functions))
 
 
@@ -230,6 +243,23 @@ def tree_pass(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: tor
         out = model(tokens[None], attention_mask=mask, position_ids=(past_len + offsets)[None],
                     past_key_values=cache, use_cache=True)
     return out
+
+
+def candidates(model, tree: MedusaTree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor,
+               root_token: int, state, context: ContextLookup | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(num_nodes,) candidate tokens for one verify step and which nodes hold a guess (``None``: all).
+
+    The draft fills the heads' nodes (``propose``); a lookup chain gets what followed the text's last tokens
+    earlier in it (``context``), and its nodes past what lookup found carry the root token as filler and are
+    marked as holding none, so acceptance never keeps them."""
+    tokens = propose(model, tree.heads_tree, accepted_inputs, accepted_tokens, root_token, state)
+    if not tree.lookup_depth:
+        return tokens, None
+    found = context.propose(tree.lookup_depth)
+    chain = torch.tensor(found + [root_token] * (tree.lookup_depth - len(found)), dtype=tokens.dtype,
+                         device=tokens.device)
+    valid = torch.arange(tree.num_nodes) < tree.num_head_nodes + len(found)
+    return torch.cat([tokens, chain]), valid
 
 
 def propose(model, tree: MedusaTree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,

@@ -4,6 +4,13 @@ A tree is a set of *choices*. Each choice is a path ``[r1, r2, ..., rd]`` of top
 head depth: ``[0, 1]`` means "head 1's top-1 guess, then head 2's top-2 guess". Node 0 is the root:
 the base model's own next token. Nodes are numbered root first, then choices sorted by
 ``(depth, path)``, so every parent precedes its children and node order is breadth-first.
+
+A tree may also carry a *lookup chain* (``lookup_depth`` nodes after the heads' nodes): the root's
+last child, then a chain below it, filled each step with what followed the context's last tokens
+earlier in the text (``decoding.lookup``). Its tokens change every step, its shape does not, so the
+mask and positions stay precomputed. A node is either a head's guess (``node_heads``/``node_ranks``)
+or a lookup token (``node_lookup``); ``depth`` counts the heads a tree uses, ``tree_depth`` the
+deepest node of either kind.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from pathlib import Path
 import torch
 
 from medusa_train.config.paths import TREE_DIR
+
+#: the suffix sizes a lookup chain matches unless its tree says otherwise: (shortest, longest)
+DEFAULT_LOOKUP_NGRAM = (1, 3)
 
 
 @dataclass(frozen=True)
@@ -31,24 +41,33 @@ class MedusaTree:
         choices: Paths of top-k ranks (see the module docstring). The root is implicit.
         num_heads: When given, a path deeper than this is an error.
         top_k: When given, a rank outside ``[0, top_k)`` is an error.
+        lookup_depth: Nodes in the lookup chain (0: none).
+        lookup_ngram: ``(shortest, longest)`` suffix of the text that the chain's lookup matches
+            (``decoding.lookup.ContextLookup``; the longest is tried first).
 
     Attributes:
         choices: The paths as tuples, in node order (node ``i + 1`` is ``choices[i]``).
         listed_choices: The paths in the order they were given (built-in trees list the most
             likely first; ``truncated`` keeps a prefix of this order).
-        num_nodes: ``len(choices) + 1``.
+        num_nodes: ``len(choices) + 1 + lookup_depth``.
+        num_head_nodes: ``len(choices) + 1``: the root and the heads' nodes, numbered first.
         depth: Deepest path length = the number of heads the tree uses.
+        lookup_depth: Nodes in the lookup chain: nodes ``num_head_nodes + j``, chain index j, at depth j + 1.
+        lookup_ngram: ``(min, max)`` n-gram sizes the chain's lookup matches.
+        tree_depth: The deepest node of either kind: ``max(depth, lookup_depth)``.
+        heads_tree: The tree without its lookup chain (itself when it has none): what a draft fills.
         parents: (num_nodes,) long, the parent node of each node; -1 for the root.
-        children: Per node, its child nodes in rank order.
+        children: Per node, its child nodes in rank order (the root's lookup child last).
         visibility: (num_nodes, num_nodes) bool; ``[i, j]`` is True when node i may attend to node j
             (j is i or one of its ancestors).
         position_offsets: (num_nodes,) long, the depth of each node (root 0); added to the cache length.
         node_heads: (num_nodes,) long, the head (0-based) whose guess fills the node; -1 for the root.
         node_ranks: (num_nodes,) long, the top-k rank of that guess; -1 for the root.
+        node_lookup: (num_nodes,) long, the lookup chain index of a lookup node; -1 for every other.
         head_top_k: Per head, how many top-k guesses the tree reads from it.
-        retrieve_paths: (num_leaves, depth + 1) long, the node indices from the root to each leaf,
+        retrieve_paths: (num_leaves, tree_depth + 1) long, the node indices from the root to each leaf,
             padded with -1.
-        ancestors: (num_nodes, depth + 1) long, ``[i, d]`` the node on i's path at depth d (i itself
+        ancestors: (num_nodes, tree_depth + 1) long, ``[i, d]`` the node on i's path at depth d (i itself
             at its own depth), -1 below it.
         levels: Per head d, ``(parents, children, rows, ranks)`` long tensors: the depth-d nodes that
             have children, the depth-(d + 1) nodes, each child's parent as a row of ``parents`` and
@@ -56,33 +75,54 @@ class MedusaTree:
             those rows.
     """
 
-    def __init__(self, choices: Iterable[Sequence[int]], num_heads: int | None = None, top_k: int | None = None):
+    def __init__(self, choices: Iterable[Sequence[int]], num_heads: int | None = None, top_k: int | None = None,
+                 lookup_depth: int = 0, lookup_ngram: Sequence[int] = DEFAULT_LOOKUP_NGRAM):
         paths = _validate(choices, num_heads, top_k)
+        if isinstance(lookup_depth, bool) or not isinstance(lookup_depth, int) or lookup_depth < 0:
+            raise ValueError(f"lookup_depth={lookup_depth!r}: must be an integer >= 0 (0: no lookup chain)")
+        lookup_ngram = tuple(lookup_ngram)
+        if (len(lookup_ngram) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in lookup_ngram)
+                or not 1 <= lookup_ngram[0] <= lookup_ngram[1]):
+            raise ValueError(f"lookup_ngram={list(lookup_ngram)}: must be [shortest, longest] suffix sizes, "
+                             "1 <= shortest <= longest")
+        self.lookup_ngram: tuple[int, int] = lookup_ngram
         self.listed_choices: list[tuple[int, ...]] = paths
         self.choices: list[tuple[int, ...]] = sorted(paths, key=lambda p: (len(p), p))
         index = {(): 0} | {p: i + 1 for i, p in enumerate(self.choices)}
         nodes = [_Node((), -1)] + [_Node(p, index[p[:-1]]) for p in self.choices]
-        n = len(nodes)
+        self.num_head_nodes = len(nodes)
+        self.lookup_depth = lookup_depth
+        lookup = range(self.num_head_nodes, self.num_head_nodes + lookup_depth)  # the chain's nodes
+        n = self.num_head_nodes + lookup_depth
         self.num_nodes = n
         self.depth = max((len(p) for p in self.choices), default=0)
-        self.parents = torch.tensor([node.parent for node in nodes], dtype=torch.long)
+        self.tree_depth = max(self.depth, lookup_depth)
+        # each node's root-to-node list of nodes: a head node's from its path, a lookup node's down the chain
+        lineage = [[index[node.path[:d]] for d in range(len(node.path) + 1)] for node in nodes]
+        lineage += [[0, *lookup[: j + 1]] for j in range(lookup_depth)]
+        self.parents = torch.tensor([line[-2] if len(line) > 1 else -1 for line in lineage], dtype=torch.long)
         self.children: list[list[int]] = [[] for _ in range(n)]
         for i, node in enumerate(nodes[1:], start=1):
             self.children[node.parent].append(i)
         for kids in self.children:
             kids.sort(key=lambda c: nodes[c].path[-1])
+        for i in lookup:
+            self.children[int(self.parents[i])].append(i)
 
         self.visibility = torch.zeros(n, n, dtype=torch.bool)
-        for i, node in enumerate(nodes):
-            self.visibility[i, [index[node.path[:d]] for d in range(len(node.path) + 1)]] = True
-        self.position_offsets = torch.tensor([len(node.path) for node in nodes], dtype=torch.long)
-        self.node_heads = torch.tensor([len(node.path) - 1 for node in nodes], dtype=torch.long)
-        self.node_ranks = torch.tensor([node.path[-1] if node.path else -1 for node in nodes], dtype=torch.long)
+        for i, line in enumerate(lineage):
+            self.visibility[i, line] = True
+        self.position_offsets = torch.tensor([len(line) - 1 for line in lineage], dtype=torch.long)
+        self.node_heads = torch.tensor([len(node.path) - 1 for node in nodes] + [-1] * lookup_depth, dtype=torch.long)
+        self.node_ranks = torch.tensor([node.path[-1] if node.path else -1 for node in nodes] + [-1] * lookup_depth,
+                                       dtype=torch.long)
+        self.node_lookup = torch.tensor([-1] * len(nodes) + list(range(lookup_depth)), dtype=torch.long)
         self.head_top_k = [1 + max(p[-1] for p in self.choices if len(p) == d + 1) for d in range(self.depth)]
 
-        self.ancestors = torch.full((n, self.depth + 1), -1, dtype=torch.long)
-        for i, node in enumerate(nodes):
-            self.ancestors[i, : len(node.path) + 1] = torch.tensor([index[node.path[:d]] for d in range(len(node.path) + 1)])
+        self.ancestors = torch.full((n, self.tree_depth + 1), -1, dtype=torch.long)
+        for i, line in enumerate(lineage):
+            self.ancestors[i, : len(line)] = torch.tensor(line)
+        self.heads_tree = self if not lookup_depth else MedusaTree(self.listed_choices)
         self.levels: list[tuple[torch.Tensor, ...]] = []
         self._on_device: dict[str, tuple] = {}  # see path_buffers
         for d in range(self.depth):
@@ -93,10 +133,9 @@ class MedusaTree:
                 parents, kids, [row[nodes[i].parent] for i in kids], [nodes[i].path[-1] for i in kids])))
 
         leaves = [i for i in range(n) if not self.children[i]]
-        self.retrieve_paths = torch.full((len(leaves), self.depth + 1), -1, dtype=torch.long)
+        self.retrieve_paths = torch.full((len(leaves), self.tree_depth + 1), -1, dtype=torch.long)
         for row, leaf in enumerate(leaves):
-            path = nodes[leaf].path
-            self.retrieve_paths[row, : len(path) + 1] = self.ancestors[leaf, : len(path) + 1]
+            self.retrieve_paths[row, : len(lineage[leaf])] = torch.tensor(lineage[leaf])
 
     # ----------------------------------------------------------------------------- buffers
     def attention_mask(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -112,7 +151,7 @@ class MedusaTree:
         return self._on_device[key]
 
     def node_paths(self) -> list[tuple[int, ...]]:
-        """The path of every node, root (``()``) first."""
+        """The path of every head node, root (``()``) first (the lookup chain's nodes follow them)."""
         return [(), *self.choices]
 
     # ----------------------------------------------------------------------------- checks
@@ -130,10 +169,12 @@ class MedusaTree:
 
         Paths are taken in their listed order (most likely first for the built-in trees); a path
         whose prefix is not yet in brings that prefix in first, so the result is always a valid tree.
+        A lookup chain is kept whole and counts in ``max_nodes``.
         """
-        if max_nodes is not None and max_nodes < 1:
-            raise ValueError(f"max_nodes={max_nodes}: must be >= 1 (the root)")
-        limit = math.inf if max_nodes is None else max_nodes - 1
+        if max_nodes is not None and max_nodes < 1 + self.lookup_depth:
+            raise ValueError(f"max_nodes={max_nodes}: must be >= {1 + self.lookup_depth} (the root"
+                             + (f" and the {self.lookup_depth} lookup nodes)" if self.lookup_depth else ")"))
+        limit = math.inf if max_nodes is None else max_nodes - 1 - self.lookup_depth
         kept: dict[tuple[int, ...], None] = {}
         for path in self.listed_choices:
             if max_depth is not None and len(path) > max_depth:
@@ -142,7 +183,12 @@ class MedusaTree:
             if len(kept) + len(missing) > limit:
                 continue
             kept.update(dict.fromkeys(missing))
-        return MedusaTree(list(kept))
+        return MedusaTree(list(kept), lookup_depth=self.lookup_depth, lookup_ngram=self.lookup_ngram)
+
+    def with_lookup(self, lookup_depth: int, lookup_ngram: Sequence[int] | None = None) -> MedusaTree:
+        """The same heads' nodes with a lookup chain of ``lookup_depth`` nodes (0: none)."""
+        return MedusaTree(self.listed_choices, lookup_depth=lookup_depth,
+                          lookup_ngram=self.lookup_ngram if lookup_ngram is None else lookup_ngram)
 
     @classmethod
     def chain(cls, num_heads: int) -> MedusaTree:
@@ -170,34 +216,52 @@ class MedusaTree:
                 raise ValueError(f"tree={name}: unknown tree; built-in trees are {known}, or pass a YAML file path")
         elif not path.is_file():
             raise FileNotFoundError(f"tree={name}: no such file")
-        return cls(load_choices(path), num_heads=num_heads)
+        return cls(load_choices(path), num_heads=num_heads, **load_lookup(path))
 
     # ----------------------------------------------------------------------------- misc
     def __len__(self) -> int:
         return self.num_nodes
 
     def __repr__(self) -> str:
-        return f"MedusaTree(num_nodes={self.num_nodes}, depth={self.depth}, leaves={len(self.retrieve_paths)})"
+        lookup = f", lookup_depth={self.lookup_depth}, lookup_ngram={list(self.lookup_ngram)}" if self.lookup_depth else ""
+        return f"MedusaTree(num_nodes={self.num_nodes}, depth={self.depth}{lookup}, leaves={len(self.retrieve_paths)})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, MedusaTree) and self.choices == other.choices
+        return (isinstance(other, MedusaTree) and self.choices == other.choices
+                and self.lookup_depth == other.lookup_depth
+                and (not self.lookup_depth or self.lookup_ngram == other.lookup_ngram))
 
-    __hash__ = None  # mutable tensors inside; equality is by choices
+    __hash__ = None  # mutable tensors inside; equality is by choices and lookup chain
 
 
-def load_choices(path: str | Path) -> list[list[int]]:
-    """Read ``choices:`` from a tree YAML file."""
+def _read_tree_file(path: str | Path) -> dict:
     import yaml  # a hydra-core dependency
 
     data = yaml.safe_load(Path(path).read_text())
     if not isinstance(data, dict) or "choices" not in data:
         raise ValueError(f"{path}: expected a mapping with a 'choices:' list of paths")
-    return data["choices"]
+    return data
+
+
+def load_choices(path: str | Path) -> list[list[int]]:
+    """Read ``choices:`` from a tree YAML file."""
+    return _read_tree_file(path)["choices"]
+
+
+def load_lookup(path: str | Path) -> dict:
+    """``lookup_depth`` (0 when absent) and ``lookup_ngram`` (the default when absent) of a tree YAML file."""
+    return _lookup_keys(_read_tree_file(path))
+
+
+def _lookup_keys(spec) -> dict:
+    ngram = spec.get("lookup_ngram")
+    return {"lookup_depth": spec.get("lookup_depth") or 0,
+            "lookup_ngram": DEFAULT_LOOKUP_NGRAM if ngram is None else tuple(ngram)}
 
 
 def tree_from_config(spec, num_heads: int | None = None) -> MedusaTree:
     """Build a tree from what a config holds: a ``MedusaTree``, a name/path, a list of choices, or a
-    mapping with ``choices`` (a ``configs/tree/*.yaml`` group) or ``name``.
+    mapping with ``choices`` (and optionally ``lookup_depth``: a ``configs/tree/*.yaml`` group) or ``name``.
 
     Args:
         spec: The tree specification.
@@ -209,7 +273,7 @@ def tree_from_config(spec, num_heads: int | None = None) -> MedusaTree:
         return MedusaTree.from_name(str(spec), num_heads=num_heads)
     elif hasattr(spec, "keys"):
         if spec.get("choices") is not None:
-            tree = MedusaTree(list(spec["choices"]))
+            tree = MedusaTree(list(spec["choices"]), **_lookup_keys(spec))
         elif spec.get("name"):
             return MedusaTree.from_name(str(spec["name"]), num_heads=num_heads)
         else:

@@ -101,6 +101,84 @@ def greedy_continuations(model, tokenizer, prompts: Sequence[str], max_new_token
 
 
 @torch.no_grad()
+def measure_ranks(model, sequences: Sequence[tuple[torch.Tensor, int]], top_k: int = 10) -> list[list[list[int]]]:
+    """Per sequence, per head (draft depth), the rank of the true token among the head's guesses at each position
+    from the last prompt token on (``top_k``: not among its first ``top_k``, or a token it never guesses): position
+    j of every head is the same place in the text (head k's list is k tokens shorter: the text ends)."""
+    ranks = []
+    for ids, prompt_len in sequences:
+        by_head = [[] for _ in range(model.config.num_heads)]
+        # the model says what its draft scores at each depth along the text, and which output is the true token
+        for k, logits, targets in model.calibration_scores(ids, prompt_len - 1):
+            target_logits = logits.gather(-1, targets.clamp(min=0)[:, None])
+            rank = (logits > target_logits).sum(-1).masked_fill_(targets < 0, top_k)  # outside a draft vocabulary: never guessed
+            by_head[k] = rank.clamp_(max=top_k).tolist()
+        ranks.append(by_head)
+    return ranks
+
+
+def rank_accuracies_from(ranks: Sequence[Sequence[Sequence[int]]], num_heads: int,
+                         top_k: int) -> tuple[list[list[float]], list[int]]:
+    """``(rank_accuracies [num_heads][top_k], positions per head)`` from ``measure_ranks``' ranks."""
+    hits = [[0] * top_k for _ in range(num_heads)]
+    counts = [0] * num_heads
+    for by_head in ranks:
+        for k, row in enumerate(by_head):
+            counts[k] += len(row)
+            for r in row:
+                if r < top_k:
+                    hits[k][r] += 1
+    return [[hits[k][i] / counts[k] if counts[k] else 0.0 for i in range(top_k)] for k in range(num_heads)], counts
+
+
+def lookup_runs(sequences: Sequence[tuple[torch.Tensor, int]], max_depth: int,
+                ngram: Sequence[int]) -> list[list[int]]:
+    """Per sequence and position (as ``measure_ranks``' positions), how many of the lookup chain's first
+    ``max_depth`` tokens would be right: at position t the root is the token at t + 1, the chain guesses from
+    the text up to it (``decoding.lookup``, suffixes of ``ngram = (min, max)`` tokens), and its i-th token is
+    right when it and the ones before it equal the text's."""
+    from medusa_train.decoding.lookup import ContextLookup
+
+    runs = []
+    for ids, prompt_len in sequences:
+        tokens = ids[0].tolist()
+        lookup = ContextLookup(ngram[1], ngram[0], tokens[:prompt_len + 1])
+        row = []
+        for t in range(prompt_len - 1, len(tokens) - 2):  # as head 0's positions
+            guess = lookup.propose(max_depth)
+            truth = tokens[t + 2:t + 2 + max_depth]
+            row.append(next((i for i, (a, b) in enumerate(zip(guess, truth)) if a != b), min(len(guess), len(truth))))
+            lookup.extend(tokens[t + 2:t + 3])
+        runs.append(row)
+    return runs
+
+
+def heads_depths(ranks: Sequence[Sequence[Sequence[int]]], choices: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Per sequence and position, how deep the heads' guesses in ``choices`` are accepted (greedy, the text's
+    own continuation): the longest prefix of the true tokens' ranks that is a path of the tree."""
+    paths = {tuple(c) for c in choices}
+    depths = []
+    for by_head in ranks:
+        row = []
+        for j in range(len(by_head[0]) if by_head else 0):
+            d = 0
+            while d < len(by_head) and j < len(by_head[d]) and tuple(by_head[k][j] for k in range(d + 1)) in paths:
+                d += 1
+            row.append(d)
+        depths.append(row)
+    return depths
+
+
+def lookup_gains(runs: Sequence[Sequence[int]], depths: Sequence[Sequence[int]], max_depth: int) -> list[float]:
+    """Per lookup chain index i (1-based, to ``max_depth``), the fraction of positions where the chain's first i
+    tokens are right and the heads' tree does not reach depth i: what the i-th lookup node adds to the tokens per
+    step (the decoder keeps the longer of the two paths), measured, not assumed independent."""
+    positions = sum(len(r) for r in runs)
+    return [sum(run >= i > depth for row_r, row_d in zip(runs, depths) for run, depth in zip(row_r, row_d))
+            / positions if positions else 0.0 for i in range(1, max_depth + 1)]
+
+
+@torch.no_grad()
 def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]],
                             top_k: int = 10) -> tuple[list[list[float]], list[int]]:
     """Per head (draft depth) and rank, how often the rank-i guess is the token k + 2 ahead.
@@ -117,19 +195,7 @@ def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]]
     Returns:
         ``(rank_accuracies [num_heads][top_k], positions per head)``.
     """
-    num_heads = model.config.num_heads
-    hits = torch.zeros(num_heads, top_k, dtype=torch.long)
-    counts = [0] * num_heads
-    for ids, prompt_len in sequences:
-        # the model says what its draft scores at each depth along the text, and which output is the true token
-        for k, logits, targets in model.calibration_scores(ids, prompt_len - 1):
-            target_logits = logits.gather(-1, targets.clamp(min=0)[:, None])
-            ranks = (logits > target_logits).sum(-1).masked_fill_(targets < 0, top_k)  # outside a draft vocabulary: never guessed
-            hits[k] += torch.bincount(ranks[ranks < top_k].cpu(), minlength=top_k)[:top_k]
-            counts[k] += len(targets)
-    accuracies = [[hits[k, i].item() / counts[k] if counts[k] else 0.0 for i in range(top_k)]
-                  for k in range(num_heads)]
-    return accuracies, counts
+    return rank_accuracies_from(measure_ranks(model, sequences, top_k), model.config.num_heads, top_k)
 
 
 # ------------------------------------------------------------------------------------------- writing

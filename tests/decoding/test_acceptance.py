@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 from helpers.backbones import make_tiny_backbone
+from helpers.decoding import logits_from, noise_bound, tv
 
 from medusa_train import MedusaModel
 from medusa_train.decoding import MedusaTree, medusa_generate
@@ -29,35 +30,9 @@ from medusa_train.decoding.acceptance import (
 # node: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]
 HAND = MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
 HAND_TOKENS = torch.tensor([5, 3, 7, 1, 2, 4, 9])
-V = 10
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-
-
-def logits_from(probs_by_node: dict[int, dict[int, float]], n: int = 7, vocab: int = V) -> torch.Tensor:
-    """Logits whose softmax gives the listed probabilities (the rest of the mass spread evenly)."""
-    rows = []
-    for node in range(n):
-        listed = probs_by_node.get(node, {})
-        rest = (1.0 - sum(listed.values())) / (vocab - len(listed))
-        row = torch.full((vocab,), rest, dtype=torch.float64)
-        for token, p in listed.items():
-            row[token] = p
-        rows.append(row.log().float())
-    return torch.stack(rows)
-
-
-def tv(a: torch.Tensor, b: torch.Tensor) -> float:
-    return 0.5 * (a - b).abs().sum().item()
-
-
-def noise_bound(law: torch.Tensor, n: int, seed: int = 0) -> float:
-    """TV that an exact sampler stays below with n draws: the max over 200 simulated runs, plus 10%."""
-    g = torch.Generator().manual_seed(seed)
-    runs = [tv(torch.bincount(torch.multinomial(law, n, replacement=True, generator=g), minlength=len(law)) / n, law)
-            for _ in range(200)]
-    return 1.1 * max(runs)
 
 
 # ------------------------------------------------------------------------------------------ greedy

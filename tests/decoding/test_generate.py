@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.backbones import make_tiny_backbone
+from helpers.decoding import hf_greedy, install_oracle_heads, perturb_heads, prompts
 from transformers import DynamicCache
 
 from medusa_train import MedusaModel
@@ -22,52 +23,6 @@ ATTNS = ["sdpa", "eager"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-
-
-def prompts(n: int, seed: int = 0, vocab: int = 256) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (1, int(torch.randint(1, 24, (), generator=g))), generator=g) for _ in range(n)]
-
-
-def hf_greedy(backbone, ids: torch.Tensor, max_new_tokens: int, eos_token_id) -> torch.Tensor:
-    return backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0)
-
-
-def perturb_heads(model: MedusaModel, seed: int, scale: float = 0.05) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-
-
-def install_oracle_heads(model: MedusaModel, reference: torch.Tensor, seed: int = 0) -> None:
-    """Make every head an oracle for ``reference`` (1, L): it finds the position whose hidden state it
-    was given (nearest reference hidden state) and puts the true token k+2 ahead at a rank chosen by
-    a fixed pattern (mostly top-1, sometimes top-2/top-3, so side branches get accepted too). Off the
-    reference (or past its end) its guesses are arbitrary."""
-    with torch.no_grad():
-        ref_hidden = model(reference).hidden_states[0].float()
-    tokens = reference[0].tolist()
-    vocab = model.lm_head.weight.shape[0]
-    ranks = [0, 0, 1, 0, 2, 0, 0, 1]
-
-    def head_logits(hidden: torch.Tensor, k: int) -> torch.Tensor:
-        flat = hidden.reshape(-1, hidden.shape[-1]).float()
-        dist, pos = torch.cdist(flat, ref_hidden).min(-1)
-        rows = []
-        for d, j in zip(dist.tolist(), pos.tolist()):
-            order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed + 1000 * j + k)).tolist()
-            target = j + k + 2
-            if d < 1e-2 and target < len(tokens):
-                order.remove(tokens[target])
-                order.insert(ranks[(j + 3 * k + seed) % len(ranks)], tokens[target])
-            logits = torch.empty(vocab)
-            logits[order] = torch.arange(vocab, 0, -1, dtype=torch.float)
-            rows.append(logits)
-        return torch.stack(rows).reshape(*hidden.shape[:-1], vocab)
-
-    model.head_logits = head_logits
 
 
 def count_decoder_calls(model: MedusaModel) -> list[int]:

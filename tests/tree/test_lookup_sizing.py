@@ -1,0 +1,70 @@
+"""Sizing the lookup chain by measurement: what each lookup node adds beyond the heads' tree, measured on the text,
+equals what the decoder then accepts step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.backbones import make_tiny_backbone
+from helpers.decoding import hf_greedy, install_oracle_heads
+
+from medusa_train import MedusaModel
+from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.tree.calibrate import heads_depths, lookup_gains, lookup_runs, measure_ranks, rank_accuracies_from
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+
+def test_lookup_runs_count_the_chain_tokens_right_in_a_row():
+    # prompt [7, 1, 2, 3] (length 4), then 9 1 2 3 1 2; at position t the root is the token at t + 1:
+    # t=3 root 9: never before, 0; t=4 root 1: "1" was followed by 2 3 9, the text goes 2 3 1: 2 right;
+    # t=5 root 2: "1 2" by 3 9, text 3 1: 1; t=6 root 3: "1 2 3" by 9, text 1: 0; t=7 root 1: "1" last by 2, text 2: 1
+    ids = torch.tensor([[7, 1, 2, 3, 9, 1, 2, 3, 1, 2]])
+    assert lookup_runs([(ids, 4)], max_depth=3, ngram=(1, 3)) == [[0, 2, 1, 0, 1]]
+    assert lookup_runs([(ids, 4)], max_depth=1, ngram=(1, 3)) == [[0, 1, 1, 0, 1]]
+    assert lookup_runs([(ids, 4)], max_depth=3, ngram=(4, 4)) == [[0, 0, 0, 0, 0]]
+
+
+def test_heads_depths_walk_the_true_tokens_ranks_through_the_tree():
+    ranks = [[[0, 1, 0, 3], [0, 0, 2], [1, 0]]]  # one sequence, three heads, positions 0..3
+    assert heads_depths(ranks, [[0], [1], [0, 0], [0, 0, 1], [1, 0]]) == [[3, 2, 1, 0]]
+    assert heads_depths(ranks, []) == [[0, 0, 0, 0]]
+    assert rank_accuracies_from(ranks, 3, 2) == ([[0.5, 0.25], [2 / 3, 0.0], [0.5, 0.5]], [4, 3, 2])
+
+
+def test_lookup_gains_count_only_what_the_heads_do_not_reach():
+    runs, depths = [[3, 1, 0, 2]], [[1, 1, 0, 3]]
+    # i = 1: run >= 1 and depth < 1: none; i = 2: positions 0; i = 3: position 0
+    assert lookup_gains(runs, depths, 3) == [0.0, 0.25, 0.25]
+    assert lookup_gains([[]], [[]], 2) == [0.0, 0.0]
+
+
+def looping_prompt(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, 256, (5,), generator=g)
+    return torch.cat([phrase, torch.randint(3, 256, (3,), generator=g), phrase])[None]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_measured_depths_are_what_the_hybrid_decoder_accepts_step_by_step(seed):
+    """On the backbone's own greedy text, each decode step accepts 1 + the longer of the heads' measured depth and
+    the lookup chain's measured run at that position: calibration and decoder count the same positions."""
+    backbone = make_tiny_backbone("llama", seed=4)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    ids = looping_prompt(seed)
+    ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
+    install_oracle_heads(model, ref, seed=seed)
+    tree = MedusaTree([[0], [1], [0, 0], [0, 0, 0]], lookup_depth=5)
+    prompt_len = ids.shape[1]
+    ranks = measure_ranks(model, [(ref, prompt_len)], top_k=4)
+    depth = heads_depths(ranks, tree.choices)[0]
+    run = lookup_runs([(ref, prompt_len)], tree.lookup_depth, tree.lookup_ngram)[0]
+    out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
+    assert out.sequences.tolist() == ref.tolist()
+    j = 0  # the step's position, counted from the last prompt token
+    for step, gained in enumerate(out.accept_lengths[:-1]):  # the last one is cut at max_new_tokens
+        assert gained == 1 + max(depth[j], run[j]), (step, j)
+        assert (out.accepted_depths[step], out.lookup_depths[step]) == \
+            ((depth[j], 0) if depth[j] >= run[j] else (0, run[j]))
+        j += gained
+    assert sum(out.lookup_depths) > 0 and sum(out.accepted_depths) > 0  # both branches were kept
