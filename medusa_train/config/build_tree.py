@@ -31,6 +31,13 @@ class BuildTreeConfig:
     max_new_tokens: int = 96  #: greedy continuation length per prompt
     max_prompt_tokens: int = 256  #: longer prompts are passed over
     top_k: int = 10  #: ranks measured per head
+    #: nodes of the tree's lookup chain (guesses copied from the text so far, medusa_train/decoding/lookup.py), part
+    #: of ``nodes``; auto: the split of nodes between heads and lookup with the most expected tokens per second
+    #: (nodes=auto) or per step (a fixed nodes), from how often each lookup token is right where the heads' tree
+    #: is not, measured on the calibration text; 0: heads only
+    lookup_depth: int | str = "auto"
+    lookup_max_depth: int = 8  #: with lookup_depth=auto, the longest chain considered
+    lookup_ngram: list[int] = field(default_factory=lambda: [1, 3])  #: [shortest, longest] suffix lookup matches
     exclude: str | None = "packaged:mt-bench"  #: drop calibration prompts found in this benchmark (null: keep all)
     exclude_training_data: bool = True  #: drop prompts of the heads' training data (their training_config.json)
     output: str | None = None  #: tree YAML path; default outputs/trees/<heads name>-n<nodes>.yaml
@@ -55,6 +62,14 @@ def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
     p.need(c.max_new_tokens >= 4, "max_new_tokens", c.max_new_tokens, "must be >= 4")
     p.need(c.max_prompt_tokens >= 1, "max_prompt_tokens", c.max_prompt_tokens, "must be >= 1")
     p.need(c.top_k >= 1, "top_k", c.top_k, "must be >= 1")
+    p.need(c.lookup_depth == "auto" or (isinstance(c.lookup_depth, int) and c.lookup_depth >= 0), "lookup_depth",
+           c.lookup_depth, "must be >= 0 (0: no lookup chain) or auto")
+    p.need(isinstance(c.lookup_depth, str) or c.nodes == "auto" or c.lookup_depth < c.nodes, "lookup_depth",
+           c.lookup_depth, f"must leave the root among nodes={c.nodes}: at most {c.nodes - 1}"
+           if isinstance(c.nodes, int) else "")
+    p.need(c.lookup_max_depth >= 0, "lookup_max_depth", c.lookup_max_depth, "must be >= 0")
+    p.need(len(c.lookup_ngram) == 2 and 1 <= c.lookup_ngram[0] <= c.lookup_ngram[1], "lookup_ngram",
+           c.lookup_ngram, "must be [shortest, longest] with 1 <= shortest <= longest")
     p.need(c.calibration != c.exclude and "mt-bench" not in c.calibration, "calibration", c.calibration,
            "MT-Bench is the evaluation set; calibrate on other prompts (default packaged:sharegpt-v3)")
     p.need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null")

@@ -7,7 +7,7 @@ Every prompt goes through the tokenizer's chat template (``add_generation_prompt
 own template when their export carries one) and is decoded, one method after the other, by the
 backbone's own ``generate`` (plain decoding, HF transformers' greedy), by ``generate`` with prompt
 lookup (the free baseline that needs no training; its settings swept on a few prompts first), and by
-``medusa_generate``. A second turn is asked after the *plain* answer to the first, so every method sees
+``medusa_generate`` (with a tree that has a lookup chain, also by its heads' nodes alone and by the chain alone). A second turn is asked after the *plain* answer to the first, so every method sees
 the same context. Under greedy decoding the outputs must be identical; each difference of the heads
 is reported with the first differing position and the base model's top-2 logit gap there (a tiny gap is a
 floating-point near-tie, a large one a bug).
@@ -81,21 +81,31 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
             torch.manual_seed(gen.seed)
         looked_up, lookup_time = plain_generate(model.backbone, input_ids, gen.max_new_tokens, eos, pad,
                                                 gen.temperature, gen.top_p, prompt_lookup=lookup)
-    generator = torch.Generator(device).manual_seed(gen.seed) if sampling else None
-    start = now(device)
-    out = medusa_generate(model, input_ids, tree, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-                          acceptance=gen.acceptance, top_p=gen.top_p, typical_threshold=gen.typical_threshold,
-                          typical_alpha=gen.typical_alpha, eos_token_id=eos, generator=generator)
-    wall = now(device) - start
+    def ours(decoding_tree: MedusaTree):
+        generator = torch.Generator(device).manual_seed(gen.seed) if sampling else None
+        start = now(device)
+        out = medusa_generate(model, input_ids, decoding_tree, max_new_tokens=gen.max_new_tokens,
+                              temperature=gen.temperature, acceptance=gen.acceptance, top_p=gen.top_p,
+                              typical_threshold=gen.typical_threshold, typical_alpha=gen.typical_alpha,
+                              eos_token_id=eos, generator=generator)
+        return out, now(device) - start
+
+    # a tree with a lookup chain is also decoded without it and by the chain alone: what each branch buys
+    parts = {name: ours(part) for name, part in split_tree(tree).items()}
+    out, wall = ours(tree)
     medusa = out.sequences[0, input_ids.shape[1]:].tolist()
     record = {
         "prompt_tokens": input_ids.shape[1], "new_tokens": out.new_tokens, "steps": out.steps,
         "accepted_length": (out.new_tokens - 1) / max(out.steps, 1), "plain_new_tokens": len(plain),
         "accept_lengths": out.accept_lengths, "accepted_depths": out.accepted_depths,
+        "lookup_depths": out.lookup_depths,
         "medusa_s": {**out.timings, "wall_s": wall}, "plain_s": plain_time, "match": None, "mismatch": None,
         "lookup_new_tokens": None if looked_up is None else len(looked_up), "lookup_s": lookup_time,
         "lookup_match": None,
     }
+    for name, (part, part_wall) in parts.items():
+        record[name] = {"new_tokens": part.new_tokens, "steps": part.steps, "wall_s": part_wall,
+                        "decode_s": part.timings["decode_s"], "match": None}
     if not sampling:
         position = first_difference(plain, medusa)
         record["match"] = position is None
@@ -103,7 +113,18 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
             record["mismatch"] = mismatch_detail(model, input_ids, plain, medusa, position)
         if looked_up is not None:
             record["lookup_match"] = looked_up == plain
+        for name, (part, _) in parts.items():
+            record[name]["match"] = part.sequences[0, input_ids.shape[1]:].tolist() == plain
     return record, plain, input_ids
+
+
+def split_tree(tree: MedusaTree) -> dict[str, MedusaTree]:
+    """For a tree with a lookup chain, its two branches alone: ``heads_only`` (the heads' nodes) and
+    ``context_lookup`` (the root and the chain); nothing for a tree without one."""
+    if not tree.lookup_depth:
+        return {}
+    return {"heads_only": tree.heads_tree,
+            "context_lookup": MedusaTree([], lookup_depth=tree.lookup_depth, lookup_ngram=tree.lookup_ngram)}
 
 
 # ------------------------------------------------------------------------------------------- prompt lookup
@@ -218,14 +239,17 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         report["engines"] = engine_rows(model, inputs, tree, report["mean_accepted_length"], gen.max_new_tokens, eos)
     report["settings"] = {
         **(settings or {}), "tree": tree_spec, "tree_nodes": tree.num_nodes, "tree_depth": tree.depth,
-        "tree_choices": [list(c) for c in tree.listed_choices], "turns": turns, **asdict(gen),
+        "tree_choices": [list(c) for c in tree.listed_choices], "lookup_depth": tree.lookup_depth,
+        "lookup_ngram": list(tree.lookup_ngram) if tree.lookup_depth else None, "turns": turns, **asdict(gen),
         "sampling": gen.temperature > 0, "eos_token_ids": eos, "num_heads": model.config.num_heads,
         "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
         "device": str(model.lm_head.weight.device), "torch_threads": torch.get_num_threads(),
         "warmup": warmup, "cpu_load_average_at_start": round(load_at_start, 2),
         "plain_decoding": f"HF transformers {_transformers_version()} generate, greedy"
                           if gen.temperature == 0 else f"HF transformers {_transformers_version()} generate, sampled",
-        "prompt_lookup": lookup_settings, "order": "per prompt: plain, prompt lookup, medusa",
+        "prompt_lookup": lookup_settings,
+        "order": "per prompt: plain, prompt lookup, " + ("heads only, lookup only, " if tree.lookup_depth else "")
+                 + "medusa",
         "speedup": "medusa tokens/s / plain (HF generate) tokens/s, wall clock of whole generations (prefill + "
                    "decode); decode_speedup: decode time only, tokens after the first",
         "accepted_length": "tokens after each reply's first / target forwards after its prefill",

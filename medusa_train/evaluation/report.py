@@ -59,10 +59,17 @@ def headline_lines(report: dict) -> list[str]:
         lookup = methods.get("prompt_lookup")
         lookup_part = (f"; {_lookup_label(report)} {lookup['speedup']:.2f}x ({_num(lookup['tokens_per_forward'])} "
                        "tokens per forward)") if lookup else ""
+        ours = "the heads"
+        if "heads_only" in methods:  # a tree with a lookup chain: the hybrid, and each branch alone beside it
+            ours = "the heads and context lookup in one tree"
+            lookup_part = "".join(f"; {label} {methods[key]['speedup']:.2f}x ({_num(methods[key]['tokens_per_forward'])}"
+                                  " tokens per forward)" for key, label in (("heads_only", "the heads alone"),
+                                                                            ("context_lookup", "our lookup alone"))) \
+                + lookup_part
         lines.append(f"In this process, against {(report.get('settings') or {}).get('plain_decoding', 'HF generate')} "
-                     f"({plain['tokens_per_s']:.1f} tokens/s): the heads {m['speedup']:.2f}x "
+                     f"({plain['tokens_per_s']:.1f} tokens/s): {ours} {m['speedup']:.2f}x "
                      f"({_num(m['tokens_per_forward'])} tokens per forward){lookup_part}. Over the best free baseline "
-                     f"({best_name}) the heads buy {m['tokens_per_s'] / max(best['tokens_per_s'], 1e-9):.2f}x.")
+                     f"({best_name}) {ours} buy {m['tokens_per_s'] / max(best['tokens_per_s'], 1e-9):.2f}x.")
     served = report.get("served")
     if served:
         from medusa_train.evaluation.served_report import best_free
@@ -100,7 +107,9 @@ def render_markdown(report: dict) -> str:
     mism = report["mismatches"]
     lines = ["# Medusa evaluation", "", *[f"**{line}**" + "\n" for line in headline_lines(report)],
         f"Heads `{s.get('heads', '?')}` on `{s.get('model', '?')}` ({s.get('dtype', '?')}, {s.get('device', '?')}, "
-        f"{s.get('torch_threads', '?')} threads); tree `{s.get('tree', '?')}` ({s.get('tree_nodes', '?')} nodes); "
+        f"{s.get('torch_threads', '?')} threads); tree `{s.get('tree', '?')}` ({s.get('tree_nodes', '?')} nodes"
+        + (f", {s['lookup_depth']} of them a lookup chain matching {s['lookup_ngram'][1]}- down to "
+           f"{s['lookup_ngram'][0]}-token suffixes" if s.get("lookup_depth") else "") + "); "
         f"{report['totals']['count']} generations of up to {s.get('max_new_tokens', '?')} tokens; "
         f"acceptance `{s.get('acceptance', '?')}`, temperature {s.get('temperature', '?')}.",
         "",
@@ -139,15 +148,26 @@ def render_markdown(report: dict) -> str:
         "| head | " + " | ".join(str(k + 1) for k in range(len(report["per_head_acceptance"]))) + " |",
         "|---|" + "---|" * len(report["per_head_acceptance"]),
         "| acceptance | " + " | ".join(f"{a:.3f}" for a in report["per_head_acceptance"]) + " |",
+    ]
+    if report.get("lookup_acceptance") is not None:
+        chain = report["lookup_acceptance"]
+        lines += ["", "Lookup chain (fraction of verify steps that kept its first i tokens; those steps' tokens are "
+                  "the chain's, not the heads'): " + (", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(chain))
+                                                      or "never kept") + "."]
+    split = "heads_only" in (report.get("methods") or {})
+    lines += [
         "",
         "## Per category",
         "",
-        "| category | count | accepted length | speedup | prompt lookup's speedup | mismatches |",
-        "|---|---|---|---|---|---|",
+        "| category | count | accepted length | speedup | " + ("heads alone | our lookup alone | " if split else "")
+        + "prompt lookup's speedup | mismatches |",
+        "|---|---|---|---|" + ("---|---|" if split else "") + "---|---|",
     ]
     for name, c in report["per_category"].items():
         lookup = f"{c['prompt_lookup_speedup']:.2f}x" if c.get("prompt_lookup_speedup") is not None else "n/a"
-        lines.append(f"| {name} | {c['count']} | {c['accepted_length']:.2f} | {c['speedup']:.2f}x | {lookup} | "
+        branches = "".join(f"{c[f'{k}_speedup']:.2f}x ({_num(c[f'{k}_tokens_per_forward'])}) | "
+                           for k in ("heads_only", "context_lookup")) if split else ""
+        lines.append(f"| {name} | {c['count']} | {c['accepted_length']:.2f} | {c['speedup']:.2f}x | {branches}{lookup} | "
                      f"{'n/a' if c['mismatches'] is None else c['mismatches']} |")
     if report.get("engines"):
         lines += ["", "## What each engine would accept (simulated by our decoder on these prompts)", "",

@@ -21,8 +21,12 @@ from collections import Counter
 METHODS = {
     "plain": "HF transformers generate, greedy (one token per forward)",
     "prompt_lookup": "HF transformers generate with prompt lookup (drafts copied from the context; no training)",
+    "heads_only": "medusa-train tree decoder, the tree's heads' nodes alone (no lookup chain)",
+    "context_lookup": "medusa-train tree decoder, the tree's lookup chain alone (no heads; no training)",
     "medusa": "medusa-train tree decoder with the heads",
 }
+#: the medusa row's description when its tree has a lookup chain
+HYBRID = "medusa-train tree decoder with the heads and the lookup chain in one tree"
 
 
 def per_forward(tokens: int, replies: int, forwards_after_prefill: int) -> float | None:
@@ -36,6 +40,12 @@ def _method_counts(records: list[dict], method: str) -> dict | None:
         return {"tokens": sum(r["new_tokens"] for r in records), "forwards": sum(r["steps"] for r in records),
                 "wall_s": sum(r["medusa_s"]["wall_s"] for r in records),
                 "decode_s": sum(r["medusa_s"]["decode_s"] for r in records)}
+    if method in ("heads_only", "context_lookup"):
+        if any(method not in r for r in records):
+            return None
+        return {k: sum(r[method][f] for r in records)
+                for k, f in (("tokens", "new_tokens"), ("forwards", "steps"), ("wall_s", "wall_s"),
+                             ("decode_s", "decode_s"))}
     key = "plain" if method == "plain" else "lookup"
     if any(r.get(f"{key}_s") is None for r in records):
         return None
@@ -54,6 +64,8 @@ def method_rows(records: list[dict]) -> dict[str, dict]:
         c = _method_counts(records, method)
         if c is None:
             continue
+        if method == "medusa" and any("heads_only" in r for r in records):
+            what = HYBRID
         rows[method] = {"decodes_with": what, "tokens_per_forward": per_forward(c["tokens"], n, c["forwards"]),
                         "tokens": c["tokens"], "forwards_after_prefill": c["forwards"],
                         "tokens_per_s": c["tokens"] / max(c["wall_s"], 1e-9),
@@ -62,8 +74,11 @@ def method_rows(records: list[dict]) -> dict[str, dict]:
     for method, row in rows.items():
         row["speedup"] = row["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
         row["decode_speedup"] = row["decode_tokens_per_s"] / max(plain["decode_tokens_per_s"], 1e-9)
-        match_key = {"plain": None, "prompt_lookup": "lookup_match", "medusa": "match"}[method]
-        checked = [r[match_key] for r in records if match_key and r.get(match_key) is not None]
+        if method in ("heads_only", "context_lookup"):
+            checked = [r[method]["match"] for r in records if r[method]["match"] is not None]
+        else:
+            match_key = {"plain": None, "prompt_lookup": "lookup_match", "medusa": "match"}[method]
+            checked = [r[match_key] for r in records if match_key and r.get(match_key) is not None]
         row["outputs"] = {"compared": len(checked), "identical": sum(checked)} if checked else None
     return rows
 
@@ -95,8 +110,10 @@ def _totals(records: list[dict], rows: dict[str, dict] | None = None) -> dict:
                                       for r in checked) if checked else None,
         "new_tokens": {"medusa": tokens, "plain": plain["tokens"]}, "steps": steps,
     }
-    if "prompt_lookup" in rows:
-        totals["prompt_lookup_speedup"] = rows["prompt_lookup"]["speedup"]
+    for method in ("prompt_lookup", "heads_only", "context_lookup"):
+        if method in rows:
+            totals[f"{method}_speedup"] = rows[method]["speedup"]
+            totals[f"{method}_tokens_per_forward"] = rows[method]["tokens_per_forward"]
     return totals
 
 
@@ -132,7 +149,19 @@ def summarise(records: list[dict], num_heads: int) -> dict:
         "mismatch_details": [{"id": r["id"], "category": r["category"], "turn": r["turn"], **r["mismatch"]}
                              for r in records if r["mismatch"]],
         "per_head_acceptance": [sum(d > k for d in depths) / steps for k in range(num_heads)],
+        # with a lookup chain: per chain index, the fraction of steps that kept the chain that far
+        "lookup_acceptance": _lookup_acceptance(records, steps),
         "accept_length_histogram": dict(sorted(Counter(n for r in records for n in r["accept_lengths"]).items())),
         "per_category": {c: _totals([r for r in records if r["category"] == c]) for c in categories},
         "totals": {k: overall[k] for k in ("count", "new_tokens", "steps")},
     }
+
+
+def _lookup_acceptance(records: list[dict], steps: int) -> list[float] | None:
+    """Per lookup chain index i, the fraction of verify steps that kept the chain's first i + 1 tokens (``None``:
+    no lookup chain); these steps' tokens are the chain's, not the heads' (``per_head_acceptance``)."""
+    if not any("heads_only" in r for r in records):
+        return None
+    depths = [d for r in records for d in r["lookup_depths"]]
+    deepest = max(depths, default=0)
+    return [sum(d > i for d in depths) / steps for i in range(deepest)]

@@ -119,15 +119,17 @@ class DecodeSteps:
 
     def verify_step(self, tree: MedusaTree) -> Callable[[], None]:
         """A full verify step over ``tree``: the draft's candidates (its own passes included: an EAGLE-3 draft runs
-        once per depth, so a deeper tree costs more there too), the tree pass, the LM head at every node, greedy
-        acceptance and cache compaction."""
+        once per depth, so a deeper tree costs more there too), the tree pass, the LM head at every node (a lookup
+        chain's too), greedy acceptance and cache compaction."""
         mask, offsets = tree.attention_mask(self.dtype).to(self.device), tree.position_offsets.to(self.device)
 
         @torch.no_grad()
         def step():
             model, context = self.model, self.context
-            tokens = propose(model, tree, self.out.draft_inputs[0, -1:], self.prompt[0, -1:], self.root,
+            tokens = propose(model, tree.heads_tree, self.out.draft_inputs[0, -1:], self.prompt[0, -1:], self.root,
                              self.heads_state)
+            if tree.lookup_depth:  # the chain's nodes cost the pass what any node does, whatever they hold
+                tokens = torch.cat([tokens, tokens.new_full((tree.lookup_depth,), self.root)])
             _, logits = verify_tree(model, tokens, mask, offsets, self.cache, context)
             result = greedy_accept(tree, tokens, logits)
             compact_cache(self.cache, context, result.path)

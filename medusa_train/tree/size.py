@@ -17,7 +17,11 @@ from medusa_train.decoding.tree import MedusaTree
 from medusa_train.tree.calibrate import (
     calibration_prompts,
     greedy_continuations,
-    measure_rank_accuracies,
+    heads_depths,
+    lookup_gains,
+    lookup_runs,
+    measure_ranks,
+    rank_accuracies_from,
     training_prompts,
     write_tree,
 )
@@ -38,25 +42,44 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
         print(f"calibration: {len(prompts)} prompts of {cfg.calibration} the heads were not trained on "
               f"({len(seen):,} training prompts passed over)")
     sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
-    accuracies, counts = measure_rank_accuracies(model, sequences, cfg.top_k)
+    ranks = measure_ranks(model, sequences, cfg.top_k)
+    accuracies, counts = rank_accuracies_from(ranks, model.config.num_heads, cfg.top_k)
+    split = LookupSplit(cfg, accuracies, ranks, sequences)
     name = heads_name(cfg.heads)
     output = cfg.output or str(Path("outputs") / "trees" / f"{name}-n{cfg.nodes}.yaml")
     command = (f"medusa-train build-tree heads={cfg.heads} nodes={cfg.nodes} calibration={cfg.calibration} "
                f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "
                f"model.dtype={cfg.model.dtype}"
-               + (f" cost_context={cfg.cost_context} answer_tokens={cfg.answer_tokens}" if cfg.nodes == "auto" else ""))
-    target, extra = (choose_size(model, accuracies, cfg, cost_context(cfg, tokenizer, prompts))
+               + (f" cost_context={cfg.cost_context} answer_tokens={cfg.answer_tokens}" if cfg.nodes == "auto" else "")
+               + f" lookup_depth={cfg.lookup_depth} lookup_ngram=[{cfg.lookup_ngram[0]},{cfg.lookup_ngram[1]}]"
+               + (f" lookup_max_depth={cfg.lookup_max_depth}" if cfg.lookup_depth == "auto" else ""))
+    target, extra = (choose_size(model, accuracies, cfg, cost_context(cfg, tokenizer, prompts), split)
                      if cfg.nodes == "auto" else (cfg.nodes, None))
-    nodes = len(build_tree(accuracies, target)) + 1
+    _, depth = split.best(target)
+    heads_nodes = target - depth
+    nodes = len(build_tree(accuracies, heads_nodes)) + 1
+    gains = split.gains(heads_nodes)[:depth]
+    lookup = {"lookup_depth": depth, "lookup_ngram": list(cfg.lookup_ngram),
+              "lookup_gains": [round(g, 4) for g in gains]} if depth else {}
     comments = [command, f"use: medusa-train evaluate heads={cfg.heads} tree={output}",
                 f"{nodes} nodes (root + paths), most likely path first, fitted to rank accuracies measured on "
-                f"{len(sequences)} greedy continuations ({counts[0]} positions for head 1)."]
-    path, choices, expected = write_tree(output, accuracies, target, comments, extra)
+                f"{len(sequences)} greedy continuations ({counts[0]} positions for head 1)"
+                + (f"; then a lookup chain of {depth} nodes (lookup_gains: what each adds to the tokens per step "
+                   "where the heads' tree falls short, measured on the same text)." if depth else ".")]
+    if depth:
+        lookup["expected_accept_length_with_lookup"] = round(
+            expected_accept_length(build_tree(accuracies, heads_nodes), accuracies) + sum(gains), 4)
+    path, choices, expected = write_tree(output, accuracies, heads_nodes, comments, {**lookup, **(extra or {})})
+    expected += sum(gains)
     default = MedusaTree.from_name("default").truncated(max_nodes=target, max_depth=len(accuracies))
     default_expected = expected_accept_length([c for c in default.choices if max(c) < cfg.top_k], accuracies)
     print("top-1 accuracy by head: " + ", ".join(f"{row[0]:.3f}" for row in accuracies))
     print(f"top-{cfg.top_k} accuracy by head: " + ", ".join(f"{sum(row):.3f}" for row in accuracies))
-    print(f"tree: {path} ({len(choices) + 1} nodes)")
+    print(f"tree: {path} ({len(choices) + 1 + depth} nodes"
+          + (f": {len(choices) + 1} for the root and heads, {depth} for lookup)" if depth else ")"))
+    if cfg.lookup_depth == "auto" and split.runs is not None:
+        print(f"lookup: {depth} of the {target} nodes go to the lookup chain (each lookup node's measured gain in "
+              f"tokens per step: {', '.join(f'{g:.3f}' for g in split.gains(heads_nodes)) or 'none'})")
     if len(choices) + 1 < target:
         print(f"note: only {len(choices)} paths have a measured accuracy above 0 (asked for {target - 1}); "
               "calibrate on more prompts for a bigger tree")
@@ -69,7 +92,40 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
               + (f" (the 64-node tree: {at64['expected_accept_length']:.2f} tokens per step)" if at64 else ""))
     print(f"expected accepted length: {expected:.2f}")
     return {"path": str(path), "choices": choices, "rank_accuracies": accuracies, "positions": counts,
-            "expected_accept_length": expected, **({"auto": extra} if extra else {})}
+            "expected_accept_length": expected, "lookup_depth": depth, **({"auto": extra} if extra else {})}
+
+
+class LookupSplit:
+    """How to share a tree's nodes between the heads and a lookup chain (``lookup_depth``).
+
+    The heads' part of an ``n``-node tree with a ``d``-node chain is the fitted tree's first ``n - d`` nodes; its
+    expected tokens per step are the heads' (``expected_accept_length``) plus, per chain node, how often the chain is
+    right that far where those heads' nodes are not, measured on the calibration text (``calibrate.lookup_gains``:
+    the decoder keeps the longer path)."""
+
+    def __init__(self, cfg: BuildTreeConfig, accuracies, ranks, sequences):
+        self.accuracies, self.ranks = accuracies, ranks
+        self.fixed = None if cfg.lookup_depth == "auto" else cfg.lookup_depth
+        self.max_depth = cfg.lookup_max_depth if self.fixed is None else self.fixed
+        self.runs = lookup_runs(sequences, self.max_depth, cfg.lookup_ngram) if self.max_depth else None
+        self._gains: dict[int, list[float]] = {}
+
+    def gains(self, heads_nodes: int) -> list[float]:
+        """Per chain index, what it adds beside the fitted tree's first ``heads_nodes`` nodes."""
+        if self.runs is None:
+            return []
+        if heads_nodes not in self._gains:
+            choices = build_tree(self.accuracies, heads_nodes)
+            self._gains[heads_nodes] = lookup_gains(self.runs, heads_depths(self.ranks, choices), self.max_depth)
+        return self._gains[heads_nodes]
+
+    def best(self, nodes: int) -> tuple[float, int]:
+        """``(expected tokens per step, chain nodes)`` of the best split of ``nodes`` (ties: the shorter chain)."""
+        depths = [self.fixed] if self.fixed is not None else range(min(self.max_depth, nodes - 1) + 1)
+        options = [(expected_accept_length(build_tree(self.accuracies, nodes - d), self.accuracies)
+                    + sum(self.gains(nodes - d)[:d]), -d) for d in depths if d < nodes]
+        expected, negative = max(options, key=lambda o: (round(o[0], 9), o[1]))  # equal up to rounding: a tie
+        return expected, -negative
 
 
 def cost_context(cfg: BuildTreeConfig, tokenizer, calibration: list[str]) -> int:
@@ -90,30 +146,35 @@ def cost_context(cfg: BuildTreeConfig, tokenizer, calibration: list[str]) -> int
     return round(sum(lengths) / len(lengths) + cfg.answer_tokens / 2)
 
 
-def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int) -> tuple[int, dict]:
+def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int, split: LookupSplit) -> tuple[int, dict]:
     """``nodes=auto``: time the fitted tree's prefixes here (at ``context`` cached tokens) and pick the size
-    with the most expected tokens/s.
+    with the most expected tokens/s, each size shared between heads and lookup as ``split`` finds best (each size
+    is timed with its lookup chain; the chain's own lookup, a few dictionary reads, is not).
 
     Returns the size and what the tree YAML records about the choice (device, dtype, cost curve, every
-    size's expected figures)."""
+    size's expected figures and lookup nodes)."""
     full = build_tree(accuracies, cfg.max_nodes)
-    sizes = auto_sizes(cfg.max_nodes, len(full) + 1)
-    trees = {n: MedusaTree(full[:n - 1]) for n in sizes}  # most likely first: every prefix is a tree
+    sizes = auto_sizes(cfg.max_nodes, len(full) + 1 + split.max_depth)
+    splits = {n: split.best(n) for n in sizes}
+    # most likely first: every prefix is a tree; each size timed as it would decode, its lookup chain included
+    trees = {n: MedusaTree(full[:n - 1 - d], lookup_depth=d, lookup_ngram=cfg.lookup_ngram)
+             for n, (_, d) in splits.items()}
     where = ", the mean context answering the evaluation's prompts" if cfg.cost_context == "auto" else ""
     print(f"nodes=auto: timing a plain step, generate and a verify step at {len(sizes)} tree sizes "
           f"({context} cached tokens{where}, {cfg.cost_repeats} rounds)", flush=True)
     curve = measure_cost_curve(model, trees, context, cfg.cost_repeats)
-    best, rows = choose_tree_size(curve, {n: expected_accept_length(full[:n - 1], accuracies) for n in sizes})
+    best, rows = choose_tree_size(curve, {n: expected for n, (expected, _) in splits.items()})
     print(f"cost on {curve.device}, {curve.dtype}: plain step {curve.plain_ms:.1f} ms, generate "
           f"{curve.generate_ms:.1f} ms per token")
-    print("| nodes | expected accepted length | verify step timed (ms) | fitted (ms) | relative cost | "
-          "expected tokens/s | expected speedup |\n|---:|---:|---:|---:|---:|---:|---:|")
+    print("| nodes | lookup nodes | expected accepted length | verify step timed (ms) | fitted (ms) | relative cost | "
+          "expected tokens/s | expected speedup |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.nodes}{' *' if r.nodes == best else ''} | {r.expected_accept_length:.3f} | "
+        print(f"| {r.nodes}{' *' if r.nodes == best else ''} | {splits[r.nodes][1]} | {r.expected_accept_length:.3f} | "
               f"{curve.verify_ms[r.nodes]:.1f} | {r.verify_ms:.1f} | "
               f"{r.relative_cost:.2f} | {r.expected_tokens_per_s:.1f} | {r.expected_speedup:.2f}x |")
     chosen = next(r for r in rows if r.nodes == best)
     extra = {"device": curve.device, "dtype": curve.dtype, "chosen_nodes": best,
+             "chosen_lookup_nodes": splits[best][1],
              "expected_speedup": round(chosen.expected_speedup, 4),
              "expected_tokens_per_s": round(chosen.expected_tokens_per_s, 2),
              "cost_curve": {"context": curve.context, "repeats": curve.repeats, "threads": curve.threads,
@@ -121,7 +182,8 @@ def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int) -> tuple[
                             "verify_ms": {int(n): round(ms, 3) for n, ms in curve.verify_ms.items()},
                             # what the choice used: the timings made non-decreasing in size (noise pooled)
                             "verify_ms_fitted": {r.nodes: round(r.verify_ms, 3) for r in rows}},
-             "sizes": {str(r.nodes): {"expected_accept_length": round(r.expected_accept_length, 4),
+             "sizes": {str(r.nodes): {"lookup_nodes": splits[r.nodes][1],
+                                      "expected_accept_length": round(r.expected_accept_length, 4),
                                       "expected_tokens_per_s": round(r.expected_tokens_per_s, 2),
                                       "expected_speedup": round(r.expected_speedup, 4)} for r in rows}}
     return best, extra

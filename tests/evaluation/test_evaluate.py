@@ -88,6 +88,35 @@ def test_report_numbers_recompute_from_per_prompt(loaded):
     assert report["settings"]["tree_nodes"] == len(TREE) + 1 and report["settings"]["max_new_tokens"] == 12
 
 
+def test_a_tree_with_a_lookup_chain_is_reported_with_each_branch_alone(loaded):
+    """Heads and lookup in one tree: the heads' nodes alone and the chain alone are decoded on the same prompts in
+    the same run, each row recomputes from the records, every output equals plain decoding's, and the report labels
+    the hybrid and both branches, per category too."""
+    model, tokenizer = loaded
+    report = evaluate(model, tokenizer, PROMPTS, {"choices": TREE, "lookup_depth": 3}, max_new_tokens=12,
+                      progress=False, warmup=False)
+    rows, methods = report["per_prompt"], report["methods"]
+    assert list(methods) == ["plain", "prompt_lookup", "heads_only", "context_lookup", "medusa"]
+    assert "lookup chain in one tree" in methods["medusa"]["decodes_with"]
+    for name in ("heads_only", "context_lookup"):
+        tokens, steps = sum(r[name]["new_tokens"] for r in rows), sum(r[name]["steps"] for r in rows)
+        assert methods[name]["tokens_per_forward"] == pytest.approx((tokens - len(rows)) / steps)
+        assert methods[name]["speedup"] == pytest.approx(
+            tokens / sum(r[name]["wall_s"] for r in rows) / methods["plain"]["tokens_per_s"])
+        assert methods[name]["outputs"] == {"compared": len(rows), "identical": len(rows)}
+    assert report["mismatches"] == 0 and all(len(r["lookup_depths"]) == r["steps"] for r in rows)
+    depths = [d for r in rows for d in r["lookup_depths"]]
+    assert report["lookup_acceptance"] == pytest.approx(
+        [sum(d > i for d in depths) / report["totals"]["steps"] for i in range(max(depths, default=0))])
+    assert report["settings"]["tree_nodes"] == len(TREE) + 1 + 3 and report["settings"]["lookup_depth"] == 3
+    assert set(report["per_category"]["writing"]) >= {"heads_only_speedup", "context_lookup_tokens_per_forward"}
+    markdown = render_markdown(report)
+    assert "the heads and context lookup in one tree" in markdown and "the heads alone" in markdown
+    assert "| category | count | accepted length | speedup | heads alone | our lookup alone |" in markdown
+    plain_tree = evaluate(model, tokenizer, PROMPTS[:1], TREE, max_new_tokens=8, progress=False, warmup=False)
+    assert "heads_only" not in plain_tree["methods"] and plain_tree["lookup_acceptance"] is None
+
+
 def install_oracle_heads(monkeypatch, model, tokenizer, prompts, max_new_tokens):
     """Heads that know the greedy answer to each prompt's first turn: at a hidden state of that answer,
     head k puts the true token k + 2 ahead first (elsewhere they keep their own guesses)."""

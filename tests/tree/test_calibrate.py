@@ -148,7 +148,8 @@ def test_script_run_writes_a_tree_evaluate_can_use(heads_dir, tmp_path, capsys):
     text = out.read_text()
     assert text.startswith(f"# medusa-train build-tree heads={heads_dir} nodes=8 calibration={source}")
     tree = MedusaTree.from_name(str(out), num_heads=3)
-    assert tree.num_nodes == len(result["choices"]) + 1 <= 8
+    assert tree.num_nodes == len(result["choices"]) + 1 + result["lookup_depth"] <= 8
+    assert tree.lookup_depth == result["lookup_depth"]
     assert len(result["rank_accuracies"]) == 3 and all(len(row) == 10 for row in result["rank_accuracies"])
 
 

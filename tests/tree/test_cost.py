@@ -60,7 +60,7 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     result = run(build_build_tree_config({
         "heads": str(heads), "nodes": "auto", "max_nodes": 16, "calibration": str(source), "num_prompts": 3,
         "max_new_tokens": 12, "exclude": None, "output": str(out), "device": device, "cost_context": "auto",
-        "answer_tokens": 10, "cost_repeats": 2}))
+        "answer_tokens": 10, "cost_repeats": 2, "lookup_depth": 0}))  # heads only (the lookup split: test_lookup_sizing)
     printed = capsys.readouterr().out
     data = yaml.safe_load(out.read_text())
     # timed at the mean context of answering the prompts (no benchmark to exclude: the calibration ones)
@@ -83,7 +83,7 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     assert tree.num_nodes == data["chosen_nodes"]
     assert sorted(tree.choices) == sorted(tuple(c) for c in full[:data["chosen_nodes"] - 1])
     assert f"chosen size: {data['chosen_nodes']} nodes" in printed
-    assert "| nodes | expected accepted length |" in printed
+    assert "| nodes | lookup nodes | expected accepted length |" in printed
 
 
 def test_the_cost_context_is_the_evaluations_mean_context(tmp_path):

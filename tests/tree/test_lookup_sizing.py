@@ -10,7 +10,14 @@ from helpers.decoding import hf_greedy, install_oracle_heads
 
 from medusa_train import MedusaModel
 from medusa_train.decoding import MedusaTree, medusa_generate
-from medusa_train.tree.calibrate import heads_depths, lookup_gains, lookup_runs, measure_ranks, rank_accuracies_from
+from medusa_train.tree.calibrate import (
+    heads_depths,
+    lookup_gains,
+    lookup_runs,
+    measure_ranks,
+    rank_accuracies_from,
+)
+from medusa_train.tree.fit import build_tree, expected_accept_length
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -68,3 +75,51 @@ def test_measured_depths_are_what_the_hybrid_decoder_accepts_step_by_step(seed):
             ((depth[j], 0) if depth[j] >= run[j] else (0, run[j]))
         j += gained
     assert sum(out.lookup_depths) > 0 and sum(out.accepted_depths) > 0  # both branches were kept
+
+
+def test_build_tree_shares_the_nodes_between_heads_and_lookup_by_what_each_adds(tmp_path, capsys):
+    """``build-tree nodes=auto lookup_depth=auto``: every size's split is the one with the most expected tokens per
+    step (the heads' expectation plus the lookup gains measured on the same calibration text, recomputed here),
+    the chosen tree carries its chain, and the YAML and the output say how many nodes went to lookup."""
+    import json
+
+    import yaml
+    from helpers.training import make_model_dir
+
+    from medusa_train import load_backbone
+    from medusa_train.cli.build_tree import build_build_tree_config, run
+    from medusa_train.model.load import load_heads
+    from medusa_train.tree.calibrate import greedy_continuations
+
+    backbone, _ = load_backbone(str(make_model_dir(tmp_path / "model")), dtype="float32")
+    heads = MedusaModel.from_backbone(backbone, num_heads=3).save_pretrained(tmp_path / "heads")
+    prompts = ["Hello there!", "def add(a, b):", "One two one two one two"]
+    source = tmp_path / "calib.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    out = tmp_path / "tree.yaml"
+    result = run(build_build_tree_config({
+        "heads": str(heads), "nodes": "auto", "max_nodes": 12, "calibration": str(source), "num_prompts": 3,
+        "max_new_tokens": 24, "exclude": None, "output": str(out), "device": "cpu", "cost_context": 32,
+        "cost_repeats": 1, "lookup_max_depth": 4}))
+    data = yaml.safe_load(out.read_text())
+    model, tokenizer = load_heads(str(heads), device="cpu")
+    sequences = greedy_continuations(model, tokenizer, prompts, 24)
+    ranks = measure_ranks(model, sequences, 10)
+    accuracies, _ = rank_accuracies_from(ranks, 3, 10)
+    runs = lookup_runs(sequences, 4, (1, 3))
+
+    def expected(n, d):
+        choices = build_tree(accuracies, n - d)
+        return expected_accept_length(choices, accuracies) + sum(lookup_gains(runs, heads_depths(ranks, choices), 4)[:d])
+
+    for size, row in data["sizes"].items():
+        n = int(size)
+        best = max(range(min(4, n - 1) + 1), key=lambda d: (round(expected(n, d), 9), -d))
+        assert row["lookup_nodes"] == best, (n, [expected(n, d) for d in range(min(4, n - 1) + 1)], row)
+        assert row["expected_accept_length"] == pytest.approx(expected(n, best), abs=1e-4)
+    chosen, depth = data["chosen_nodes"], data["chosen_lookup_nodes"]
+    assert result["lookup_depth"] == depth == data.get("lookup_depth", 0)
+    tree = MedusaTree.from_name(str(out), num_heads=3)
+    assert tree.num_nodes == chosen and tree.lookup_depth == depth and tree.lookup_ngram == (1, 3)
+    assert f"lookup: {depth} of the {chosen} nodes go to the lookup chain" in capsys.readouterr().out
+    assert any(row["lookup_nodes"] > 0 for row in data["sizes"].values())  # the looping text pays for lookup somewhere
