@@ -181,6 +181,7 @@ def run(cfg: DemoConfig) -> None:
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
         *py, "build-tree", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
+        f"lookup_depth={tr.lookup_depth}",
         f"model.dtype={e.dtype}", f"answer_tokens={e.max_new_tokens}", f"output={tree}"],
         done=newer(tree, export / "model.safetensors"))
 
@@ -201,9 +202,14 @@ def run(cfg: DemoConfig) -> None:
     fitted = tree_facts(tree)
     if "chosen_nodes" in fitted:
         at64 = fitted.get("sizes", {}).get("64", {}).get("expected_accept_length")
-        print(f"tree: {fitted['chosen_nodes']} nodes, chosen for {fitted['device']} in {fitted['dtype']} "
-              f"(expected speedup {fitted['expected_speedup']:.2f}x)"
+        lookup = fitted.get("chosen_lookup_nodes")
+        print(f"tree: {fitted['chosen_nodes']} nodes" + (f" ({lookup} of them a lookup chain)" if lookup else "")
+              + f", chosen for {fitted['device']} in {fitted['dtype']} (expected speedup {fitted['expected_speedup']:.2f}x)"
               + (f"; a 64-node tree would accept {at64:.2f} tokens per step (expected)" if at64 else ""))
+    heads_only = (result.get("methods") or {}).get("heads_only")
+    if heads_only:  # the headline is the hybrid tree's; the heads alone beside it, labelled
+        print(f"the heads alone (same prompts, same run): {heads_only['tokens_per_forward']:.2f} tokens per forward, "
+              f"{heads_only['speedup']:.2f}x; with the lookup chain:")
     print(f"mean accepted length: {result['mean_accepted_length']:.2f}")
     print(f"speedup: {result['speedup']:.2f}x")
 

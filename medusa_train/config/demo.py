@@ -53,6 +53,9 @@ class Medusa2Stage:
 class TreeStage:
     nodes: int | str = "auto"  #: auto: the size with the most expected tokens/s on this machine (medusa-train build-tree)
     num_prompts: int = 16
+    #: nodes of the tree's lookup chain (guesses copied from the text so far, beside the heads'); auto: as many as
+    #: pay by measurement (build-tree's lookup_depth); 0: the heads alone
+    lookup_depth: int | str = "auto"
 
 
 @dataclass

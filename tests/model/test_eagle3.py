@@ -123,14 +123,17 @@ def test_a_trees_rank_zero_path_is_the_chain_and_siblings_never_see_each_other()
 def test_greedy_with_a_fitted_draft_is_token_identical_to_plain_greedy(arch):
     bb = backbone(arch)
     model, prompts = fitted_draft(bb)
-    trees = [MedusaTree.chain(4), MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])]
+    trees = [MedusaTree.chain(4), MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
+             MedusaTree([[0], [1], [0, 0], [0, 0, 0]], lookup_depth=4)]  # the draft beside a lookup chain
     for tree in trees:
-        gained = steps = 0
+        gained = steps = looked_up = 0
         for ids in prompts + [torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(9))]:
             out = medusa_generate(model, ids, tree=tree, max_new_tokens=40, eos_token_id=[])
             assert torch.equal(out.sequences, greedy(bb, ids, 40))
-            gained, steps = gained + out.new_tokens, steps + out.steps
+            gained, steps, looked_up = gained + out.new_tokens, steps + out.steps, looked_up + sum(out.lookup_depths)
         assert gained / steps > 2.0, (tree.num_nodes, gained / steps)  # long accepted paths were exercised
+        # after steps that kept the chain the draft reads what was accepted, and keeps drafting as well
+        assert looked_up > 0 or not tree.lookup_depth
 
 
 def test_the_folder_is_vllms_layout_and_round_trips_bit_exact(tmp_path):
