@@ -12,7 +12,7 @@ vLLM form. The row's ``served`` entry (``evaluation.served``) is what a running 
 
 Greedy output is the backbone's whatever the tree, so an engine's accepted length is what our
 decoder accepts with that engine's tree: a K-long rank-0 chain for ``vllm`` and ``tgi``, the
-evaluated tree itself for ``trtllm`` and ``native``.
+evaluated tree itself for ``native`` and its heads' nodes for ``trtllm`` (no engine runs a lookup chain).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from medusa_train.decoding import MedusaTree, medusa_generate
 
 ENGINES = {"vllm": "top-1 chain over the heads (vLLM's Medusa proposer, V1 engine)",
            "tgi": "top-1 chain over the heads (TGI's Medusa speculation)",
-           "trtllm": "the evaluated tree as medusa_choices (TensorRT-LLM)",
+           "trtllm": "the evaluated tree's heads' nodes as medusa_choices (TensorRT-LLM; no lookup chain)",
            "native": "the evaluated tree, every head feature (medusa-train's decoder)"}
 
 
@@ -72,14 +72,17 @@ def chain_accepted_length(model, inputs: Sequence[torch.Tensor], max_new_tokens:
 
 
 def engine_rows(model, inputs: Sequence[torch.Tensor], tree: MedusaTree, native_accepted_length: float,
-                max_new_tokens: int, eos: list[int]) -> dict[str, dict]:
-    """``{engine: {"mean_accepted_length": float | None, "verifies": ..., "reason": str | None}}``."""
+                max_new_tokens: int, eos: list[int], heads_accepted_length: float | None = None) -> dict[str, dict]:
+    """``{engine: {"mean_accepted_length": float | None, "verifies": ..., "reason": str | None}}``;
+    ``heads_accepted_length``: the evaluated tree's heads' nodes alone, when it has a lookup chain (no engine
+    runs one)."""
     native_only = native_only_reason(model.config)
     no_token_map = model.config.token_map_problem()  # TGI and TensorRT-LLM read the original Medusa layout
     medusa_v1 = native_only or (f"the heads {no_token_map}" if no_token_map else None)
     vllm = vllm_reason(model.config)
     reasons = {"vllm": vllm, "tgi": medusa_v1, "trtllm": medusa_v1, "native": None}
     chain = None if vllm else chain_accepted_length(vllm_form(model), inputs, max_new_tokens, eos)
-    values = {"vllm": chain, "tgi": chain, "trtllm": native_accepted_length, "native": native_accepted_length}
+    heads = native_accepted_length if heads_accepted_length is None else heads_accepted_length
+    values = {"vllm": chain, "tgi": chain, "trtllm": heads, "native": native_accepted_length}
     return {name: {"mean_accepted_length": None if reasons[name] else values[name], "verifies": ENGINES[name],
                    "reason": reasons[name]} for name in ENGINES}

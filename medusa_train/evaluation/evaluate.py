@@ -236,7 +236,9 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
 
     report = summarise(records, model.config.num_heads)
     if gen.temperature == 0:  # what each serving engine would accept on the same prompts
-        report["engines"] = engine_rows(model, inputs, tree, report["mean_accepted_length"], gen.max_new_tokens, eos)
+        heads_only = report["methods"].get("heads_only")
+        report["engines"] = engine_rows(model, inputs, tree, report["mean_accepted_length"], gen.max_new_tokens, eos,
+                                        heads_only["tokens_per_forward"] if heads_only else None)
     report["settings"] = {
         **(settings or {}), "tree": tree_spec, "tree_nodes": tree.num_nodes, "tree_depth": tree.depth,
         "tree_choices": [list(c) for c in tree.listed_choices], "lookup_depth": tree.lookup_depth,
