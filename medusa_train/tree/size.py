@@ -80,8 +80,8 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
     if cfg.lookup_depth == "auto" and split.runs is not None:
         print(f"lookup: {depth} of the {target} nodes go to the lookup chain (each lookup node's measured gain in "
               f"tokens per step: {', '.join(f'{g:.3f}' for g in split.gains(heads_nodes)) or 'none'})")
-    if len(choices) + 1 < target:
-        print(f"note: only {len(choices)} paths have a measured accuracy above 0 (asked for {target - 1}); "
+    if len(choices) + 1 < heads_nodes:  # the heads' share of the nodes (the rest went to lookup)
+        print(f"note: only {len(choices)} paths have a measured accuracy above 0 (asked for {heads_nodes - 1}); "
               "calibrate on more prompts for a bigger tree")
     print(f"the built-in default tree cut to {default.num_nodes} nodes, under these accuracies: "
           f"{default_expected:.2f} tokens per step")
