@@ -34,8 +34,10 @@ class BuildTreeConfig:
     #: nodes of the tree's lookup chain (guesses copied from the text so far, medusa_train/decoding/lookup.py), part
     #: of ``nodes``; auto: the split of nodes between heads and lookup with the most expected tokens per second
     #: (nodes=auto) or per step (a fixed nodes), from how often each lookup token is right where the heads' tree
-    #: is not, measured on the calibration text; 0: heads only
-    lookup_depth: int | str = "auto"
+    #: is not, measured on the calibration text; 0 (the default): heads only. Not auto by default: the calibration
+    #: text loops more than real answers and the gains it measures over-promise (docs/results.md: expected 4.59
+    #: tokens per step, 1.88 came, 0.73x on the AVX2 CPU)
+    lookup_depth: int | str = 0
     lookup_max_depth: int = 8  #: with lookup_depth=auto, the longest chain considered
     lookup_ngram: list[int] = field(default_factory=lambda: [1, 3])  #: [shortest, longest] suffix lookup matches
     exclude: str | None = "packaged:mt-bench"  #: drop calibration prompts found in this benchmark (null: keep all)

@@ -54,8 +54,8 @@ class TreeStage:
     nodes: int | str = "auto"  #: auto: the size with the most expected tokens/s on this machine (medusa-train build-tree)
     num_prompts: int = 16
     #: nodes of the tree's lookup chain (guesses copied from the text so far, beside the heads'); auto: as many as
-    #: pay by measurement (build-tree's lookup_depth); 0: the heads alone
-    lookup_depth: int | str = "auto"
+    #: pay by measurement (build-tree's lookup_depth; over-promises for now, docs/results.md); 0: the heads alone
+    lookup_depth: int | str = 0
 
 
 @dataclass

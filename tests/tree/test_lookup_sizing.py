@@ -100,7 +100,7 @@ def test_build_tree_shares_the_nodes_between_heads_and_lookup_by_what_each_adds(
     result = run(build_build_tree_config({
         "heads": str(heads), "nodes": "auto", "max_nodes": 12, "calibration": str(source), "num_prompts": 3,
         "max_new_tokens": 24, "exclude": None, "output": str(out), "device": "cpu", "cost_context": 32,
-        "cost_repeats": 1, "lookup_max_depth": 4}))
+        "cost_repeats": 1, "lookup_depth": "auto", "lookup_max_depth": 4}))
     data = yaml.safe_load(out.read_text())
     model, tokenizer = load_heads(str(heads), device="cpu")
     sequences = greedy_continuations(model, tokenizer, prompts, 24)
