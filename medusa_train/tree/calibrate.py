@@ -178,6 +178,30 @@ def lookup_gains(runs: Sequence[Sequence[int]], depths: Sequence[Sequence[int]],
             / positions if positions else 0.0 for i in range(1, max_depth + 1)]
 
 
+
+def walked_steps(depths: Sequence[int], runs: Sequence[int] = (), lookup_depth: int = 0) -> list[int]:
+    """The tokens each greedy decode step accepts when it writes one calibration text again: the first step sits
+    at the first position (the last prompt token's), each takes 1 + the longer of the heads' depth there
+    (``heads_depths``) and the lookup chain's run there capped at ``lookup_depth`` (``lookup_runs``), and the next
+    starts after the tokens it accepted."""
+    steps, j = [], 0
+    while j < len(depths):
+        steps.append(1 + max(depths[j], min(runs[j], lookup_depth) if j < len(runs) else 0))
+        j += steps[-1]
+    return steps
+
+
+def tokens_per_step(depths: Sequence[Sequence[int]], runs: Sequence[Sequence[int]] | None = None,
+                    lookup_depth: int = 0) -> float:
+    """Tokens per decode step over every calibration text, walked step by step (``walked_steps``).
+
+    A loop's positions count as the decoder meets them: a step that copies 8 tokens passes over 8 positions, which
+    an average over positions (``lookup_gains``) counts as 8 steps that long, promising several times what comes
+    when the text loops only in parts."""
+    steps = [n for k, row in enumerate(depths) for n in walked_steps(row, runs[k] if runs else (), lookup_depth)]
+    return sum(steps) / len(steps) if steps else 1.0
+
+
 @torch.no_grad()
 def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]],
                             top_k: int = 10) -> tuple[list[list[float]], list[int]]:

@@ -22,6 +22,7 @@ from medusa_train.tree.calibrate import (
     lookup_runs,
     measure_ranks,
     rank_accuracies_from,
+    tokens_per_step,
     training_prompts,
     write_tree,
 )
@@ -64,13 +65,14 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
     comments = [command, f"use: medusa-train evaluate heads={cfg.heads} tree={output}",
                 f"{nodes} nodes (root + paths), most likely path first, fitted to rank accuracies measured on "
                 f"{len(sequences)} greedy continuations ({counts[0]} positions for head 1)"
-                + (f"; then a lookup chain of {depth} nodes (lookup_gains: what each adds to the tokens per step "
-                   "where the heads' tree falls short, measured on the same text)." if depth else ".")]
+                + (f"; then a lookup chain of {depth} nodes (lookup_gains: per chain node, the share of "
+                   "positions of the same text where it is right and the heads' tree falls short; tokens per step "
+                   "walked step by step over that text)." if depth else ".")]
     if depth:
-        lookup["expected_accept_length_with_lookup"] = round(
-            expected_accept_length(build_tree(accuracies, heads_nodes), accuracies) + sum(gains), 4)
+        lookup["expected_accept_length_with_lookup"] = round(split.expected(heads_nodes, depth), 4)
     path, choices, expected = write_tree(output, accuracies, heads_nodes, comments, {**lookup, **(extra or {})})
-    expected += sum(gains)
+    if split.runs is not None:  # lookup was weighed: the walked figure, as every split was compared by
+        expected = split.expected(heads_nodes, depth)
     default = MedusaTree.from_name("default").truncated(max_nodes=target, max_depth=len(accuracies))
     default_expected = expected_accept_length([c for c in default.choices if max(c) < cfg.top_k], accuracies)
     print("top-1 accuracy by head: " + ", ".join(f"{row[0]:.3f}" for row in accuracies))
@@ -78,8 +80,9 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
     print(f"tree: {path} ({len(choices) + 1 + depth} nodes"
           + (f": {len(choices) + 1} for the root and heads, {depth} for lookup)" if depth else ")"))
     if cfg.lookup_depth == "auto" and split.runs is not None:
-        print(f"lookup: {depth} of the {target} nodes go to the lookup chain (each lookup node's measured gain in "
-              f"tokens per step: {', '.join(f'{g:.3f}' for g in split.gains(heads_nodes)) or 'none'})")
+        shares = ", ".join(f"{g:.3f}" for g in split.gains(heads_nodes)) or "none"
+        print(f"lookup: {depth} of the {target} nodes go to the lookup chain (share of positions where each lookup "
+              f"node is right and the heads' nodes fall short: {shares})")
     if len(choices) + 1 < heads_nodes:  # the heads' share of the nodes (the rest went to lookup)
         print(f"note: only {len(choices)} paths have a measured accuracy above 0 (asked for {heads_nodes - 1}); "
               "calibrate on more prompts for a bigger tree")
@@ -98,32 +101,41 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
 class LookupSplit:
     """How to share a tree's nodes between the heads and a lookup chain (``lookup_depth``).
 
-    The heads' part of an ``n``-node tree with a ``d``-node chain is the fitted tree's first ``n - d`` nodes; its
-    expected tokens per step are the heads' (``expected_accept_length``) plus, per chain node, how often the chain is
-    right that far where those heads' nodes are not, measured on the calibration text (``calibrate.lookup_gains``:
-    the decoder keeps the longer path)."""
+    The heads' part of an ``n``-node tree with a ``d``-node chain is the fitted tree's first ``n - d`` nodes. With
+    no chain to weigh (``lookup_depth=0``) its expected tokens per step are the heads' (``expected_accept_length``).
+    Otherwise every split, ``d = 0`` included, is estimated the same way: greedy decoding walked step by step over
+    the calibration text, each step taking the longer of the heads' measured depth and the chain's measured run at
+    its position (``calibrate.tokens_per_step``). Per-position gains (``calibrate.lookup_gains``, what the YAML
+    records per chain node) over-promise where the text loops: the demo's calibration text promised 4.59 tokens per
+    step for a split that then accepted 1.88 on MT-Bench."""
 
     def __init__(self, cfg: BuildTreeConfig, accuracies, ranks, sequences):
         self.accuracies, self.ranks = accuracies, ranks
         self.fixed = None if cfg.lookup_depth == "auto" else cfg.lookup_depth
         self.max_depth = cfg.lookup_max_depth if self.fixed is None else self.fixed
         self.runs = lookup_runs(sequences, self.max_depth, cfg.lookup_ngram) if self.max_depth else None
-        self._gains: dict[int, list[float]] = {}
+        self._depths: dict[int, list[list[int]]] = {}
+
+    def depths(self, heads_nodes: int) -> list[list[int]]:
+        """Per sequence and position, how deep the fitted tree's first ``heads_nodes`` nodes accept."""
+        if heads_nodes not in self._depths:
+            self._depths[heads_nodes] = heads_depths(self.ranks, build_tree(self.accuracies, heads_nodes))
+        return self._depths[heads_nodes]
 
     def gains(self, heads_nodes: int) -> list[float]:
-        """Per chain index, what it adds beside the fitted tree's first ``heads_nodes`` nodes."""
+        """Per chain index, the share of positions where it is right and those heads' nodes fall short."""
+        return lookup_gains(self.runs, self.depths(heads_nodes), self.max_depth) if self.runs is not None else []
+
+    def expected(self, heads_nodes: int, lookup_depth: int) -> float:
+        """Expected tokens per step of ``heads_nodes`` heads' nodes (root included) and a ``lookup_depth`` chain."""
         if self.runs is None:
-            return []
-        if heads_nodes not in self._gains:
-            choices = build_tree(self.accuracies, heads_nodes)
-            self._gains[heads_nodes] = lookup_gains(self.runs, heads_depths(self.ranks, choices), self.max_depth)
-        return self._gains[heads_nodes]
+            return expected_accept_length(build_tree(self.accuracies, heads_nodes), self.accuracies)
+        return tokens_per_step(self.depths(heads_nodes), self.runs, lookup_depth)
 
     def best(self, nodes: int) -> tuple[float, int]:
         """``(expected tokens per step, chain nodes)`` of the best split of ``nodes`` (ties: the shorter chain)."""
         depths = [self.fixed] if self.fixed is not None else range(min(self.max_depth, nodes - 1) + 1)
-        options = [(expected_accept_length(build_tree(self.accuracies, nodes - d), self.accuracies)
-                    + sum(self.gains(nodes - d)[:d]), -d) for d in depths if d < nodes]
+        options = [(self.expected(nodes - d, d), -d) for d in depths if d < nodes]
         expected, negative = max(options, key=lambda o: (round(o[0], 9), o[1]))  # equal up to rounding: a tie
         return expected, -negative
 

@@ -16,8 +16,10 @@ from medusa_train.tree.calibrate import (
     lookup_runs,
     measure_ranks,
     rank_accuracies_from,
+    tokens_per_step,
+    walked_steps,
 )
-from medusa_train.tree.fit import build_tree, expected_accept_length
+from medusa_train.tree.fit import build_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -44,6 +46,18 @@ def test_lookup_gains_count_only_what_the_heads_do_not_reach():
     # i = 1: run >= 1 and depth < 1: none; i = 2: positions 0; i = 3: position 0
     assert lookup_gains(runs, depths, 3) == [0.0, 0.25, 0.25]
     assert lookup_gains([[]], [[]], 2) == [0.0, 0.0]
+
+
+def test_the_walk_counts_a_loop_once_per_step_not_once_per_position():
+    # a text whose last 8 positions loop: per position, lookup would add 8+7+...+1 over 12 positions (3 a position);
+    # decoded, the 4 fresh positions take a step each and the loop one step of 9 (8 copied, the ninth token the
+    # step's own): 13 tokens in 5 steps
+    depths, runs = [0, 0, 0, 0] + [0] * 8, [0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1]
+    assert walked_steps(depths, runs, 8) == [1, 1, 1, 1, 9]
+    assert walked_steps(depths, runs, 3) == [1, 1, 1, 1, 4, 4]  # the chain capped at 3 nodes
+    assert walked_steps([1, 0, 2, 0, 0], (), 0) == [2, 3]  # heads alone: their depth at each step's position
+    assert tokens_per_step([depths, [1, 0, 2, 0, 0]], [runs, []], 8) == pytest.approx(18 / 7)
+    assert tokens_per_step([[]]) == 1.0
 
 
 def looping_prompt(seed: int) -> torch.Tensor:
@@ -75,11 +89,13 @@ def test_measured_depths_are_what_the_hybrid_decoder_accepts_step_by_step(seed):
             ((depth[j], 0) if depth[j] >= run[j] else (0, run[j]))
         j += gained
     assert sum(out.lookup_depths) > 0 and sum(out.accepted_depths) > 0  # both branches were kept
+    # what build-tree's sizing walks is what the decoder did, step for step
+    assert walked_steps(depth, run, tree.lookup_depth)[:len(out.accept_lengths) - 1] == out.accept_lengths[:-1]
 
 
 def test_build_tree_shares_the_nodes_between_heads_and_lookup_by_what_each_adds(tmp_path, capsys):
     """``build-tree nodes=auto lookup_depth=auto``: every size's split is the one with the most expected tokens per
-    step (the heads' expectation plus the lookup gains measured on the same calibration text, recomputed here),
+    step (greedy decoding walked over the same calibration text, the heads' depths and lookup runs recomputed here),
     the chosen tree carries its chain, and the YAML and the output say how many nodes went to lookup."""
     import json
 
@@ -110,7 +126,7 @@ def test_build_tree_shares_the_nodes_between_heads_and_lookup_by_what_each_adds(
 
     def expected(n, d):
         choices = build_tree(accuracies, n - d)
-        return expected_accept_length(choices, accuracies) + sum(lookup_gains(runs, heads_depths(ranks, choices), 4)[:d])
+        return tokens_per_step(heads_depths(ranks, choices), runs, d)
 
     for size, row in data["sizes"].items():
         n = int(size)
@@ -122,4 +138,8 @@ def test_build_tree_shares_the_nodes_between_heads_and_lookup_by_what_each_adds(
     tree = MedusaTree.from_name(str(out), num_heads=3)
     assert tree.num_nodes == chosen and tree.lookup_depth == depth and tree.lookup_ngram == (1, 3)
     assert f"lookup: {depth} of the {chosen} nodes go to the lookup chain" in capsys.readouterr().out
+    if depth:
+        assert data["expected_accept_length_with_lookup"] == pytest.approx(expected(chosen, depth), abs=1e-4)
+        assert data["lookup_gains"] == pytest.approx(
+            lookup_gains(runs, heads_depths(ranks, build_tree(accuracies, chosen - depth)), 4)[:depth], abs=1e-4)
     assert any(row["lookup_nodes"] > 0 for row in data["sizes"].values())  # the looping text pays for lookup somewhere
