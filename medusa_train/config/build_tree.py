@@ -33,10 +33,11 @@ class BuildTreeConfig:
     top_k: int = 10  #: ranks measured per head
     #: nodes of the tree's lookup chain (guesses copied from the text so far, medusa_train/decoding/lookup.py), part
     #: of ``nodes``; auto: the split of nodes between heads and lookup with the most expected tokens per second
-    #: (nodes=auto) or per step (a fixed nodes), from how often each lookup token is right where the heads' tree
-    #: is not, measured on the calibration text; 0 (the default): heads only. Not auto by default: the calibration
-    #: text loops more than real answers and the gains it measures over-promise (docs/results.md: expected 4.59
-    #: tokens per step, 1.88 came, 0.73x on the AVX2 CPU)
+    #: (nodes=auto) or per step (a fixed nodes), greedy decoding walked step by step over the calibration text
+    #: (heads' depths and lookup runs measured at each step's position); 0 (the default): heads only. Not auto by
+    #: default: lookup's gain depends on the prompts far more than the heads' (code and text to rewrite copy well),
+    #: so it is sized right only on prompts like those served (calibration=<your prompts>): on the packaged
+    #: ShareGPT prompts the demo's chain walked 2.49 tokens per step, on MT-Bench 1.52 (docs/results.md)
     lookup_depth: int | str = 0
     lookup_max_depth: int = 8  #: with lookup_depth=auto, the longest chain considered
     lookup_ngram: list[int] = field(default_factory=lambda: [1, 3])  #: [shortest, longest] suffix lookup matches
