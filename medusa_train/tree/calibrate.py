@@ -178,7 +178,6 @@ def lookup_gains(runs: Sequence[Sequence[int]], depths: Sequence[Sequence[int]],
             / positions if positions else 0.0 for i in range(1, max_depth + 1)]
 
 
-
 def walked_steps(depths: Sequence[int], runs: Sequence[int] = (), lookup_depth: int = 0) -> list[int]:
     """The tokens each greedy decode step accepts when it writes one calibration text again: the first step sits
     at the first position (the last prompt token's), each takes 1 + the longer of the heads' depth there
