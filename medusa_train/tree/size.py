@@ -30,9 +30,11 @@ from medusa_train.tree.cost import auto_sizes, choose_tree_size, measure_cost_cu
 from medusa_train.tree.fit import build_tree, expected_accept_length
 
 
-def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
-    """Measure ``model``'s heads, build and write the tree; print where it went and (last) the expected
-    accepted length."""
+def calibrate(cfg: BuildTreeConfig, model, tokenizer) -> tuple[list[str], list, list, list[list[float]], list[int]]:
+    """The calibration ``fit_and_write`` fits to: greedy continuations of ``cfg``'s calibration prompts (the heads'
+    training prompts passed over when ``exclude_training_data``) and the heads' ranks on them.
+
+    Returns ``(prompts, sequences, ranks, rank accuracies, positions per head)``."""
     seen = training_prompts(cfg.heads) if cfg.exclude_training_data else set()
     prompts = calibration_prompts(cfg.calibration, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.exclude,
                                   seen)
@@ -45,6 +47,13 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
     sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
     ranks = measure_ranks(model, sequences, cfg.top_k)
     accuracies, counts = rank_accuracies_from(ranks, model.config.num_heads, cfg.top_k)
+    return prompts, sequences, ranks, accuracies, counts
+
+
+def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
+    """Measure ``model``'s heads, build and write the tree; print where it went and (last) the expected
+    accepted length."""
+    prompts, sequences, ranks, accuracies, counts = calibrate(cfg, model, tokenizer)
     split = LookupSplit(cfg, accuracies, ranks, sequences)
     name = heads_name(cfg.heads)
     output = cfg.output or str(Path("outputs") / "trees" / f"{name}-n{cfg.nodes}.yaml")
@@ -56,7 +65,7 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
                + (f" lookup_max_depth={cfg.lookup_max_depth}" if cfg.lookup_depth == "auto" else ""))
     target, extra = (choose_size(model, accuracies, cfg, cost_context(cfg, tokenizer, prompts), split)
                      if cfg.nodes == "auto" else (cfg.nodes, None))
-    _, depth = split.best(target)
+    split_expected, depth = split.best(target)
     heads_nodes = target - depth
     nodes = len(build_tree(accuracies, heads_nodes)) + 1
     gains = split.gains(heads_nodes)[:depth]
@@ -69,10 +78,10 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
                    "positions of the same text where it is right and the heads' tree falls short; tokens per step "
                    "walked step by step over that text)." if depth else ".")]
     if depth:
-        lookup["expected_accept_length_with_lookup"] = round(split.expected(heads_nodes, depth), 4)
+        lookup["expected_accept_length_with_lookup"] = round(split_expected, 4)
     path, choices, expected = write_tree(output, accuracies, heads_nodes, comments, {**lookup, **(extra or {})})
     if split.runs is not None:  # lookup was weighed: the walked figure, as every split was compared by
-        expected = split.expected(heads_nodes, depth)
+        expected = split_expected
     default = MedusaTree.from_name("default").truncated(max_nodes=target, max_depth=len(accuracies))
     default_expected = expected_accept_length([c for c in default.choices if max(c) < cfg.top_k], accuracies)
     print("top-1 accuracy by head: " + ", ".join(f"{row[0]:.3f}" for row in accuracies))
