@@ -113,7 +113,8 @@ def run(cfg: EvalConfig) -> dict:
     print(f"report: {report['files']['json']}")
     print(f"prompts: {len(prompts)} x up to {cfg.bench.turns} turns = {report['totals']['count']} generations; "
           f"tree: {cfg.tree} ({report['settings']['tree_nodes']} nodes); dtype: {report['settings']['dtype']}")
-    print("per-head acceptance: " + ", ".join(f"{a:.3f}" for a in report["per_head_acceptance"]))
+    print("per-head acceptance: " + (", ".join(f"{a:.3f}" for a in report["per_head_acceptance"])
+                                     or "none (the tree is the root alone)"))
     print(f"tokens/s (wall, prefill + decode): medusa {tps['medusa']:.1f}, plain (HF generate) {tps['plain']:.1f}; "
           f"decode-only speedup {report['decode_speedup']:.2f}x")
     lookup = report["methods"].get("prompt_lookup")

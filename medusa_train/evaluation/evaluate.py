@@ -234,7 +234,8 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
             bar.set_postfix(accepted_length=f"{tokens / max(steps, 1):.2f}")
     bar.close()
 
-    report = summarise(records, model.config.num_heads)
+    # acceptance is reported for the heads the tree reaches: a head past its depth is never tried, not 0% right
+    report = summarise(records, min(model.config.num_heads, tree.depth))
     if gen.temperature == 0:  # what each serving engine would accept on the same prompts
         heads_only = report["methods"].get("heads_only")
         report["engines"] = engine_rows(model, inputs, tree, report["mean_accepted_length"], gen.max_new_tokens, eos,

@@ -141,14 +141,16 @@ def render_markdown(report: dict) -> str:
                       f"{s['prompt_lookup']['swept_on']} first turns: " + ", ".join(
                           f"N={r['num_tokens']}/ngram {r['max_matching_ngram_size']} {r['tokens_per_s']:.1f} tok/s"
                           for r in sweep) + "."]
-    lines += [
-        "",
-        "## Per-head acceptance (fraction of verify steps in which head k's guess was kept)",
-        "",
-        "| head | " + " | ".join(str(k + 1) for k in range(len(report["per_head_acceptance"]))) + " |",
-        "|---|" + "---|" * len(report["per_head_acceptance"]),
-        "| acceptance | " + " | ".join(f"{a:.3f}" for a in report["per_head_acceptance"]) + " |",
-    ]
+    accepted = report["per_head_acceptance"]  # the heads the tree reaches
+    lines += ["", "## Per-head acceptance (fraction of verify steps in which head k's guess was kept)"]
+    if accepted:
+        lines += ["", "| head | " + " | ".join(str(k + 1) for k in range(len(accepted))) + " |",
+                  "|---|" + "---|" * len(accepted),
+                  "| acceptance | " + " | ".join(f"{a:.3f}" for a in accepted) + " |"]
+    num_heads = (report.get("settings") or {}).get("num_heads")
+    if num_heads and len(accepted) < num_heads:
+        unused = f"{len(accepted) + 1}-{num_heads}" if len(accepted) + 1 < num_heads else str(num_heads)
+        lines += ["", f"Heads {unused} of {num_heads}: not in the tree (its depth is {len(accepted)}), never tried."]
     if report.get("lookup_acceptance") is not None:
         chain = report["lookup_acceptance"]
         lines += ["", "Lookup chain (fraction of verify steps that kept its first i tokens; those steps' tokens are "

@@ -118,7 +118,7 @@ def _totals(records: list[dict], rows: dict[str, dict] | None = None) -> dict:
 
 
 def summarise(records: list[dict], num_heads: int) -> dict:
-    """The report's headline numbers from per-prompt records.
+    """The report's headline numbers from per-prompt records (``num_heads``: the heads the tree reaches).
 
     Returns:
         ``mean_accepted_length`` (tokens per forward, see the module docstring), ``tokens_per_verify_step``,

@@ -88,6 +88,19 @@ def test_report_numbers_recompute_from_per_prompt(loaded):
     assert report["settings"]["tree_nodes"] == len(TREE) + 1 and report["settings"]["max_new_tokens"] == 12
 
 
+
+def test_a_head_the_tree_never_reaches_is_reported_as_untried_not_as_never_right(loaded):
+    """A 2-deep tree over 3 heads: acceptance for heads 1-2, each recomputed; head 3 was never tried, so the report
+    lists no figure for it (a 0.000 would read as a head that is always wrong) and says why."""
+    model, tokenizer = loaded
+    report = evaluate(model, tokenizer, PROMPTS[:1], [[0], [1], [0, 0]], turns=1, max_new_tokens=12, progress=False)
+    depths = [d for r in report["per_prompt"] for d in r["accepted_depths"]]
+    steps = sum(r["steps"] for r in report["per_prompt"])
+    assert report["per_head_acceptance"] == pytest.approx([sum(d > k for d in depths) / steps for k in range(2)])
+    markdown = render_markdown(report)
+    assert "| head | 1 | 2 |" in markdown
+    assert "Heads 3 of 3: not in the tree (its depth is 2), never tried." in markdown
+
 def test_a_tree_with_a_lookup_chain_is_reported_with_each_branch_alone(loaded):
     """Heads and lookup in one tree: the heads' nodes alone and the chain alone are decoded on the same prompts in
     the same run, each row recomputes from the records, every output equals plain decoding's, and the report labels
