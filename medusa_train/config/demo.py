@@ -54,7 +54,9 @@ class TreeStage:
     nodes: int | str = "auto"  #: auto: the size with the most expected tokens/s on this machine (medusa-train build-tree)
     num_prompts: int = 16
     #: nodes of the tree's lookup chain (guesses copied from the text so far, beside the heads'); auto: as many as
-    #: pay by measurement (build-tree's lookup_depth; over-promises for now, docs/results.md); 0: the heads alone
+    #: pay by measurement on the calibration prompts (build-tree's lookup_depth: ShareGPT copies better than
+    #: MT-Bench, so the evaluation gets less than it expects, docs/results.md); 0: the heads alone. Auto adds the
+    #: heads-only and lookup-only rows to the report
     lookup_depth: int | str = 0
 
 
