@@ -235,7 +235,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     bar.close()
 
     # acceptance is reported for the heads the tree reaches: a head past its depth is never tried, not 0% right
-    report = summarise(records, min(model.config.num_heads, tree.depth))
+    report = summarise(records, min(model.config.num_heads, tree.depth), model.config.guesser)
     if gen.temperature == 0:  # what each serving engine would accept on the same prompts
         heads_only = report["methods"].get("heads_only")
         report["engines"] = engine_rows(model, inputs, tree, report["mean_accepted_length"], gen.max_new_tokens, eos,
@@ -245,6 +245,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         "tree_choices": [list(c) for c in tree.listed_choices], "lookup_depth": tree.lookup_depth,
         "lookup_ngram": list(tree.lookup_ngram) if tree.lookup_depth else None, "turns": turns, **asdict(gen),
         "sampling": gen.temperature > 0, "eos_token_ids": eos, "num_heads": model.config.num_heads,
+        "guesser": model.config.guesser,
         "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
         "device": str(model.lm_head.weight.device), "torch_threads": torch.get_num_threads(),
         "warmup": warmup, "cpu_load_average_at_start": round(load_at_start, 2),

@@ -59,17 +59,17 @@ def headline_lines(report: dict) -> list[str]:
         lookup = methods.get("prompt_lookup")
         lookup_part = (f"; {_lookup_label(report)} {lookup['speedup']:.2f}x ({_num(lookup['tokens_per_forward'])} "
                        "tokens per forward)") if lookup else ""
-        ours = "the heads"
+        ours = guesser = _guesser(report)
         if "heads_only" in methods:  # a tree with a lookup chain: the hybrid, and each branch alone beside it
-            ours = "the heads and context lookup in one tree"
+            ours = f"{guesser} and context lookup in one tree"
             lookup_part = "".join(f"; {label} {methods[key]['speedup']:.2f}x ({_num(methods[key]['tokens_per_forward'])}"
-                                  " tokens per forward)" for key, label in (("heads_only", "the heads alone"),
+                                  " tokens per forward)" for key, label in (("heads_only", f"{guesser} alone"),
                                                                             ("context_lookup", "our lookup alone"))) \
                 + lookup_part
         lines.append(f"In this process, against {(report.get('settings') or {}).get('plain_decoding', 'HF generate')} "
                      f"({plain['tokens_per_s']:.1f} tokens/s): {ours} {m['speedup']:.2f}x "
                      f"({_num(m['tokens_per_forward'])} tokens per forward){lookup_part}. Over the best free baseline "
-                     f"({best_name}) {ours} buy {m['tokens_per_s'] / max(best['tokens_per_s'], 1e-9):.2f}x.")
+                     f"({best_name}) {ours} {_verb(ours, 'buy')} {m['tokens_per_s'] / max(best['tokens_per_s'], 1e-9):.2f}x.")
     served = report.get("served")
     if served:
         from medusa_train.evaluation.served_report import best_free
@@ -82,13 +82,29 @@ def headline_lines(report: dict) -> list[str]:
             "(no server without speculation measured)"
         line = f"Served by vLLM, greedy at concurrency 1, {against}: " + ("; ".join(parts) or "no speculative row")
         free = best_free(rows)
+        guesser = _guesser(report)
         if "medusa" in rows and free:
-            line += (f". Over the best free baseline ({free[0]}) the heads buy "
+            line += (f". Over the best free baseline ({free[0]}) {guesser} {_verb(guesser, 'buy')} "
                      f"{rows['medusa']['tokens_per_s'] / max(free[1]['tokens_per_s'], 1e-9):.2f}x.")
         elif "medusa" not in rows:
-            line += f". The heads were not served: {served['heads_not_served']}."
+            line += (f". {guesser[0].upper() + guesser[1:]} {'were' if _plural(guesser) else 'was'} not served: "
+                     f"{served['heads_not_served']}.")
         lines.append(line)
     return lines
+
+
+def _guesser(report: dict) -> str:
+    """What the tree's guesses come from (the model config's ``guesser``, kept in the report's settings)."""
+    return (report.get("settings") or {}).get("guesser") or "the heads"
+
+
+def _plural(subject: str) -> bool:
+    return subject.split(" and ")[0].endswith("s") or " and " in subject
+
+
+def _verb(subject: str, verb: str) -> str:
+    """``verb`` agreeing with ``subject`` (the heads buy; the EAGLE-3 draft buys)."""
+    return verb if _plural(subject) else verb + "s"
 
 
 def _num(value) -> str:

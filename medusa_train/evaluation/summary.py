@@ -17,16 +17,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-#: in-process methods: record-key prefix, what the row decodes with
+#: in-process methods: record-key prefix, what the row decodes with ({guesser}: what the model guesses with, its
+#: config's ``guesser``: the heads, or an EAGLE-3 draft)
 METHODS = {
     "plain": "HF transformers generate, greedy (one token per forward)",
     "prompt_lookup": "HF transformers generate with prompt lookup (drafts copied from the context; no training)",
-    "heads_only": "medusa-train tree decoder, the tree's heads' nodes alone (no lookup chain)",
-    "context_lookup": "medusa-train tree decoder, the tree's lookup chain alone (no heads; no training)",
-    "medusa": "medusa-train tree decoder with the heads",
+    "heads_only": "medusa-train tree decoder, the tree's nodes from {guesser} alone (no lookup chain)",
+    "context_lookup": "medusa-train tree decoder, the tree's lookup chain alone (no {guesser}; no training)",
+    "medusa": "medusa-train tree decoder with {guesser}",
 }
 #: the medusa row's description when its tree has a lookup chain
-HYBRID = "medusa-train tree decoder with the heads and the lookup chain in one tree"
+HYBRID = "medusa-train tree decoder with {guesser} and the lookup chain in one tree"
 
 
 def per_forward(tokens: int, replies: int, forwards_after_prefill: int) -> float | None:
@@ -55,9 +56,10 @@ def _method_counts(records: list[dict], method: str) -> dict | None:
             "decode_s": sum(r[f"{key}_s"]["decode_s"] for r in records)}
 
 
-def method_rows(records: list[dict]) -> dict[str, dict]:
+def method_rows(records: list[dict], guesser: str = "the heads") -> dict[str, dict]:
     """``{method: {decodes_with, tokens_per_forward, tokens_per_s, decode_tokens_per_s, speedup, decode_speedup,
-    outputs}}`` for the methods that ran; speedups over the ``plain`` row, outputs compared with it (greedy)."""
+    outputs}}`` for the methods that ran; speedups over the ``plain`` row, outputs compared with it (greedy);
+    ``guesser`` names what the tree's guesses come from in the descriptions."""
     n = len(records)
     rows = {}
     for method, what in METHODS.items():
@@ -66,7 +68,7 @@ def method_rows(records: list[dict]) -> dict[str, dict]:
             continue
         if method == "medusa" and any("heads_only" in r for r in records):
             what = HYBRID
-        rows[method] = {"decodes_with": what, "tokens_per_forward": per_forward(c["tokens"], n, c["forwards"]),
+        rows[method] = {"decodes_with": what.format(guesser=guesser), "tokens_per_forward": per_forward(c["tokens"], n, c["forwards"]),
                         "tokens": c["tokens"], "forwards_after_prefill": c["forwards"],
                         "tokens_per_s": c["tokens"] / max(c["wall_s"], 1e-9),
                         "decode_tokens_per_s": (c["tokens"] - n) / max(c["decode_s"], 1e-9)}
@@ -117,8 +119,9 @@ def _totals(records: list[dict], rows: dict[str, dict] | None = None) -> dict:
     return totals
 
 
-def summarise(records: list[dict], num_heads: int) -> dict:
-    """The report's headline numbers from per-prompt records (``num_heads``: the heads the tree reaches).
+def summarise(records: list[dict], num_heads: int, guesser: str = "the heads") -> dict:
+    """The report's headline numbers from per-prompt records (``num_heads``: the heads the tree reaches;
+    ``guesser``: what its guesses come from, for the rows' descriptions).
 
     Returns:
         ``mean_accepted_length`` (tokens per forward, see the module docstring), ``tokens_per_verify_step``,
@@ -130,7 +133,7 @@ def summarise(records: list[dict], num_heads: int) -> dict:
         ({tokens per verify step: steps}), ``per_category`` ({category: count, accepted_length, speedup, ...})
         and ``totals``.
     """
-    methods = method_rows(records)
+    methods = method_rows(records, guesser)
     overall = _totals(records, methods)
     steps = max(overall["steps"], 1)
     depths = [d for r in records for d in r["accepted_depths"]]

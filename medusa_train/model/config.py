@@ -74,6 +74,7 @@ class MedusaConfig:
         return k + 1 if self.path_input else 1
 
     vllm_method = "medusa"  #: vLLM's ``--speculative-config`` method that serves them
+    guesser = "the heads"  #: what a tree's guesses come from, in reports
 
     @property
     def vllm_export_differs(self) -> bool:

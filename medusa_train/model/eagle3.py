@@ -94,6 +94,7 @@ class Eagle3Config:
         return self.ttt_steps
 
     vllm_method = FORMAT  #: vLLM's ``--speculative-config`` method that serves it
+    guesser = "the EAGLE-3 draft"  #: what a tree's guesses come from, in reports
     vllm_export_differs = False  #: vLLM serves exactly this draft (its layout is ours)
 
     def native_only_features(self) -> dict[str, str]:

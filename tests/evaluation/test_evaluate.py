@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import ROOT
+from helpers.backbones import make_tiny_backbone
 from helpers.training import make_model_dir
 
 from medusa_train import MedusaModel, load_backbone
@@ -22,7 +23,7 @@ from medusa_train.data.benchmarks import BenchPrompt
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.evaluation.compare import first_difference, mismatch_detail, rounding_tolerance
 from medusa_train.evaluation.evaluate import encode_chat, evaluate, plain_generate, resolve_tree
-from medusa_train.evaluation.report import render_markdown
+from medusa_train.evaluation.report import headline_lines, render_markdown
 
 REQUIRED_KEYS = {"mean_accepted_length", "speedup", "mismatches", "per_head_acceptance", "per_category",
                  "tokens_per_s", "settings", "per_prompt"}
@@ -88,6 +89,21 @@ def test_report_numbers_recompute_from_per_prompt(loaded):
     assert report["settings"]["tree_nodes"] == len(TREE) + 1 and report["settings"]["max_new_tokens"] == 12
 
 
+
+def test_an_eagle3_drafts_rows_name_the_draft_not_heads(loaded):
+    """The report asks the model what its guesses come from: evaluating an EAGLE-3 draft, the decoder's row says
+    the draft (a reader of 'with the heads' would think Medusa heads were measured), and its greedy output is plain's."""
+    from medusa_train.model.eagle3_model import Eagle3Model
+
+    _, tokenizer = loaded
+    backbone = make_tiny_backbone(vocab_size=len(tokenizer), layers=4)  # three distinct layers to read
+    backbone.config.pad_token_id, backbone.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    draft = Eagle3Model.from_backbone(backbone, aux_layer_ids=[0, 1, 3], ttt_steps=2)
+    report = evaluate(draft, tokenizer, PROMPTS[:1], [[0], [0, 0]], turns=1, max_new_tokens=8, progress=False)
+    assert report["methods"]["medusa"]["decodes_with"] == "medusa-train tree decoder with the EAGLE-3 draft"
+    assert report["mismatches"] == 0
+    assert "| medusa | medusa-train tree decoder with the EAGLE-3 draft |" in render_markdown(report)
+    assert "the EAGLE-3 draft buys" in headline_lines(report)[0] and "heads" not in headline_lines(report)[0]
 
 def test_a_head_the_tree_never_reaches_is_reported_as_untried_not_as_never_right(loaded):
     """A 2-deep tree over 3 heads: acceptance for heads 1-2, each recomputed; head 3 was never tried, so the report
