@@ -70,7 +70,9 @@ def serve_command(path, heads=None) -> str:
                      "on that machine; the fastest K is shown")
         k = measured["fastest_num_speculative_tokens"]
     elif measured:
-        lines.append(f"K={k}: the fastest of K=1..{heads_count} measured on {measured.get('device', 'this machine')} "
+        ks = [row["k"] for row in measured.get("rows", []) if row.get("k")]  # the K served, not 1..depth
+        which = ", ".join(f"K={n}" for n in ks) if ks else f"K=1..{heads_count}"
+        lines.append(f"K={k}: the fastest of {which} measured on {measured.get('device', 'this machine')} "
                      f"({path / SERVING_NAME})")
     else:
         k = 1
