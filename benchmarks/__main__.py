@@ -3,7 +3,7 @@
     python -m benchmarks loss     # peak memory + time: naive vs head-by-head vs chunked loss
     python -m benchmarks decode   # verify-step cost vs plain decoding for several tree sizes
     python -m benchmarks train    # tokens/s per epoch, cached vs uncached hidden states
-    python -m benchmarks vocab data=...  # what a draft vocabulary (heads.vocab_size) costs the heads
+    python -m benchmarks vocab data=...  # what a draft vocabulary (heads.draft_vocab_size) costs the heads
     python -m benchmarks rounding  # how often a multi-token bf16 pass picks another greedy token
     python -m benchmarks loop heads=... tree=...  # the real decode loop against the timed verify step
     python -m benchmarks tokenize  # the data's tokenisation: first run, cached run, peak memory

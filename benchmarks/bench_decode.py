@@ -21,7 +21,7 @@ repeats (20), warmup (3), num_heads (4), sizes (``1,chain,16,32,64``), threads, 
 reads (``plain``; ``next_token`` or ``path``: heads that read the next token or their tree path, whose
 candidates cost one head call per tree depth; ``prefix``: path heads reading through a prefix attention
 layer, which also runs over each step's accepted tokens), share_lm_head (false), draft_vocab (K: heads
-scoring a K-token draft vocabulary, ``heads.vocab_size=K``; the first K token ids stand in for the
+scoring a K-token draft vocabulary, ``heads.draft_vocab_size=K``; the first K token ids stand in for the
 data's most frequent ones, which costs the same), output (the JSON
 written, default ``outputs/bench/decode-<dtype>-<reads>.json``; a PNG plot of the curve goes beside it).
 

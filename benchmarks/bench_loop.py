@@ -65,7 +65,7 @@ def main(**overrides) -> int:
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_heads(opts["heads"], EvalModelConfig(dtype=opts["dtype"]), device)
-    tree = resolve_tree(opts["tree"], model.config.num_heads)
+    tree = resolve_tree(opts["tree"], model.config.depth)
     eos = eos_token_ids(model.backbone)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     prompts = load_benchmark(DEFAULT_BENCHMARK, int(opts["prompts"]))
@@ -103,7 +103,7 @@ def main(**overrides) -> int:
         print(f"round {r + 1}: real verify {real['verify_ms']:.1f} ms/step (timed {verify_ms:.1f}), "
               f"generate {real['generate_ms']:.1f} ms/token (timed {generate_ms:.1f})", flush=True)
 
-    print(f"\n{model.config.num_heads} heads, {tree.num_nodes}-node tree, {len(inputs)} prompts x {new_tokens} tokens, "
+    print(f"\n{model.config.depth} heads, {tree.num_nodes}-node tree, {len(inputs)} prompts x {new_tokens} tokens, "
           f"{str(model.lm_head.weight.dtype).removeprefix('torch.')} on {device}, {torch.get_num_threads()} threads\n")
     names = list(COLUMNS)
     print("| round | context | real verify (ms) | " + " | ".join(names) + " | timed verify (ms) | real / timed | "

@@ -1,4 +1,4 @@
-"""What a draft vocabulary (``heads.vocab_size=K``) costs the heads: coverage and, given heads, accuracy.
+"""What a draft vocabulary (``heads.draft_vocab_size=K``) costs the heads: coverage and, given heads, accuracy.
 
     python -m benchmarks vocab data=<distilled.jsonl> sizes=1024,2048,4096,8192,16384
     python -m benchmarks vocab data=<distilled.jsonl> heads=<export folder> nodes=64
@@ -11,7 +11,7 @@ backbone's own greedy replies when ``data`` is self-distilled, i.e. what decodin
   lies outside, so ``1 - coverage`` bounds what any head can lose per position.
 - with ``heads=``: each head's rank accuracies measured as the tree builder calibrates (teacher-forced
   on the replies), with the whole vocabulary and restricted to the K (``restrict_heads``: the same
-  weights scoring only the K, where training with ``heads.vocab_size=K`` starts), and the expected
+  weights scoring only the K, where training with ``heads.draft_vocab_size=K`` starts), and the expected
   accepted length of the ``nodes``-node tree fitted to each.
 
 Options (``key=value``): data (required), heads, model (default: the heads' backbone, else the packaged

@@ -15,7 +15,7 @@ from medusa_train.model.medusa import MedusaModel, load_heads_strict
 def restrict_heads(model, token_map: torch.Tensor):
     """A copy of trained full-vocabulary heads (``MedusaModel``, same backbone) scoring only ``token_map``'s
     tokens: each own output layer keeps those rows, a shared LM head is read through them. Its logits
-    are the original's at those tokens, which is where training with ``heads.vocab_size=K`` starts."""
+    are the original's at those tokens, which is where training with ``heads.draft_vocab_size=K`` starts."""
     if model.token_map is not None:
         raise ValueError("these heads already score a draft vocabulary")
     token_map = torch.as_tensor(token_map, dtype=torch.long)

@@ -72,7 +72,7 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
 
 @pytest.mark.parametrize("overrides, named", [
     (["recipe=medusa3"], "recipe='medusa3': must be medusa1, medusa2 or eagle3"),
-    (["recipe=eagle3"], "train.experiment='demo': recipe=eagle3 trains the draft with its own preset: add train.experiment=eagle3"),
+    (["recipe=eagle3"], "train.experiment='demo': recipe=eagle3 trains with its own preset: add train.experiment=eagle3"),
     (["train.dtype=float16"], "train.dtype='float16': must be one of auto, float32, bfloat16 (or fp32, bf16)"),
     (["recipe=medusa2", 'train.overrides=["trainer.epochs=6"]', "medusa2.stage1_epochs=6"],
      "medusa2.stage1_epochs=6: must be in [0, trainer.epochs=6)"),
@@ -80,7 +80,7 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
     (["recipe=medusa2", "medusa2.stage1_epochs=-1"], "medusa2.stage1_epochs=-1"),
     (['train.overrides=["trainer.epochs=two"]'], "trainer.epochs='two': expected int"),
     (["eval.dtype=fp16"], "eval.dtype='fp16': must be one of auto, float32, bfloat16 (or fp32, bf16)"),
-    (['train.overrides=["heads.vocab_size=0"]'], "heads.vocab_size=0: must be >= 1"),
+    (['train.overrides=["heads.draft_vocab_size=0"]'], "heads.draft_vocab_size=0: must be >= 1"),
     (['train.overrides=["heads.num_head=3"]'], "heads.num_head"),  # a typo in a training key: Hydra names it
     (["train.experiment=fast"], "train.experiment='fast': must name a preset in configs/experiment/ (demo, eagle3, served)"),
     (["+tree.depth=3"], "tree.depth: unknown key"),
@@ -114,7 +114,7 @@ def changed(before: dict, after: dict) -> set[str]:
     ("model=/models/other", {"data", "run", "tree", "report"}),
     ('train.overrides=["trainer.epochs=3"]', {"run", "tree", "report"}),  # the same data, new heads
     ("train.dtype=float32", {"run", "tree", "report"}),
-    ('train.overrides=["heads.vocab_size=null"]', {"run", "tree", "report"}),
+    ('train.overrides=["heads.draft_vocab_size=null"]', {"run", "tree", "report"}),
     ("train.experiment=served", {"run", "tree", "report"}),
     ("recipe=medusa2", {"run", "tree", "report"}),
     (("recipe=eagle3", "train.experiment=eagle3"), {"run", "tree", "report"}),  # the same data, a draft
@@ -168,4 +168,4 @@ def test_the_demo_trains_its_preset_as_the_train_command_composes_it():
     assert changed["loss"]["targets"] == "text" and changed["model"]["dtype"] == "float32"
     assert changed["trainer"]["mixed_precision"] == "no"
     served = demo.training_settings(demo_config("train.dtype=bfloat16", "train.experiment=served"))
-    assert not served["heads"]["path_input"] and served["heads"]["vocab_size"] is None
+    assert not served["heads"]["path_input"] and served["heads"]["draft_vocab_size"] is None

@@ -12,8 +12,9 @@ from medusa_train.config.paths import CONFIG_DIR
 def run(cfg: CaptureConfig) -> dict:
     """Capture both splits (each process its share of the shards; finished ones kept); returns the train index."""
     from medusa_train.data.capture.run import run_capture
+    from medusa_train.model.family import captured_for
 
-    return run_capture(cfg)
+    return run_capture(cfg, captured_for(cfg))
 
 
 def main() -> None:

@@ -22,41 +22,35 @@ def build_choose_k_config(raw) -> ChooseKConfig:
 
 def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
     """The checks that need the heads folder."""
-    from medusa_train.model.load import check_heads
+    from medusa_train.model.load import check_heads, read_exported_heads
 
     p = Problems()
     num_heads, base = check_heads(c.heads, p)
     if num_heads is not None and not (c.model or base):
         p.append(f"model: required; the heads' config.json ({c.heads}) names no base model: pass model=<base model>")
-    # Medusa heads: vLLM builds the first K, so K > heads fails to load; an EAGLE-3 draft chains any K
-    p.extend(check_ks(c.ks, None if num_heads is not None and chains(c.heads) else num_heads))
+    # Medusa heads: vLLM builds the first K, so K > heads fails to load; a chained draft (EAGLE-3) takes any K
+    chains = num_heads is not None and read_exported_heads(c.heads).family.chains_any_k
+    p.extend(check_ks(c.ks, None if chains else num_heads))
     if num_heads is not None and (reason := served_problem(c.heads)):
         p.append(f"heads={c.heads}: vLLM cannot serve these heads: {reason}")
     return p
 
 
-def chains(heads: str) -> bool:
-    """Whether the folder holds an EAGLE-3 draft (it drafts any number of tokens, one after another)."""
-    from medusa_train.model.eagle3 import is_eagle3_config
-    from medusa_train.model.layouts import read_config_json
-
-    return is_eagle3_config(read_config_json(heads))
-
-
 def served_problem(heads: str) -> str | None:
-    """Why vLLM cannot serve the heads in ``heads`` (a native export with a feature only our decoder has)."""
+    """Why vLLM cannot serve the draft in ``heads`` (a native export with a feature only our decoder has)."""
     from medusa_train.evaluation.engines import vllm_reason
-    from medusa_train.model.config import MedusaConfig
-    from medusa_train.model.layouts import detect_format, read_config_json
+    from medusa_train.model.load import read_exported_heads
 
-    raw = read_config_json(heads)
-    return vllm_reason(MedusaConfig.from_dict(raw)) if detect_format(raw) == "native" else None
+    found = read_exported_heads(heads)
+    if found.layout != found.family.layouts[0]:  # only its native layout holds what vLLM cannot serve
+        return None
+    return vllm_reason(found.family.config.from_dict(found.config))
 
 
 def run(cfg: ChooseKConfig) -> dict:
     """Serve and measure each K, write ``serving.json``, print the verdict and the serve line."""
-    from medusa_train.cli.export import serve_command
     from medusa_train.evaluation.choose_k import choose_k, verdict
+    from medusa_train.export.serve import serve_command
     from medusa_train.model.load import read_export_config
 
     num_heads, base = read_export_config(cfg.heads)

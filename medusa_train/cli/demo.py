@@ -41,7 +41,9 @@ from pathlib import Path
 from medusa_train.config.check import ConfigError, Problems
 from medusa_train.config.compose import compose_training
 from medusa_train.config.demo import DemoConfig, build_demo_config, resolve_dtypes
+from medusa_train.config.methods import METHODS
 from medusa_train.evaluation.report import headline_lines, mismatch_summary
+from medusa_train.training.run_folder import RunFolder
 
 ENV = dict(os.environ)
 
@@ -101,7 +103,7 @@ def training_settings(c: DemoConfig) -> dict:
     whose epochs and learning rate its stages split; EAGLE-3: its own): what
     the run folder is keyed by, and the epochs and learning rate Medusa-2's stages split. ``data.source`` and
     ``trainer.output_dir`` are left out: the distilled data has a key of its own and the folder is what is keyed."""
-    settings = compose_training(training_overrides(c, "medusa1" if c.recipe == "medusa2" else c.recipe))
+    settings = compose_training(training_overrides(c, METHODS[c.recipe].demo_settings_from or c.recipe))
     settings["data"].pop("source")
     settings["trainer"].pop("output_dir")
     return settings
@@ -110,7 +112,7 @@ def training_settings(c: DemoConfig) -> dict:
 def training_problems(c: DemoConfig) -> list[str]:
     """What the train command would refuse in the demo's training settings (``train.experiment`` + ``train.overrides``),
     said now rather than after distilling; and whether Medusa-2's stage 1 leaves epochs to train jointly."""
-    from medusa_train.config.capture import DataConfig
+    from medusa_train.config.data import DataConfig
     from medusa_train.config.train import build_config
 
     probe = replace(c, train=replace(c.train, dtype="float32" if c.train.dtype == "auto" else c.train.dtype))
@@ -122,7 +124,7 @@ def training_problems(c: DemoConfig) -> list[str]:
         return [f"train (experiment={c.train.experiment}, overrides {c.train.overrides}): {problem}"
                 for problem in err.problems]
     p = Problems()
-    p.need(c.recipe != "medusa2" or 0 <= c.medusa2.stage1_epochs < epochs, "medusa2.stage1_epochs",
+    p.need(not METHODS[c.recipe].adapts_backbone or 0 <= c.medusa2.stage1_epochs < epochs, "medusa2.stage1_epochs",
            c.medusa2.stage1_epochs, f"must be in [0, trainer.epochs={epochs}) (the training's epochs: stage 1's "
            "and the joint ones) so that at least one epoch trains jointly")
     return p
@@ -136,10 +138,10 @@ def stage_paths(cfg: DemoConfig) -> dict[str, Path]:
     # another dtype or answer length sizes it afresh
     tree_key = (_key(cfg.tree, cfg.eval.dtype, cfg.eval.max_new_tokens) if cfg.tree.nodes == "auto"
                 else _key(cfg.tree))
-    medusa2 = cfg.medusa2 if cfg.recipe == "medusa2" else None
+    staged = cfg.medusa2 if METHODS[cfg.recipe].adapts_backbone else None  # its stages key the run too
     training = training_settings(cfg)
-    run_dir = out / f"{cfg.recipe}-{_key(cfg.model, cfg.distill, training, medusa2)}"
-    return {"data": distill_path(out, cfg, cfg.distill.num_prompts), "run": run_dir, "export": run_dir / "export",
+    run_dir = out / f"{cfg.recipe}-{_key(cfg.model, cfg.distill, training, staged)}"
+    return {"data": distill_path(out, cfg, cfg.distill.num_prompts), "run": run_dir, "export": RunFolder(run_dir).export,
             "stage1": out / f"medusa2-stage1-{_key(cfg.model, cfg.distill, training, cfg.medusa2.stage1_epochs)}",
             "tree": run_dir / f"tree-{tree_key}.yaml", "report": run_dir / f"eval-{_key(cfg.tree, cfg.eval)}"}
 
@@ -147,6 +149,7 @@ def stage_paths(cfg: DemoConfig) -> dict[str, Path]:
 def run(cfg: DemoConfig) -> None:
     """Run every stage that is not done yet, then print where everything went and the headline numbers."""
     from medusa_train.backbone.load import native_bf16
+    from medusa_train.model.family import family_of_method
 
     resolve_dtypes(cfg, native_bf16())  # before any folder is keyed
     out = Path(cfg.output_dir)
@@ -171,11 +174,12 @@ def run(cfg: DemoConfig) -> None:
         f"filters.trim_loops={str(d.trim_loops).lower()}",
         f"output={data}"], done=distilled)
 
-    if cfg.recipe in ("medusa1", "eagle3"):
-        what = "the EAGLE-3 draft" if cfg.recipe == "eagle3" else "heads"
+    method = METHODS[cfg.recipe]
+    if not method.adapts_backbone:
+        what = family_of_method(cfg.recipe).draft_name
         times["train"] = stage(f"2/4 train {what} ({cfg.recipe}, experiment={t.experiment})", [
             *py, "train", *training_overrides(cfg), f"data.source={data}", f"trainer.output_dir={run_dir}"],
-            done=newer(export / "training_config.json", data))
+            done=newer(RunFolder(run_dir).training_config, data))
     else:
         times["train"] = train_medusa2(cfg, py, data, run_dir, paths["stage1"])
 
@@ -188,14 +192,14 @@ def run(cfg: DemoConfig) -> None:
     times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
         *py, "evaluate", f"heads={export}", f"tree={tree}", f"bench.limit={e.limit}",
         f"bench.turns={e.turns}", f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
-        f"output_dir={report}", *(["drift.original=auto"] if cfg.recipe == "medusa2" else [])], done=newer(report / "report.json", tree, export / "model.safetensors"))
+        f"output_dir={report}", *(["drift.original=auto"] if method.adapts_backbone else [])], done=newer(report / "report.json", tree, export / "model.safetensors"))
 
     record_times(run_dir, times)
     result = json.loads((report / "report.json").read_text())
     print("\n== done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items() if v))
-    print(f"distilled data   {data}\nheads (native)   {export}\ntree             {tree}\n"
+    print(f"distilled data   {data}\ndraft (native)   {export}\ntree             {tree}\n"
           f"report           {report / 'report.md'}  (+ report.json, report.png)\n"
-          f"metrics          {run_dir / 'metrics.jsonl'}")
+          f"metrics          {RunFolder(run_dir).metrics}")
     for line in headline_lines(result):  # what the heads buy over the best free baseline
         print(line)
     print(f"greedy mismatches vs plain decoding: {mismatch_summary(result)}")
@@ -206,10 +210,10 @@ def run(cfg: DemoConfig) -> None:
         print(f"tree: {fitted['chosen_nodes']} nodes" + (f" ({lookup} of them a lookup chain)" if lookup else "")
               + f", chosen for {fitted['device']} in {fitted['dtype']} (expected speedup {fitted['expected_speedup']:.2f}x)"
               + (f"; a 64-node tree would accept {at64:.2f} tokens per step (expected)" if at64 else ""))
-    heads_only = (result.get("methods") or {}).get("heads_only")
-    if heads_only:  # the headline is the hybrid tree's; the heads alone beside it, labelled
-        print(f"the heads alone (same prompts, same run): {heads_only['tokens_per_forward']:.2f} tokens per forward, "
-              f"{heads_only['speedup']:.2f}x; with the lookup chain:")
+    draft_only = (result.get("methods") or {}).get("draft_only")
+    if draft_only:  # the headline is the hybrid tree's; the draft alone beside it, labelled
+        print(f"{result['settings']['draft']} alone (same prompts, same run): {draft_only['tokens_per_forward']:.2f} "
+              f"tokens per forward, {draft_only['speedup']:.2f}x; with the lookup chain:")
     print(f"mean accepted length: {result['mean_accepted_length']:.2f}")
     print(f"speedup: {result['speedup']:.2f}x")
 
@@ -223,9 +227,9 @@ def train_medusa2(cfg: DemoConfig, py: list[str], data: Path, run_dir: Path, sta
     """
     m, settings = cfg.medusa2, training_settings(cfg)
     joint_epochs = settings["trainer"]["epochs"] - m.stage1_epochs
-    spent, inputs = 0.0, [data]
+    spent, inputs, first = 0.0, [data], RunFolder(stage1)
     common = [*training_overrides(cfg), f"data.source={data}"]
-    from_stage1 = ["stage=2", f"heads.init_from={stage1 / 'export'}"] if m.stage1_epochs else []
+    from_stage1 = ["stage=2", f"heads.init_from={first.export}"] if m.stage1_epochs else []
     joint = [*py, "train", *common, *from_stage1, f"trainer.epochs={joint_epochs}", "data.cache_hidden_states=false",
              f"optim.lr={m.lr}", f"optim.head_lr_multiplier={m.head_lr / m.lr}", f"loss.head_weight={m.head_weight}",
              f"loss.head_warmup_steps={m.head_warmup_steps}", f"peft.r={m.lora_r}", f"peft.alpha={2 * m.lora_r}",
@@ -236,10 +240,10 @@ def train_medusa2(cfg: DemoConfig, py: list[str], data: Path, run_dir: Path, sta
             *py, "train", *common, "stage=1", "data.cache_hidden_states=true", f"trainer.epochs={m.stage1_epochs}",
             f"optim.lr={settings['optim']['lr']}", "optim.head_lr_multiplier=1", "trainer.merge_export=false",
             f"trainer.output_dir={stage1}"],
-            done=newer(stage1 / "export" / "training_config.json", data))
-        inputs.append(stage1 / "export" / "training_config.json")  # new stage-1 heads: stage 2 runs again
+            done=newer(first.training_config, data))
+        inputs.append(first.training_config)  # new stage-1 heads: stage 2 runs again
     spent += stage("2/4 train LoRA and heads jointly (medusa2)", joint,
-                   done=newer(run_dir / "export" / "training_config.json", *inputs))
+                   done=newer(RunFolder(run_dir).training_config, *inputs))
     return spent
 
 

@@ -21,7 +21,9 @@ from medusa_train.config.evaluate import EvalConfig, check_eval_config, default_
 from medusa_train.evaluation.drift import measure_drift
 from medusa_train.evaluation.evaluate import evaluate, resolve_tree
 from medusa_train.evaluation.report import headline_lines
-from medusa_train.model.load import ExportedHeads, check_heads, load_heads, read_exported_heads
+from medusa_train.evaluation.served import served_runner
+from medusa_train.evaluation.served_report import print_served
+from medusa_train.model.load import check_heads, load_heads, read_exported_heads
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -44,8 +46,9 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
 
     p = Problems()
     num_heads, base = check_heads(c.heads, p)
-    if c.engine:
-        p.extend(check_served(c.served, num_heads))
+    if c.engine:  # vLLM builds K Medusa heads, so K is at most their count; a chained draft takes any K
+        chains = num_heads is not None and read_exported_heads(c.heads).family.chains_any_k
+        p.extend(check_served(c.served, None if chains else num_heads))
         p.need(c.model.form == "merged", "model.form", c.model.form, "engine=vllm serves a merged backbone")
     if num_heads is not None:
         p.need(bool(base or c.model.name_or_path), "model.name_or_path", None,
@@ -115,7 +118,7 @@ def run(cfg: EvalConfig) -> dict:
           f"tree: {cfg.tree} ({report['settings']['tree_nodes']} nodes); dtype: {report['settings']['dtype']}")
     print("per-head acceptance: " + (", ".join(f"{a:.3f}" for a in report["per_head_acceptance"])
                                      or "none (the tree is the root alone)"))
-    print(f"tokens/s (wall, prefill + decode): medusa {tps['medusa']:.1f}, plain (HF generate) {tps['plain']:.1f}; "
+    print(f"tokens/s (wall, prefill + decode): draft {tps['draft']:.1f}, plain (HF generate) {tps['plain']:.1f}; "
           f"decode-only speedup {report['decode_speedup']:.2f}x")
     lookup = report["methods"].get("prompt_lookup")
     if lookup:
@@ -132,61 +135,6 @@ def run(cfg: EvalConfig) -> dict:
     print(f"mean accepted length: {report['mean_accepted_length']:.2f}")
     print(f"speedup: {report['speedup']:.2f}x")
     return report
-
-
-def served_runner(cfg: EvalConfig, heads: ExportedHeads, model, tokenizer, output_dir: str):
-    """``served(conversations, servable)`` for ``evaluate``: the backbone's folder (``packaged:`` names resolved)
-    served in the evaluation's dtype without speculation and with n-gram speculation, and, when the heads are
-    ``servable``, with them as a vllm export (the folder itself when it is one). Started servers render prompts
-    with the template the evaluation renders with (the heads' own when they carry one) unless ``server.args``
-    names a ``--chat-template``."""
-
-    from medusa_train.backbone.generation import eos_token_ids
-    from medusa_train.backbone.load import resolve_model_path
-    from medusa_train.evaluation.served import serve_and_measure
-    from medusa_train.export.write import export_heads
-    from medusa_train.model.layouts import VLLM_LAYOUTS
-
-    base_model = resolve_model_path(cfg.model.name_or_path or heads.base_model)[0]
-    eos = eos_token_ids(model.backbone)
-
-    def served(conversations, servable: bool):
-        export = None
-        if servable and not cfg.served.medusa_url:  # an attached heads server has its own
-            export = heads.path if heads.layout in VLLM_LAYOUTS \
-                else export_heads(model, Path(output_dir) / "vllm-export", "vllm")
-        template = None
-        if getattr(tokenizer, "chat_template", None) and "--chat-template" not in cfg.server.args:
-            template = Path(output_dir) / "chat_template.jinja"
-            template.parent.mkdir(parents=True, exist_ok=True)
-            template.write_text(tokenizer.chat_template)
-        return serve_and_measure(base_model, export, model.config.num_heads, conversations, dtype=cfg.model.dtype,
-                                 max_tokens=cfg.generation.max_new_tokens, eos=eos, served=cfg.served,
-                                 server=cfg.server, log_dir=output_dir, seed=cfg.generation.seed,
-                                 chat_template=template, progress=cfg.progress, method=model.config.vllm_method)
-    return served
-
-
-def print_served(report: dict) -> None:
-    """The served lines of the summary (nothing when no engine was run)."""
-    for name, row in ((report.get("served") or {}).get("rows") or {}).items():
-        simulated = row.get("simulated_tokens_per_step")
-        parts = [f"{row['tokens_per_s']:.1f} tokens/s"]
-        if row.get("speedup") is not None:
-            parts.append(f"{row['speedup']:.2f}x over no speculation")
-        if row["tokens_per_step"] is not None:
-            parts.append(f"{row['tokens_per_step']:.3f} tokens per step"
-                         + (f" (simulated {simulated:.3f})" if simulated is not None else ""))
-        if row["mean_acceptance_length"] is not None:
-            share = f", {row['drafted_share']:.0%} of steps drafted" if row.get("drafted_share") is not None else ""
-            parts.append(f"vLLM's acceptance length {row['mean_acceptance_length']:.3f} per drafted step{share}")
-        if row.get("outputs"):
-            o = row["outputs"]
-            parts.append(f"greedy outputs identical {o['identical']}/{o['compared']} ({o['unexplained']} unexplained)")
-        for phase in row["phases"].values():
-            if phase.get("check"):
-                parts.append(f"T={phase['temperature']}: {phase['check']['summary']}")
-        print(f"served {name}{' (attached)' if row['attached'] else ''}: " + "; ".join(parts))
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""``medusa-train export``: convert Medusa heads to another checkpoint layout.
+"""``medusa-train export``: convert a draft (heads or EAGLE-3 draft) to another checkpoint layout of its family's.
 
     medusa-train export heads=<heads dir> format=native|medusa_v1|vllm output=<dir>
 
@@ -13,7 +13,6 @@ from dataclasses import asdict
 
 from medusa_train.config.check import parse_config
 from medusa_train.config.export import ExportConfig, check_export_config
-from medusa_train.model.folder import SERVING_NAME  # the K `medusa-train choose-k` measured
 
 
 def build_export_config(raw) -> ExportConfig:
@@ -29,8 +28,16 @@ def build_export_config(raw) -> ExportConfig:
     return parse_config(ExportConfig, raw, problems)
 
 
+def serve_command_applies(path) -> bool:
+    """Whether vLLM serves the folder written as it is (its family's served layout)."""
+    from medusa_train.model.load import read_exported_heads
+
+    return read_exported_heads(path).served_as_is
+
+
 def run(cfg: ExportConfig) -> None:
     """Convert; a folder that cannot be converted exits with status 2 and says why."""
+    from medusa_train.export.serve import serve_command
     from medusa_train.export.write import export_folder
 
     try:
@@ -39,76 +46,8 @@ def run(cfg: ExportConfig) -> None:
         print(err, file=sys.stderr)
         sys.exit(2)
     print(f"wrote {cfg.format} heads from {cfg.heads} to {path}")
-    if cfg.format == "vllm":
+    if serve_command_applies(path):
         print(serve_command(path, heads=cfg.heads))
-
-
-def serve_command(path, heads=None) -> str:
-    """How to serve a vllm export: ``vllm serve`` with the base model's folder (``packaged:`` names resolved,
-    a folder as its absolute path), the export's dtype and ``--speculative-config``; K is the fastest measured
-    by ``medusa-train choose-k`` when it ran (``serving.json``), else 1 (vLLM's own per-step cost makes more a
-    loss until measured). ``heads``: the folder the export was made from, where a Medusa-2 export's base
-    (``merged``, relative to it) lies. An export that carries the chat template its heads were trained with
-    (``chat_template.jinja``) is served with it (``--chat-template``)."""
-    import json
-    from pathlib import Path
-
-    from medusa_train.model.folder import CHAT_TEMPLATE_NAME
-    from medusa_train.model.layouts import draft_depth, read_config_json, vllm_method
-
-    path = Path(path)
-    config = read_config_json(path)
-    heads_count = draft_depth(config)
-    measured = json.loads((path / SERVING_NAME).read_text()) if (path / SERVING_NAME).is_file() else None
-    k = (measured or {}).get("recommended_num_speculative_tokens")
-    base = served_base(config.get("base_model_name_or_path"), [d for d in (heads, path) if d is not None])
-    # the dtype K was measured in (the heads' own dtype until then)
-    dtype = (measured or {}).get("settings", {}).get("dtype") or config.get("torch_dtype", "auto")
-    lines = []
-    if measured and k is None:
-        lines.append(f"measured ({path / SERVING_NAME}): no K is faster than serving {base} without speculation "
-                     "on that machine; the fastest K is shown")
-        k = measured["fastest_num_speculative_tokens"]
-    elif measured:
-        ks = [row["k"] for row in measured.get("rows", []) if row.get("k")]  # the K served, not 1..depth
-        which = ", ".join(f"K={n}" for n in ks) if ks else f"K=1..{heads_count}"
-        lines.append(f"K={k}: the fastest of {which} measured on {measured.get('device', 'this machine')} "
-                     f"({path / SERVING_NAME})")
-    else:
-        k = 1
-        lines.append(f"K=1 until measured: choose K in 1..{heads_count} with `medusa-train choose-k "
-                     f"heads={path}` (one server per K; it writes {SERVING_NAME} here)")
-    spec = json.dumps({"method": vllm_method(config), "model": str(path.resolve()), "num_speculative_tokens": k})
-    template = path / CHAT_TEMPLATE_NAME
-    template = f" --chat-template {template.resolve()}" if template.is_file() else ""
-    lines.append(f"vllm serve {base} --dtype {dtype}{template} --speculative-config '{spec}'")
-    lines.append(f"  (vLLM's CPU build, whose `vllm` script is broken: python -m vllm.entrypoints.openai.api_server "
-                 f"--model {base} --dtype {dtype}{template} --enforce-eager --speculative-config '{spec}')")
-    return "serve it with vLLM:\n" + "\n".join(lines)
-
-
-def served_base(base: str | None, folders: list) -> str:
-    """The base model as vLLM must be given it: a folder (``packaged:`` converted, or relative to one of
-    ``folders``, as Medusa-2's ``merged`` is to its heads) as an absolute path; a hub id as it is."""
-    from pathlib import Path
-
-    from medusa_train.backbone.load import resolve_model_path
-    from medusa_train.backbone.merge import MERGED_DIR
-    from medusa_train.model.layouts import resolve_base_model
-
-    if not base:
-        return "<base model>"
-    for folder in folders:
-        found = resolve_base_model(folder, base)
-        if found != base:
-            return str(Path(found).resolve())
-    if base == MERGED_DIR:  # Medusa-2's folder beside heads that are not here: no hub id by that name
-        return f"<the {MERGED_DIR}/ folder of the Medusa-2 export these heads came from>"
-    try:
-        resolved = resolve_model_path(base)[0]
-    except (OSError, ValueError):
-        return f"<{base}: not found here; the base model's folder>"
-    return str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
 
 
 def main() -> None:

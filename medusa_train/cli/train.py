@@ -1,40 +1,24 @@
-"""``accelerate launch train.py +recipe=medusa1|medusa2|eagle3 ...``: compose configs/train.yaml, check it, run the recipe."""
+"""``medusa-train train +recipe=medusa1|medusa2|eagle3 ...`` (= ``accelerate launch train.py +recipe=...``): compose
+configs/train.yaml, check it, run the method's recipe (``config/methods.py``)."""
 
 from __future__ import annotations
 
+from medusa_train.config.methods import METHODS
 from medusa_train.config.paths import CONFIG_DIR
 from medusa_train.config.train import TrainConfig, build_config
-
-
-def recipe_class(method: str):
-    """The recipe class of ``method`` (medusa2 imports peft and bitsandbytes only when asked for)."""
-    if method == "medusa2":
-        from medusa_train.training.medusa2 import Medusa2Recipe
-
-        return Medusa2Recipe
-    if method == "eagle3":
-        from medusa_train.training.eagle3 import Eagle3Recipe
-
-        return Eagle3Recipe
-    from medusa_train.training.medusa1 import Medusa1Recipe
-
-    return Medusa1Recipe
 
 
 def build(raw) -> TrainConfig:
     """The checked config; a run in ``trainer.output_dir`` with other settings is a config problem too (it would
     be resumed and mixed with this one), and so is an ``export`` folder there holding files we did not write
     (the export at the end would be refused), reported before anything loads."""
-    from pathlib import Path
-
     from medusa_train.config.check import ConfigError
-    from medusa_train.model.folder import output_problem
     from medusa_train.training.resume import resume_problems
+    from medusa_train.training.run_folder import RunFolder
 
     cfg = build_config(raw)
     problems = resume_problems(cfg)
-    if cfg.trainer.export and (problem := output_problem(Path(cfg.trainer.output_dir) / "export",
-                                                         "trainer.output_dir")):
+    if cfg.trainer.export and (problem := RunFolder.of(cfg).export_problem()):
         problems.append(problem)
     if problems:
         raise ConfigError(problems)
@@ -46,11 +30,11 @@ def run(cfg: TrainConfig) -> dict:
     eval record."""
     from medusa_train.export.run import save_run_export
 
-    recipe = recipe_class(cfg.method)(cfg)
+    recipe = METHODS[cfg.method].recipe_class()(cfg)
     recipe.setup()
     try:
         metrics = recipe.train()
-        save_run_export(recipe)
+        save_run_export(recipe.trained())
     finally:
         recipe.cleanup()
     return metrics

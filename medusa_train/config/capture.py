@@ -2,8 +2,8 @@
 reads, so ``medusa-train train`` with the same keys and ``data.cache_hidden_states=true`` finds what it wrote.
 
 The command takes the training command's config (``configs/train.yaml`` and a recipe) and reads ``method``,
-``model``, ``data``, ``eagle3`` and ``trainer.mixed_precision`` of it; the rest is training's. The ``data`` section
-and the draft's settings are defined here, where the pipeline first reads them; the training config embeds them.
+``model``, ``data``, the draft's settings (``heads`` or ``eagle3``: the method's family says which states it
+reads, ``config/methods.py``) and ``trainer.mixed_precision`` of it; the rest is training's.
 """
 
 from __future__ import annotations
@@ -11,63 +11,40 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from medusa_train.config.chat_template import chat_template_problem
-from medusa_train.config.check import Problems, data_source_problem, parse_config
+from medusa_train.config.check import Problems, parse_config
+from medusa_train.config.data import DataConfig, check_data
+from medusa_train.config.eagle3 import Eagle3Settings, check_aux_layers
+from medusa_train.config.heads import HeadsConfig
+from medusa_train.config.methods import METHODS, method_choices
 from medusa_train.config.model import ModelConfig, check_model
-
-
-@dataclass
-class DataConfig:
-    source: str = "packaged:sharegpt-v3"  #: json/jsonl file (ShareGPT or messages records), hub id, or packaged:NAME
-    max_samples: int | None = None  #: use the first N conversations (null = all; data=sharegpt: 2000)
-    max_length: int = 2048  #: tokens per example after the chat template (longer ones are cut; data=sharegpt: 512)
-    #: Jinja chat template (its text, or a file holding it) used instead of the tokenizer's; null: the tokenizer's
-    chat_template: str | None = None
-    num_proc: int | None = None  #: processes tokenising (null: the CPUs, at most 8); the result is cached on disk
-    eval_size: int = 64  #: held-out conversations for periodic eval
-    batch_size: int = 4  #: examples per device per micro-batch
-    eval_batch_size: int | None = None  #: default: batch_size
-    seed: int = 0  #: train/eval split and shuffling seed
-    #: medusa1 and eagle3: run the frozen backbone once, train from its captured states (eagle3: the three states
-    #: the draft reads, the final one and the token ids)
-    cache_hidden_states: bool = False
-    cache_dir: str | None = None  #: where hidden-state caches go (default: $MEDUSA_TRAIN_CACHE/hidden)
-    #: bytes of hidden states + labels per capture shard (medusa-train capture; each process holds one whole shard
-    #: in host memory while writing it): 2**30 = 1 GiB, about 131k tokens at hidden 4096 in bf16
-    shard_bytes: int = 1073741824
-
-
-@dataclass
-class Eagle3Settings:
-    """The EAGLE-3 draft of ``+recipe=eagle3`` (one decoder layer on three of the backbone's hidden states)."""
-
-    ttt_steps: int = 7  #: chained draft steps trained (training-time test); step s weighs loss.head_decay**s
-    #: the draft scores only the K tokens most often trained on (d2t maps them back); null: every token
-    vocab_size: int | None = None
-    #: the three backbone layers whose entering hidden state the draft reads (vLLM's count); null: (2, L//2, L-3)
-    aux_layer_ids: list[int] | None = None
-    intermediate_size: int | None = None  #: the draft MLP's width; null: the backbone's
 
 
 @dataclass
 class CaptureConfig:
     """What the capture stage reads of the training config."""
 
-    method: str = "medusa1"  #: medusa1 / medusa2: the final hidden states; eagle3: the draft's three and the final
+    method: str = "medusa1"  #: a training method (``config/methods.py``): its family says which states are stored
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
     eagle3: Eagle3Settings = field(default_factory=Eagle3Settings)
     mixed_precision: str = "bf16"  #: the training config's trainer.mixed_precision (autocast while capturing)
 
 
 #: the training config's keys the capture stage reads (``trainer.mixed_precision`` becomes ``mixed_precision``)
-CAPTURE_SECTIONS = ("method", "model", "data", "eagle3")
+CAPTURE_SECTIONS = ("method", "model", "data", "heads", "eagle3")
 
 
 def capture_view(train: Any) -> CaptureConfig:
     """The capture stage's view of a parsed training config (any object with its sections)."""
-    return CaptureConfig(method=train.method, model=train.model, data=train.data, eagle3=train.eagle3,
-                         mixed_precision=train.trainer.mixed_precision)
+    return CaptureConfig(method=train.method, model=train.model, data=train.data, heads=train.heads,
+                         eagle3=train.eagle3, mixed_precision=train.trainer.mixed_precision)
+
+
+def draft_settings(c) -> Any:
+    """The section of config ``c`` (a training or capture config) holding the settings of the draft its method
+    trains (``heads`` or ``eagle3``)."""
+    return getattr(c, METHODS[c.method].settings)
 
 
 def build_capture_config(raw: Any) -> CaptureConfig:
@@ -86,7 +63,7 @@ def build_capture_config(raw: Any) -> CaptureConfig:
 def check_capture(c: CaptureConfig) -> list[str]:
     """Problems of the sections capture reads, each naming its key."""
     p = Problems()
-    p.need(c.method in ("medusa1", "medusa2", "eagle3"), "method", c.method, "must be medusa1, medusa2 or eagle3")
+    p.need(c.method in METHODS, "method", c.method, method_choices())
     p += check_model(c.model)
     p += check_placement(c.model)
     p += check_data(c.data)
@@ -98,33 +75,6 @@ def check_capture(c: CaptureConfig) -> list[str]:
 def check_placement(m: ModelConfig) -> list[str]:
     p = Problems()
     p.need(m.device_map in (None, "auto"), "model.device_map", m.device_map, "must be null or auto")
-    return p
-
-
-def check_data(d: DataConfig) -> list[str]:
-    """Problems of a ``data`` section."""
-    p = Problems()
-    p.need(d.max_length >= 8, "data.max_length", d.max_length, "must be >= 8")
-    if problem := data_source_problem("data.source", d.source):
-        p.append(problem)
-    if problem := chat_template_problem("data.chat_template", d.chat_template):
-        p.append(problem)
-    p.need(d.num_proc is None or d.num_proc >= 1, "data.num_proc", d.num_proc, "must be >= 1 or null")
-    p.need(d.max_samples is None or d.max_samples >= 1, "data.max_samples", d.max_samples,
-           "must be >= 1 or null (all)")
-    p.need(d.eval_size >= 0, "data.eval_size", d.eval_size, "must be >= 0")
-    p.need(d.batch_size >= 1, "data.batch_size", d.batch_size, "must be >= 1")
-    p.need(d.eval_batch_size is None or d.eval_batch_size >= 1, "data.eval_batch_size", d.eval_batch_size,
-           "must be >= 1")
-    p.need(d.shard_bytes >= 1, "data.shard_bytes", d.shard_bytes, "must be >= 1")
-    return p
-
-
-def check_aux_layers(e: Eagle3Settings) -> list[str]:
-    p = Problems()
-    p.need(e.aux_layer_ids is None or (len(e.aux_layer_ids) == 3 and len(set(e.aux_layer_ids)) == 3
-                                       and min(e.aux_layer_ids) >= 0), "eagle3.aux_layer_ids", e.aux_layer_ids,
-           "must be three distinct layer indices >= 0, or null for vLLM's (2, L//2, L-3)")
     return p
 
 

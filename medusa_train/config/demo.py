@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.dtype import parse_dtype
+from medusa_train.config.methods import METHODS, method_choices
 from medusa_train.config.paths import CONFIG_DIR
 
 
@@ -90,9 +91,10 @@ DEMO_DTYPES = ("float32", "bfloat16")
 def check_demo_config(c: DemoConfig) -> list[str]:
     """What the demo cannot run; every problem names its key."""
     p = Problems()
-    p.need(c.recipe in ("medusa1", "medusa2", "eagle3"), "recipe", c.recipe, "must be medusa1, medusa2 or eagle3")
-    p.need(c.recipe != "eagle3" or c.train.experiment == "eagle3", "train.experiment", c.train.experiment,
-           "recipe=eagle3 trains the draft with its own preset: add train.experiment=eagle3")
+    p.need(c.recipe in METHODS, "recipe", c.recipe, method_choices())
+    wanted = METHODS[c.recipe].experiment if c.recipe in METHODS else None
+    p.need(wanted is None or c.train.experiment == wanted, "train.experiment", c.train.experiment,
+           f"recipe={c.recipe} trains with its own preset: add train.experiment={wanted}")
     for key, section in (("distill.dtype", c.distill), ("train.dtype", c.train), ("eval.dtype", c.eval)):
         parse_dtype(p, section, key, auto=True, allowed=DEMO_DTYPES)
     p.need((CONFIG_DIR / "experiment" / f"{c.train.experiment}.yaml").is_file(), "train.experiment", c.train.experiment,

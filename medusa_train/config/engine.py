@@ -37,15 +37,15 @@ class ServedConfig:
     ngram_tokens: int = 4  #: its num_speculative_tokens
     plain: bool = True  #: also serve without speculation (the speed and output baseline)
     #: servers you already run, one URL per row (http://host:port), measured instead of started; their counters
-    #: include any other traffic they get. plain_url: no speculation; medusa_url: these heads as its Medusa
+    #: include any other traffic they get. plain_url: no speculation; draft_url: this draft (heads or EAGLE-3) as its
     #: speculator (K: num_speculative_tokens if set, else read from its counters); ngram_url: vLLM's n-gram
     plain_url: str | None = None
-    medusa_url: str | None = None
+    draft_url: str | None = None
     ngram_url: str | None = None
     sampled_check_threshold: float = 1e-4  #: a sampled reply token below this probability under the backbone is suspect
 
     def url(self, name: str) -> str | None:
-        """The attached server's URL for row ``name`` (plain | medusa | ngram), or ``None`` to start one."""
+        """The attached server's URL for row ``name`` (plain | draft | ngram), or ``None`` to start one."""
         return getattr(self, f"{name}_url")
 
 
@@ -68,7 +68,7 @@ def check_served(s: ServedConfig, num_heads: int | None) -> list[str]:
     p.need(s.concurrency >= 1, "served.concurrency", s.concurrency, "must be >= 1")
     p.need(s.sampled_temperature >= 0, "served.sampled_temperature", s.sampled_temperature, "must be >= 0")
     p.need(s.ngram_tokens >= 1, "served.ngram_tokens", s.ngram_tokens, "must be >= 1")
-    for name in ("plain", "medusa", "ngram"):
+    for name in ("plain", "draft", "ngram"):
         url = s.url(name)
         p.need(url is None or url.startswith(("http://", "https://")), f"served.{name}_url", url,
                "must be http://host:port (or null: start a server)")

@@ -42,10 +42,10 @@ class BaselinesConfig:
     """The free baselines decoded beside the heads, prompt by prompt in the same process."""
 
     prompt_lookup: bool = True  #: also decode with HF transformers' prompt lookup (no training at all)
-    lookup_num_tokens: int | None = None  #: its prompt_lookup_num_tokens (null: chosen by the sweep)
-    lookup_ngram_size: int | None = None  #: its max_matching_ngram_size (null: chosen by the sweep)
-    sweep_num_tokens: list[int] = field(default_factory=lambda: [3, 5, 10])  #: lookup_num_tokens values swept
-    sweep_ngram_sizes: list[int] = field(default_factory=lambda: [2, 3])  #: lookup_ngram_size values swept
+    prompt_lookup_num_tokens: int | None = None  #: its prompt_lookup_num_tokens (null: chosen by the sweep)
+    prompt_lookup_ngram_size: int | None = None  #: its max_matching_ngram_size (null: chosen by the sweep)
+    sweep_num_tokens: list[int] = field(default_factory=lambda: [3, 5, 10])  #: prompt_lookup_num_tokens values swept
+    sweep_ngram_sizes: list[int] = field(default_factory=lambda: [2, 3])  #: prompt_lookup_ngram_size values swept
     sweep_prompts: int = 3  #: first turns the sweep times each setting on (the evaluation's first prompts)
     sweep_max_new_tokens: int = 64  #: tokens per sweep reply
 
@@ -101,7 +101,7 @@ def check_eval_config(c: EvalConfig) -> list[str]:
     p.need(c.bench.limit is None or c.bench.limit >= 1, "bench.limit", c.bench.limit, "must be >= 1 or null (all)")
     p.need(c.bench.turns >= 1, "bench.turns", c.bench.turns, "must be >= 1")
     b = c.baselines
-    for key in ("lookup_num_tokens", "lookup_ngram_size"):
+    for key in ("prompt_lookup_num_tokens", "prompt_lookup_ngram_size"):
         value = getattr(b, key)
         p.need(value is None or value >= 1, f"baselines.{key}", value, "must be >= 1 or null (swept)")
     for key in ("sweep_num_tokens", "sweep_ngram_sizes"):

@@ -11,33 +11,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from medusa_train.config.capture import (
-    DataConfig,
-    Eagle3Settings,
-    check_aux_layers,
-    check_data,
-    check_mixed_precision,
-    check_placement,
-)
-from medusa_train.config.check import (
-    Problems,
-    parse_config,
-)
+from medusa_train.config.capture import check_mixed_precision, check_placement
+from medusa_train.config.check import Problems, parse_config
+from medusa_train.config.data import DataConfig, check_data
+from medusa_train.config.eagle3 import Eagle3Settings
+from medusa_train.config.heads import HeadsConfig, check_heads_settings
+from medusa_train.config.methods import METHODS, method_choices
 from medusa_train.config.model import ModelConfig, check_model
-
-
-@dataclass
-class HeadsConfig:
-    num_heads: int = 4  #: Medusa heads; head k predicts the token k+2 ahead
-    num_layers: int = 1  #: ResBlocks per head
-    share_lm_head: bool = False  #: project through the frozen LM head instead of a trainable clone
-    init_from: str | None = None  #: start from heads saved earlier (an export folder)
-    next_token_input: bool = False  #: heads also read the base model's next token (native export only)
-    path_input: bool = False  #: with next_token_input: head k reads the k+1 tokens of its tree path (Hydra-style)
-    prefix_attention: bool = False  #: heads read through one causal attention layer over the prefix (native export only)
-    #: heads score only the K most frequent training targets (a draft vocabulary, token_map); null: every token.
-    #: The verify pass keeps the whole vocabulary, so greedy output is unchanged. Native and vllm export only.
-    vocab_size: int | None = None
 
 
 @dataclass
@@ -106,8 +86,9 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    method: str = "medusa1"  #: medusa1 (frozen backbone) | medusa2 (QLoRA backbone + heads) | eagle3 (a draft layer)
-    stage: int | None = None  #: medusa2 two-stage option: 1 = heads only, 2 = joint
+    #: medusa1 (heads, frozen backbone) | medusa2 (QLoRA backbone + heads) | eagle3 (a draft layer): config/methods.py
+    method: str = "medusa1"
+    stage: int | None = None  #: a method that adapts the backbone (medusa2), in two stages: 1 = draft only, 2 = joint
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
@@ -132,7 +113,7 @@ def fsdp_problems(c: TrainConfig, fsdp: bool | None = None) -> list[str]:
         return []
     name = "model.fsdp=true" if fsdp is None else "accelerate's FSDP"
     q = c.model.quantization
-    if c.method == "medusa2":
+    if METHODS[c.method].adapts_backbone:
         rules = [(q == "nf4", f"model.quantization={q}",
                   "Medusa-2 shards a 4-bit NF4 backbone (FSDP-QLoRA: its packed weights stored as the compute "
                   "dtype); 8-bit weights and an unquantized backbone are not sharded: set model.quantization=nf4, "
@@ -155,48 +136,25 @@ def fsdp_problems(c: TrainConfig, fsdp: bool | None = None) -> list[str]:
     return [f"{name} with {key}: {why}" for ok, key, why in rules if not ok]
 
 
-def eagle3_problems(c: TrainConfig) -> list[str]:
-    """What ``+recipe=eagle3`` needs: a frozen unquantized backbone on each process, the backbone's distribution as
-    target, a draft it can build."""
-    e = c.eagle3
-    if c.method != "eagle3":
-        return []
-    p = Problems()
-    p.need(e.ttt_steps >= 1, "eagle3.ttt_steps", e.ttt_steps, "must be >= 1")
-    p.need(e.vocab_size is None or e.vocab_size >= 1, "eagle3.vocab_size", e.vocab_size,
-           "must be >= 1 (the draft vocabulary's size), or null for the whole vocabulary")
-    p += check_aux_layers(e)
-    p.need(e.intermediate_size is None or e.intermediate_size >= 1, "eagle3.intermediate_size", e.intermediate_size,
-           "must be >= 1 or null")
-    p.need(c.loss.targets == "teacher", "loss.targets", c.loss.targets,
-           "an EAGLE-3 draft learns the backbone's distribution: use loss.targets=teacher (+recipe=eagle3 sets it)")
-    p.need(c.model.quantization is None, "model.quantization", c.model.quantization,
-           "the EAGLE-3 recipe reads a frozen unquantized backbone: drop model.quantization")
-    p.need(not c.model.fsdp, "model.fsdp", True, "the EAGLE-3 recipe does not shard the backbone: drop model.fsdp")
-    return p
-
-
 def check(c: TrainConfig) -> list[str]:
     """Range and consistency checks; returns every problem found."""
     p = Problems()
-    p.need(c.method in ("medusa1", "medusa2", "eagle3"), "method", c.method, "must be medusa1, medusa2 or eagle3")
-    p += eagle3_problems(c)
+    if c.method not in METHODS:
+        p.append(f"method={c.method}: {method_choices()}")
+        return p  # every other check depends on what the method trains
+    m = METHODS[c.method]
+    p += m.problems(c) if m.problems else []
+    adapting = [name for name, row in METHODS.items() if row.adapts_backbone]
     p.need(c.stage in (None, 1, 2), "stage", c.stage, "must be null, 1 or 2")
-    p.need(c.stage is None or c.method == "medusa2", "stage", c.stage, "only applies to +recipe=medusa2")
-    p.need(not (c.method == "medusa2" and c.stage == 2 and not c.heads.init_from), "heads.init_from", None,
+    p.need(c.stage is None or m.adapts_backbone, "stage", c.stage,
+           f"only applies to a method that adapts the backbone (+recipe={'|'.join(adapting)})")
+    p.need(not (m.adapts_backbone and c.stage == 2 and not c.heads.init_from), "heads.init_from", None,
            "stage=2 starts from stage 1's heads: set heads.init_from=<stage-1 output_dir>/export")
     p += check_model(c.model)
     p += check_placement(c.model)
-    p.need(c.heads.num_heads >= 1, "heads.num_heads", c.heads.num_heads, "must be >= 1")
-    p.need(c.heads.num_layers >= 0, "heads.num_layers", c.heads.num_layers, "must be >= 0")
-    p.need(c.heads.vocab_size is None or c.heads.vocab_size >= 1, "heads.vocab_size", c.heads.vocab_size,
-           "must be >= 1 (the draft vocabulary's size), or null for the whole vocabulary")
-    p.need(not c.heads.next_token_input or c.heads.num_layers >= 1, "heads.next_token_input", True,
-           "the next token enters the first ResBlock: needs heads.num_layers >= 1")
-    p.need(not c.heads.path_input or c.heads.next_token_input, "heads.path_input", True,
-           "the path starts with the next token: needs heads.next_token_input=true")
+    p += check_heads_settings(c.heads)
     p += check_data(c.data)
-    p.need(not (c.data.cache_hidden_states and c.method == "medusa2" and c.stage != 1), "data.cache_hidden_states",
+    p.need(not (c.data.cache_hidden_states and m.trains_backbone(c.stage)), "data.cache_hidden_states",
            True, "needs a frozen backbone: use it with +recipe=medusa1 (or medusa2 stage=1)")
     p += fsdp_problems(c)
     p.need(0.0 < c.loss.head_decay <= 1.0, "loss.head_decay", c.loss.head_decay, "must be in (0, 1]")
@@ -204,7 +162,7 @@ def check(c: TrainConfig) -> list[str]:
            "must be >= 1 or null")
     p.need(c.loss.targets in ("text", "greedy", "teacher"), "loss.targets", c.loss.targets,
            "must be text, greedy or teacher")
-    p.need(c.loss.targets != "greedy" or c.method == "medusa1" or c.stage == 1, "loss.targets", c.loss.targets,
+    p.need(c.loss.targets != "greedy" or not m.trains_backbone(c.stage), "loss.targets", c.loss.targets,
            "greedy targets come from a frozen backbone: use +recipe=medusa1 (or medusa2 stage=1)")
     p.need(c.loss.base in (None, "ce", "distill"), "loss.base", c.loss.base, "must be null, ce or distill")
     p.need(c.loss.head_weight >= 0, "loss.head_weight", c.loss.head_weight, "must be >= 0")
@@ -237,8 +195,6 @@ def check(c: TrainConfig) -> list[str]:
            "must be original or dequantized")
     p.need(c.peft.r >= 1, "peft.r", c.peft.r, "must be >= 1")
     p.need(0 <= c.peft.dropout < 1, "peft.dropout", c.peft.dropout, "must be in [0, 1)")
-    p.need(c.heads.init_from is None or os.path.isdir(c.heads.init_from), "heads.init_from", c.heads.init_from,
-           "must be an existing folder of exported heads")
     if c.logger is not None:
         p += wandb_problems()
     return p

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from medusa_train.backbone.chat_template import resolve_chat_template
 from medusa_train.backbone.processes import say
-from medusa_train.config.capture import DataConfig
+from medusa_train.config.data import DataConfig
 from medusa_train.data.cache import tokenized_splits
 
 

@@ -92,17 +92,17 @@ def verdict(record: dict) -> str:
 
 
 def vllm_export(cfg: ChooseKConfig) -> Path:
-    """The vllm export the servers load: ``heads`` when it is one, else one written beside it
-    (``<heads>/../vllm-export-<dtype>``, replaced whole)."""
+    """The folder the servers load: ``heads`` when vLLM loads it as it is (its family's served layout), else that
+    layout written beside it (``<heads>/../vllm-export-<dtype>``, replaced whole)."""
     from medusa_train.export.write import export_folder
-    from medusa_train.model.layouts import VLLM_LAYOUTS, detect_format, read_config_json
+    from medusa_train.model.load import read_exported_heads
 
-    heads = Path(cfg.heads).expanduser()
-    if detect_format(read_config_json(heads)) in VLLM_LAYOUTS:
-        return heads
-    export = heads.parent / f"vllm-export-{cfg.dtype}"
-    print(f"[medusa_train] choose-k: {heads} is not a vllm export; writing one to {export}", flush=True)
-    return export_folder(heads, export, "vllm", model=cfg.model, dtype=cfg.dtype)
+    heads = read_exported_heads(cfg.heads)
+    if heads.served_as_is:
+        return heads.path
+    export = heads.path.parent / f"vllm-export-{cfg.dtype}"
+    print(f"[medusa_train] choose-k: {heads.path} is not in the layout vLLM loads; writing one to {export}", flush=True)
+    return export_folder(heads.path, export, heads.family.served_layout, model=cfg.model, dtype=cfg.dtype)
 
 
 def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[list[dict]], eos: Sequence[int],
@@ -110,9 +110,9 @@ def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[l
     """Serve the base model with the first ``k`` heads (``k=0``: without speculation), measure it, stop it."""
     from medusa_train.engine import serve
     from medusa_train.evaluation.served import COUNTER_SETTLE_S, WARMUP_TOKENS, measure_phase
-    from medusa_train.model.layouts import read_config_json, vllm_method
+    from medusa_train.model.load import read_exported_heads
 
-    method = vllm_method(read_config_json(export))
+    method = read_exported_heads(export).family.vllm_method
     spec = {"method": method, "model": str(export.resolve()), "num_speculative_tokens": k} if k else None
     template = export / CHAT_TEMPLATE_NAME  # the template the heads were trained with, as the serve line says
     extra = [*cfg.server.args, *(["--chat-template", str(template.resolve())]

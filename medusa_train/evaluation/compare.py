@@ -21,7 +21,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 @torch.no_grad()
-def mismatch_detail(model, input_ids: torch.Tensor, plain: list[int], medusa: list[int], position: int) -> dict:
+def mismatch_detail(model, input_ids: torch.Tensor, plain: list[int], drafted: list[int], position: int) -> dict:
     """The base model's view of the first differing position, and whether rounding explains the difference.
 
     The logits come from one teacher-forced pass (in the model's dtype) over the prompt and the plain
@@ -37,14 +37,14 @@ def mismatch_detail(model, input_ids: torch.Tensor, plain: list[int], medusa: li
     logits = raw.float()
     top = logits.topk(2)
     plain_token = plain[position] if position < len(plain) else None
-    medusa_token = medusa[position] if position < len(medusa) else None
-    diff = (logits[plain_token] - logits[medusa_token]).item() \
-        if plain_token is not None and medusa_token is not None else None
+    draft_token = drafted[position] if position < len(drafted) else None
+    diff = (logits[plain_token] - logits[draft_token]).item() \
+        if plain_token is not None and draft_token is not None else None
     tolerance = rounding_tolerance(logits, raw.dtype)
-    gaps = [top.values[0].item() - logits[t].item() for t in (plain_token, medusa_token) if t is not None]
-    explained = plain_token is not None and medusa_token is not None and max(gaps) <= tolerance
-    return {"position": position, "plain_token": plain_token, "medusa_token": medusa_token,
-            "top2_gap": (top.values[0] - top.values[1]).item(), "plain_minus_medusa_logit": diff,
+    gaps = [top.values[0].item() - logits[t].item() for t in (plain_token, draft_token) if t is not None]
+    explained = plain_token is not None and draft_token is not None and max(gaps) <= tolerance
+    return {"position": position, "plain_token": plain_token, "draft_token": draft_token,
+            "top2_gap": (top.values[0] - top.values[1]).item(), "plain_minus_draft_logit": diff,
             "tolerance": tolerance, "kind": "at_rounding" if explained else "unexplained"}
 
 

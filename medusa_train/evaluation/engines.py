@@ -27,6 +27,8 @@ ENGINES = {"vllm": "top-1 chain over the heads (vLLM's Medusa proposer, V1 engin
            "tgi": "top-1 chain over the heads (TGI's Medusa speculation)",
            "trtllm": "the evaluated tree's heads' nodes as medusa_choices (TensorRT-LLM; no lookup chain)",
            "native": "the evaluated tree, every head feature (medusa-train's decoder)"}
+#: the layout each engine loads (TGI and TensorRT-LLM: the original Medusa layout)
+ENGINE_LAYOUTS = {"vllm": "vllm", "tgi": "medusa_v1", "trtllm": "medusa_v1", "native": "native"}
 
 
 def native_only_reason(config) -> str | None:
@@ -35,26 +37,37 @@ def native_only_reason(config) -> str | None:
     return ("the heads " + " and ".join(features) + ": only the native layout holds that") if features else None
 
 
+def layout_reason(config, layout: str) -> str | None:
+    """Why ``layout`` cannot hold the draft of ``config`` (``None``: it can), for an engine's row."""
+    from medusa_train.model.family import FAMILIES, layout_problem
+
+    family = next(f for f in FAMILIES.values() if isinstance(config, f.config))
+    problem = layout_problem(family, config, layout)
+    return None if problem is None else native_only_reason(config) or f"{config.draft_name} {problem}"
+
+
 def vllm_reason(config) -> str | None:
-    """Why vLLM cannot serve heads of ``config`` (``None``: it can, from their ``vllm`` export)."""
-    problem = config.vllm_problem()
-    return native_only_reason(config) or (f"the heads {problem}" if problem else None)
+    """Why vLLM cannot serve the draft of ``config`` (``None``: it can, from its family's served layout)."""
+    from medusa_train.model.family import FAMILIES
+
+    family = next(f for f in FAMILIES.values() if isinstance(config, f.config))
+    return layout_reason(config, family.served_layout)
 
 
 def vllm_form(model):
-    """The heads as the ``vllm`` export serves them: ``model`` itself, or, with a draft vocabulary shared
-    through the LM head, the export written and read back (whole LM head, no token map)."""
+    """The draft as its served layout serves it: ``model`` itself, or, with a draft vocabulary shared through the LM
+    head, the export written and read back (whole LM head, no token map)."""
     if not model.config.vllm_export_differs:
         return model
     import tempfile
 
-    from medusa_train.export.write import export_heads
-    from medusa_train.model.medusa import MedusaModel
+    from medusa_train.model.family import family_of_model
+    from medusa_train.model.load import load_draft
 
     with tempfile.TemporaryDirectory() as tmp:
-        export_heads(model, tmp, "vllm")
-        served = MedusaModel.from_pretrained(tmp, backbone=model.backbone)
-    for part in served.medusa_modules():
+        model.save_as(tmp, family_of_model(model).served_layout)
+        served = load_draft(tmp, model.backbone)
+    for part in served.draft_modules():
         part.to(model.lm_head.weight.dtype)
     return served.eval()
 
@@ -63,7 +76,7 @@ def vllm_form(model):
 def chain_accepted_length(model, inputs: Sequence[torch.Tensor], max_new_tokens: int, eos: list[int]) -> float:
     """Tokens per forward (after each reply's first, see ``evaluation.summary``) of a ``num_heads``-long
     rank-0 chain over ``inputs`` (greedy)."""
-    chain = MedusaTree.chain(model.config.num_heads)
+    chain = MedusaTree.chain(model.config.depth)
     tokens = steps = 0
     for input_ids in inputs:
         out = medusa_generate(model, input_ids, chain, max_new_tokens=max_new_tokens, eos_token_id=eos)
@@ -76,12 +89,8 @@ def engine_rows(model, inputs: Sequence[torch.Tensor], tree: MedusaTree, native_
     """``{engine: {"mean_accepted_length": float | None, "verifies": ..., "reason": str | None}}``;
     ``heads_accepted_length``: the evaluated tree's heads' nodes alone, when it has a lookup chain (no engine
     runs one)."""
-    native_only = native_only_reason(model.config)
-    no_token_map = model.config.token_map_problem()  # TGI and TensorRT-LLM read the original Medusa layout
-    medusa_v1 = native_only or (f"the heads {no_token_map}" if no_token_map else None)
-    vllm = vllm_reason(model.config)
-    reasons = {"vllm": vllm, "tgi": medusa_v1, "trtllm": medusa_v1, "native": None}
-    chain = None if vllm else chain_accepted_length(vllm_form(model), inputs, max_new_tokens, eos)
+    reasons = {name: layout_reason(model.config, layout) for name, layout in ENGINE_LAYOUTS.items()}
+    chain = None if reasons["vllm"] else chain_accepted_length(vllm_form(model), inputs, max_new_tokens, eos)
     heads = native_accepted_length if heads_accepted_length is None else heads_accepted_length
     values = {"vllm": chain, "tgi": chain, "trtllm": heads, "native": native_accepted_length}
     return {name: {"mean_accepted_length": None if reasons[name] else values[name], "verifies": ENGINES[name],

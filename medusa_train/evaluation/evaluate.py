@@ -17,7 +17,7 @@ Definitions (all totals over every prompt and turn; see ``evaluation.summary``):
 - mean accepted length = tokens after each reply's first / target forwards after its prefill (plain
   decoding = 1.00; the same count as the served rows);
 - per-head acceptance = fraction of verify steps in which head k's guess was kept;
-- ``speedup`` = medusa tokens/s / plain tokens/s, wall clock of the whole generation (prefill +
+- ``speedup`` = draft tokens/s / plain tokens/s, wall clock of the whole generation (prefill +
   decode, as a user sees it); ``decode_speedup`` uses decode time only (after the first new token).
 """
 
@@ -93,37 +93,37 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
     # a tree with a lookup chain is also decoded without it and by the chain alone: what each branch buys
     parts = {name: ours(part) for name, part in split_tree(tree).items()}
     out, wall = ours(tree)
-    medusa = out.sequences[0, input_ids.shape[1]:].tolist()
+    drafted = out.sequences[0, input_ids.shape[1]:].tolist()
     record = {
         "prompt_tokens": input_ids.shape[1], "new_tokens": out.new_tokens, "steps": out.steps,
         "accepted_length": (out.new_tokens - 1) / max(out.steps, 1), "plain_new_tokens": len(plain),
         "accept_lengths": out.accept_lengths, "accepted_depths": out.accepted_depths,
         "lookup_depths": out.lookup_depths,
-        "medusa_s": {**out.timings, "wall_s": wall}, "plain_s": plain_time, "match": None, "mismatch": None,
-        "lookup_new_tokens": None if looked_up is None else len(looked_up), "lookup_s": lookup_time,
-        "lookup_match": None,
+        "draft_s": {**out.timings, "wall_s": wall}, "plain_s": plain_time, "match": None, "mismatch": None,
+        "prompt_lookup_new_tokens": None if looked_up is None else len(looked_up), "prompt_lookup_s": lookup_time,
+        "prompt_lookup_match": None,
     }
     for name, (part, part_wall) in parts.items():
         record[name] = {"new_tokens": part.new_tokens, "steps": part.steps, "wall_s": part_wall,
                         "decode_s": part.timings["decode_s"], "match": None}
     if not sampling:
-        position = first_difference(plain, medusa)
+        position = first_difference(plain, drafted)
         record["match"] = position is None
         if position is not None:
-            record["mismatch"] = mismatch_detail(model, input_ids, plain, medusa, position)
+            record["mismatch"] = mismatch_detail(model, input_ids, plain, drafted, position)
         if looked_up is not None:
-            record["lookup_match"] = looked_up == plain
+            record["prompt_lookup_match"] = looked_up == plain
         for name, (part, _) in parts.items():
             record[name]["match"] = part.sequences[0, input_ids.shape[1]:].tolist() == plain
     return record, plain, input_ids
 
 
 def split_tree(tree: MedusaTree) -> dict[str, MedusaTree]:
-    """For a tree with a lookup chain, its two branches alone: ``heads_only`` (the heads' nodes) and
+    """For a tree with a lookup chain, its two branches alone: ``draft_only`` (the draft's nodes) and
     ``context_lookup`` (the root and the chain); nothing for a tree without one."""
     if not tree.lookup_depth:
         return {}
-    return {"heads_only": tree.heads_tree,
+    return {"draft_only": tree.heads_tree,
             "context_lookup": MedusaTree([], lookup_depth=tree.lookup_depth, lookup_ngram=tree.lookup_ngram)}
 
 
@@ -139,8 +139,8 @@ def choose_prompt_lookup(model, tokenizer, prompts: Sequence[BenchPrompt], basel
         tokens_per_s, tokens_per_forward}], "swept_on": prompts}`` (no sweep when both are given).
     """
     b = baselines
-    sizes = [b.lookup_num_tokens] if b.lookup_num_tokens else list(b.sweep_num_tokens)
-    ngrams = [b.lookup_ngram_size] if b.lookup_ngram_size else list(b.sweep_ngram_sizes)
+    sizes = [b.prompt_lookup_num_tokens] if b.prompt_lookup_num_tokens else list(b.sweep_num_tokens)
+    ngrams = [b.prompt_lookup_ngram_size] if b.prompt_lookup_ngram_size else list(b.sweep_ngram_sizes)
     grid = [(n, m) for n in sizes for m in ngrams]
     if len(grid) == 1:
         return {"num_tokens": grid[0][0], "max_matching_ngram_size": grid[0][1], "sweep": [], "swept_on": 0}
@@ -203,7 +203,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     gen = DecodeConfig(**{**asdict(generation or DecodeConfig()), **generation_kwargs})
     baselines = baselines or BaselinesConfig()
     tree_spec = tree if isinstance(tree, str) else "custom"
-    tree = resolve_tree(tree, model.config.num_heads)
+    tree = resolve_tree(tree, model.config.depth)
     eos = eos_token_ids(model.backbone)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     model.eval()
@@ -235,26 +235,26 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     bar.close()
 
     # acceptance is reported for the heads the tree reaches: a head past its depth is never tried, not 0% right
-    report = summarise(records, min(model.config.num_heads, tree.depth), model.config.guesser)
+    report = summarise(records, min(model.config.depth, tree.depth), model.config.draft_name)
     if gen.temperature == 0:  # what each serving engine would accept on the same prompts
-        heads_only = report["methods"].get("heads_only")
+        draft_only = report["methods"].get("draft_only")
         report["engines"] = engine_rows(model, inputs, tree, report["mean_accepted_length"], gen.max_new_tokens, eos,
-                                        heads_only["tokens_per_forward"] if heads_only else None)
+                                        draft_only["tokens_per_forward"] if draft_only else None)
     report["settings"] = {
         **(settings or {}), "tree": tree_spec, "tree_nodes": tree.num_nodes, "tree_depth": tree.depth,
         "tree_choices": [list(c) for c in tree.listed_choices], "lookup_depth": tree.lookup_depth,
         "lookup_ngram": list(tree.lookup_ngram) if tree.lookup_depth else None, "turns": turns, **asdict(gen),
-        "sampling": gen.temperature > 0, "eos_token_ids": eos, "num_heads": model.config.num_heads,
-        "guesser": model.config.guesser,
+        "sampling": gen.temperature > 0, "eos_token_ids": eos, "depth": model.config.depth,
+        "draft": model.config.draft_name,
         "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
         "device": str(model.lm_head.weight.device), "torch_threads": torch.get_num_threads(),
         "warmup": warmup, "cpu_load_average_at_start": round(load_at_start, 2),
         "plain_decoding": f"HF transformers {_transformers_version()} generate, greedy"
                           if gen.temperature == 0 else f"HF transformers {_transformers_version()} generate, sampled",
         "prompt_lookup": lookup_settings,
-        "order": "per prompt: plain, prompt lookup, " + ("heads only, lookup only, " if tree.lookup_depth else "")
-                 + "medusa",
-        "speedup": "medusa tokens/s / plain (HF generate) tokens/s, wall clock of whole generations (prefill + "
+        "order": "per prompt: plain, prompt lookup, " + ("draft only, lookup only, " if tree.lookup_depth else "")
+                 + "draft",
+        "speedup": "draft tokens/s / plain (HF generate) tokens/s, wall clock of whole generations (prefill + "
                    "decode); decode_speedup: decode time only, tokens after the first",
         "accepted_length": "tokens after each reply's first / target forwards after its prefill",
     }

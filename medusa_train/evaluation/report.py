@@ -47,11 +47,11 @@ def _lookup_label(report: dict) -> str:
 
 
 def headline_lines(report: dict) -> list[str]:
-    """What the heads buy over the best free baseline: one line in this process, one served (when measured)."""
+    """What the draft buys over the best free baseline: one line in this process, one served (when measured)."""
     methods = report.get("methods") or {}
     lines = []
-    if "medusa" in methods and "plain" in methods:
-        m, plain = methods["medusa"], methods["plain"]
+    if "draft" in methods and "plain" in methods:
+        m, plain = methods["draft"], methods["plain"]
         free = {"plain decoding": plain}
         if "prompt_lookup" in methods:
             free[_lookup_label(report)] = methods["prompt_lookup"]
@@ -59,11 +59,11 @@ def headline_lines(report: dict) -> list[str]:
         lookup = methods.get("prompt_lookup")
         lookup_part = (f"; {_lookup_label(report)} {lookup['speedup']:.2f}x ({_num(lookup['tokens_per_forward'])} "
                        "tokens per forward)") if lookup else ""
-        ours = guesser = _guesser(report)
-        if "heads_only" in methods:  # a tree with a lookup chain: the hybrid, and each branch alone beside it
-            ours = f"{guesser} and context lookup in one tree"
+        ours = draft = _draft(report)
+        if "draft_only" in methods:  # a tree with a lookup chain: the hybrid, and each branch alone beside it
+            ours = f"{draft} and context lookup in one tree"
             lookup_part = "".join(f"; {label} {methods[key]['speedup']:.2f}x ({_num(methods[key]['tokens_per_forward'])}"
-                                  " tokens per forward)" for key, label in (("heads_only", f"{guesser} alone"),
+                                  " tokens per forward)" for key, label in (("draft_only", f"{draft} alone"),
                                                                             ("context_lookup", "our lookup alone"))) \
                 + lookup_part
         lines.append(f"In this process, against {(report.get('settings') or {}).get('plain_decoding', 'HF generate')} "
@@ -82,20 +82,20 @@ def headline_lines(report: dict) -> list[str]:
             "(no server without speculation measured)"
         line = f"Served by vLLM, greedy at concurrency 1, {against}: " + ("; ".join(parts) or "no speculative row")
         free = best_free(rows)
-        guesser = _guesser(report)
-        if "medusa" in rows and free:
-            line += (f". Over the best free baseline ({free[0]}) {guesser} {_verb(guesser, 'buy')} "
-                     f"{rows['medusa']['tokens_per_s'] / max(free[1]['tokens_per_s'], 1e-9):.2f}x.")
-        elif "medusa" not in rows:
-            line += (f". {guesser[0].upper() + guesser[1:]} {'were' if _plural(guesser) else 'was'} not served: "
-                     f"{served['heads_not_served']}.")
+        draft = _draft(report)
+        if "draft" in rows and free:
+            line += (f". Over the best free baseline ({free[0]}) {draft} {_verb(draft, 'buy')} "
+                     f"{rows['draft']['tokens_per_s'] / max(free[1]['tokens_per_s'], 1e-9):.2f}x.")
+        elif "draft" not in rows:
+            line += (f". {draft[0].upper() + draft[1:]} {'were' if _plural(draft) else 'was'} not served: "
+                     f"{served['draft_not_served']}.")
         lines.append(line)
     return lines
 
 
-def _guesser(report: dict) -> str:
-    """What the tree's guesses come from (the model config's ``guesser``, kept in the report's settings)."""
-    return (report.get("settings") or {}).get("guesser") or "the heads"
+def _draft(report: dict) -> str:
+    """What proposed the tree's tokens (the model config's ``draft_name``, kept in the report's settings)."""
+    return (report.get("settings") or {}).get("draft") or "the heads"
 
 
 def _plural(subject: str) -> bool:
@@ -136,8 +136,8 @@ def render_markdown(report: dict) -> str:
         f"| speedup over {s.get('plain_decoding', 'plain decoding')} (wall clock, prefill + decode) | "
         f"{report['speedup']:.2f}x |",
         f"| speedup (decode only) | {report['decode_speedup']:.2f}x |",
-        f"| tokens/s medusa / plain (wall) | {tps['medusa']:.1f} / {tps['plain']:.1f} |",
-        f"| tokens/s medusa / plain (decode) | {dtps['medusa']:.1f} / {dtps['plain']:.1f} |",
+        f"| tokens/s draft / plain (wall) | {tps['draft']:.1f} / {tps['plain']:.1f} |",
+        f"| tokens/s draft / plain (decode) | {dtps['draft']:.1f} / {dtps['plain']:.1f} |",
         f"| greedy mismatches vs plain decoding | {'n/a (sampling)' if mism is None else mismatch_summary(report)} |",
     ]
     if report.get("methods"):
@@ -163,7 +163,7 @@ def render_markdown(report: dict) -> str:
         lines += ["", "| head | " + " | ".join(str(k + 1) for k in range(len(accepted))) + " |",
                   "|---|" + "---|" * len(accepted),
                   "| acceptance | " + " | ".join(f"{a:.3f}" for a in accepted) + " |"]
-    num_heads = (report.get("settings") or {}).get("num_heads")
+    num_heads = (report.get("settings") or {}).get("depth")
     if num_heads and len(accepted) < num_heads:
         unused = f"{len(accepted) + 1}-{num_heads}" if len(accepted) + 1 < num_heads else str(num_heads)
         lines += ["", f"Heads {unused} of {num_heads}: not in the tree (its depth is {len(accepted)}), never tried."]
@@ -172,19 +172,19 @@ def render_markdown(report: dict) -> str:
         lines += ["", "Lookup chain (fraction of verify steps that kept its first i tokens; those steps' tokens are "
                   "the chain's, not the heads'): " + (", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(chain))
                                                       or "never kept") + "."]
-    split = "heads_only" in (report.get("methods") or {})
+    split = "draft_only" in (report.get("methods") or {})
     lines += [
         "",
         "## Per category",
         "",
-        "| category | count | accepted length | speedup | " + ("heads alone | our lookup alone | " if split else "")
+        "| category | count | accepted length | speedup | " + ("draft alone | our lookup alone | " if split else "")
         + "prompt lookup's speedup | mismatches |",
         "|---|---|---|---|" + ("---|---|" if split else "") + "---|---|",
     ]
     for name, c in report["per_category"].items():
         lookup = f"{c['prompt_lookup_speedup']:.2f}x" if c.get("prompt_lookup_speedup") is not None else "n/a"
         branches = "".join(f"{c[f'{k}_speedup']:.2f}x ({_num(c[f'{k}_tokens_per_forward'])}) | "
-                           for k in ("heads_only", "context_lookup")) if split else ""
+                           for k in ("draft_only", "context_lookup")) if split else ""
         lines.append(f"| {name} | {c['count']} | {c['accepted_length']:.2f} | {c['speedup']:.2f}x | {branches}{lookup} | "
                      f"{'n/a' if c['mismatches'] is None else c['mismatches']} |")
     if report.get("engines"):
@@ -208,10 +208,10 @@ def render_markdown(report: dict) -> str:
                   "`at_rounding`: both tokens' logits are within the dtype's rounding (2 eps max|logit|) of the "
                   "best one, where the tree pass and one-token decoding may round differently; `unexplained` "
                   "(any difference in float32) is a bug.", "",
-                  "| id | turn | first differing token | plain / medusa token | base top-2 logit gap | tolerance | kind |",
+                  "| id | turn | first differing token | plain / draft token | base top-2 logit gap | tolerance | kind |",
                   "|---|---|---|---|---|---|---|"]
         for m in report["mismatch_details"]:
-            lines.append(f"| {m['id']} | {m['turn']} | {m['position']} | {m['plain_token']} / {m['medusa_token']} | "
+            lines.append(f"| {m['id']} | {m['turn']} | {m['position']} | {m['plain_token']} / {m['draft_token']} | "
                          f"{m['top2_gap']:.3g} | {m.get('tolerance', float('nan')):.3g} | {m.get('kind', '?')} |")
     lines += ["", f"Speedup: {s.get('speedup', '')}. Accepted length: {s.get('accepted_length', '')}.", ""]
     return "\n".join(lines)
@@ -227,8 +227,10 @@ def served_markdown(served: dict) -> list[str]:
     if served.get("attached"):
         lines += [f"Attached to servers already running ({', '.join(served['attached'])}): their counters include "
                   "any other traffic they got during the measurement.", ""]
-    if served.get("heads_not_served"):
-        lines += [f"The heads were not served: {served['heads_not_served']}.", ""]
+    if served.get("draft_not_served"):
+        draft = _draft(report)
+        lines += [f"{draft[0].upper() + draft[1:]} {'were' if _plural(draft) else 'was'} not served: "
+                  f"{served['draft_not_served']}.", ""]
     lines += ["| row | decodes with | tokens per step | vLLM acceptance length (per drafted step; share of steps "
               "drafted) | tokens/s | speedup over no speculation | greedy outputs | other phases |",
               "|---|---|---|---|---|---|---|---|"]

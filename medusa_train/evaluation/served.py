@@ -36,19 +36,18 @@ COUNTER_SETTLE_S = 1.0
 
 def speculative_configs(export_dir: str | Path | None, num_heads: int, served: ServedConfig,
                         method: str = "medusa") -> dict[str, dict | None]:
-    """``{row: --speculative-config}``: ``plain`` (none), ``ngram``, ``medusa`` (the trained draft's row: the export,
-    served with vLLM's ``method``, ``medusa`` for heads, ``eagle3`` for an EAGLE-3 draft; left out when
-    ``export_dir`` is ``None`` and no ``served.medusa_url`` is given: heads with no vLLM form still get the free
-    rows)."""
+    """``{row: --speculative-config}``: ``plain`` (none), ``ngram``, ``draft`` (the trained draft's row: the export,
+    served with vLLM's ``method``, its family's; left out when ``export_dir`` is ``None`` and no ``served.draft_url``
+    is given: a draft with no vLLM form still gets the free rows)."""
     configs: dict[str, dict | None] = {}
     if served.plain:
         configs["plain"] = None
     if served.ngram:
         configs["ngram"] = {"method": "ngram", "num_speculative_tokens": served.ngram_tokens,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    if export_dir is not None or served.medusa_url:
+    if export_dir is not None or served.draft_url:
         model = str(Path(export_dir).resolve()) if export_dir is not None else None
-        configs["medusa"] = {"method": method, "model": model,
+        configs["draft"] = {"method": method, "model": model,
                              "num_speculative_tokens": served.num_speculative_tokens or num_heads}
     return configs
 
@@ -168,3 +167,34 @@ def _reply_tokens(token_ids: list[int] | None, eos: Sequence[int]) -> list[int] 
     if token_ids is None:
         return None
     return token_ids[:-1] if token_ids and token_ids[-1] in eos else list(token_ids)
+
+
+def served_runner(cfg, heads, model, tokenizer, output_dir: str):
+    """``served(conversations, servable)`` for ``evaluate`` (``cfg``: its ``EvalConfig``; ``heads``: the
+    ``model.load.ExportedHeads`` evaluated): the backbone's folder (``packaged:`` names resolved) served in the
+    evaluation's dtype without speculation and with n-gram speculation, and, when the draft is ``servable``, with it in
+    its family's served layout (the folder itself when it is in it). Started servers render prompts
+    with the template the evaluation renders with (the heads' own when they carry one) unless ``server.args``
+    names a ``--chat-template``."""
+
+    from medusa_train.backbone.generation import eos_token_ids
+    from medusa_train.backbone.load import resolve_model_path
+
+    base_model = resolve_model_path(cfg.model.name_or_path or heads.base_model)[0]
+    eos = eos_token_ids(model.backbone)
+
+    def served(conversations, servable: bool):
+        export = None
+        if servable and not cfg.served.draft_url:  # an attached draft server has its own
+            export = heads.path if heads.served_as_is \
+                else model.save_as(Path(output_dir) / "vllm-export", heads.family.served_layout)
+        template = None
+        if getattr(tokenizer, "chat_template", None) and "--chat-template" not in cfg.server.args:
+            template = Path(output_dir) / "chat_template.jinja"
+            template.parent.mkdir(parents=True, exist_ok=True)
+            template.write_text(tokenizer.chat_template)
+        return serve_and_measure(base_model, export, model.config.depth, conversations, dtype=cfg.model.dtype,
+                                 max_tokens=cfg.generation.max_new_tokens, eos=eos, served=cfg.served,
+                                 server=cfg.server, log_dir=output_dir, seed=cfg.generation.seed,
+                                 chat_template=template, progress=cfg.progress, method=model.config.vllm_method)
+    return served

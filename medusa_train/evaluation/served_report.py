@@ -15,10 +15,9 @@ from medusa_train.evaluation.compare import compare_outputs, mismatch_detail
 from medusa_train.evaluation.engines import vllm_reason
 from medusa_train.evaluation.sampled_check import against_plain, describe, score_replies
 
-ROWS = {"plain": "vLLM without speculation", "ngram": "vLLM n-gram speculation (prompt lookup; no training)",
-        "medusa": "vLLM Medusa speculation with the heads (top-1 chain)"}
-#: the trained draft's row (``medusa``), by the method vLLM serves it with
-DRAFT_ROWS = {"medusa": ROWS["medusa"], "eagle3": "vLLM EAGLE-3 speculation with the draft (a chain of K steps)"}
+ROWS = {"plain": "vLLM without speculation", "ngram": "vLLM n-gram speculation (prompt lookup; no training)"}
+#: the trained draft's row (``draft``), by the method vLLM serves it with and what the draft is
+DRAFT_ROW = "vLLM speculation with {draft} (method {method}: a top-1 chain of K steps)"
 FREE_ROWS = ("plain", "ngram")
 
 
@@ -33,12 +32,12 @@ def add_served(report: dict, raw: dict, model, inputs: list[torch.Tensor]) -> No
         rows[name] = served_row(name, servers[name], plain, model, inputs, threshold, plain_check)
     rows = {name: rows[name] for name in servers}
     engines = report.get("engines") or {}
-    if "medusa" in rows and engines.get("vllm"):
-        rows["medusa"]["simulated_tokens_per_step"] = engines["vllm"]["mean_accepted_length"]
+    if "draft" in rows and engines.get("vllm"):
+        rows["draft"]["simulated_tokens_per_step"] = engines["vllm"]["mean_accepted_length"]
     report["served"] = {
         "rows": rows, "settings": raw["settings"],
-        "heads_not_served": None if "medusa" in servers else vllm_reason(model.config)
-        or "no heads server was started or attached",
+        "draft_not_served": None if "draft" in servers else vllm_reason(model.config)
+        or "no draft server was started or attached",
         "attached": [name for name, s in servers.items() if s.get("attached")],
         "tokens_per_step": "(completion tokens - replies) / decode steps (vllm:inter_token_latency_seconds_count)",
         "vllm_acceptance_length": "1 + accepted / drafts: per drafted step (vLLM counts only steps with a draft)",
@@ -54,7 +53,7 @@ def served_row(name: str, server: dict, plain: dict | None, model, inputs: list[
     counted = greedy["prompt_tokens"]
     alike = [n == ids.shape[1] for n, ids in zip(counted, inputs)]
     method = (server["speculative_config"] or {}).get("method")
-    label = DRAFT_ROWS.get(method, ROWS["medusa"]) if name == "medusa" else ROWS.get(name, name)
+    label = DRAFT_ROW.format(draft=model.config.draft_name, method=method) if name == "draft" else ROWS.get(name, name)
     row = {"decodes_with": label, "speculative_config": server["speculative_config"],
            "attached": server.get("attached", False), "url": server.get("url"), "startup_s": server["startup_s"],
            **_figures(greedy), "prompts_tokenised_alike": sum(alike), "phases": {}}
@@ -65,7 +64,7 @@ def served_row(name: str, server: dict, plain: dict | None, model, inputs: list[
                 if not alike[i]:  # the engine's prompt is not ours: no base-model view of the difference
                     return {"kind": "prompt_differs"}
                 detail = mismatch_detail(model, inputs[i], a, b, position)
-                return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "medusa_token")}
+                return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "draft_token")}
 
             row["outputs"] = compare_outputs(plain["phases"]["greedy"]["outputs"], greedy["outputs"], classify)
     for phase, figures in phases.items():
@@ -99,3 +98,25 @@ def best_free(rows: dict, key: str = "tokens_per_s") -> tuple[str, dict] | None:
     """The fastest free row (no speculation or n-gram) whose greedy outputs nothing contradicts."""
     free = [(n, r) for n, r in rows.items() if n in FREE_ROWS and not ((r.get("outputs") or {}).get("unexplained"))]
     return max(free, key=lambda item: item[1][key]) if free else None
+
+
+def print_served(report: dict) -> None:
+    """The served lines of the summary (nothing when no engine was run)."""
+    for name, row in ((report.get("served") or {}).get("rows") or {}).items():
+        simulated = row.get("simulated_tokens_per_step")
+        parts = [f"{row['tokens_per_s']:.1f} tokens/s"]
+        if row.get("speedup") is not None:
+            parts.append(f"{row['speedup']:.2f}x over no speculation")
+        if row["tokens_per_step"] is not None:
+            parts.append(f"{row['tokens_per_step']:.3f} tokens per step"
+                         + (f" (simulated {simulated:.3f})" if simulated is not None else ""))
+        if row["mean_acceptance_length"] is not None:
+            share = f", {row['drafted_share']:.0%} of steps drafted" if row.get("drafted_share") is not None else ""
+            parts.append(f"vLLM's acceptance length {row['mean_acceptance_length']:.3f} per drafted step{share}")
+        if row.get("outputs"):
+            o = row["outputs"]
+            parts.append(f"greedy outputs identical {o['identical']}/{o['compared']} ({o['unexplained']} unexplained)")
+        for phase in row["phases"].values():
+            if phase.get("check"):
+                parts.append(f"T={phase['temperature']}: {phase['check']['summary']}")
+        print(f"served {name}{' (attached)' if row['attached'] else ''}: " + "; ".join(parts))

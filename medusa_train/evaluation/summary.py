@@ -17,17 +17,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-#: in-process methods: record-key prefix, what the row decodes with ({guesser}: what the model guesses with, its
-#: config's ``guesser``: the heads, or an EAGLE-3 draft)
+#: in-process methods: record-key prefix, what the row decodes with ({draft}: what proposes the tree's tokens, its
+#: config's ``draft_name``: the heads, or an EAGLE-3 draft)
 METHODS = {
     "plain": "HF transformers generate, greedy (one token per forward)",
     "prompt_lookup": "HF transformers generate with prompt lookup (drafts copied from the context; no training)",
-    "heads_only": "medusa-train tree decoder, the tree's nodes from {guesser} alone (no lookup chain)",
-    "context_lookup": "medusa-train tree decoder, the tree's lookup chain alone (no {guesser}; no training)",
-    "medusa": "medusa-train tree decoder with {guesser}",
+    "draft_only": "medusa-train tree decoder, the tree's nodes from {draft} alone (no lookup chain)",
+    "context_lookup": "medusa-train tree decoder, the tree's lookup chain alone (no {draft}; no training)",
+    "draft": "medusa-train tree decoder with {draft}",
 }
-#: the medusa row's description when its tree has a lookup chain
-HYBRID = "medusa-train tree decoder with {guesser} and the lookup chain in one tree"
+#: the draft row's description when its tree has a lookup chain
+HYBRID = "medusa-train tree decoder with {draft} and the lookup chain in one tree"
 
 
 def per_forward(tokens: int, replies: int, forwards_after_prefill: int) -> float | None:
@@ -37,38 +37,37 @@ def per_forward(tokens: int, replies: int, forwards_after_prefill: int) -> float
 
 def _method_counts(records: list[dict], method: str) -> dict | None:
     """Tokens, forwards after the prefill and times of one method over ``records`` (None if it did not run)."""
-    if method == "medusa":
+    if method == "draft":
         return {"tokens": sum(r["new_tokens"] for r in records), "forwards": sum(r["steps"] for r in records),
-                "wall_s": sum(r["medusa_s"]["wall_s"] for r in records),
-                "decode_s": sum(r["medusa_s"]["decode_s"] for r in records)}
-    if method in ("heads_only", "context_lookup"):
+                "wall_s": sum(r["draft_s"]["wall_s"] for r in records),
+                "decode_s": sum(r["draft_s"]["decode_s"] for r in records)}
+    if method in ("draft_only", "context_lookup"):
         if any(method not in r for r in records):
             return None
         return {k: sum(r[method][f] for r in records)
                 for k, f in (("tokens", "new_tokens"), ("forwards", "steps"), ("wall_s", "wall_s"),
                              ("decode_s", "decode_s"))}
-    key = "plain" if method == "plain" else "lookup"
-    if any(r.get(f"{key}_s") is None for r in records):
+    if any(r.get(f"{method}_s") is None for r in records):
         return None
-    return {"tokens": sum(r[f"{key}_new_tokens"] for r in records),
-            "forwards": sum(r[f"{key}_s"]["forwards"] - 1 for r in records),
-            "wall_s": sum(r[f"{key}_s"]["wall_s"] for r in records),
-            "decode_s": sum(r[f"{key}_s"]["decode_s"] for r in records)}
+    return {"tokens": sum(r[f"{method}_new_tokens"] for r in records),
+            "forwards": sum(r[f"{method}_s"]["forwards"] - 1 for r in records),
+            "wall_s": sum(r[f"{method}_s"]["wall_s"] for r in records),
+            "decode_s": sum(r[f"{method}_s"]["decode_s"] for r in records)}
 
 
-def method_rows(records: list[dict], guesser: str = "the heads") -> dict[str, dict]:
+def method_rows(records: list[dict], draft: str = "the heads") -> dict[str, dict]:
     """``{method: {decodes_with, tokens_per_forward, tokens_per_s, decode_tokens_per_s, speedup, decode_speedup,
     outputs}}`` for the methods that ran; speedups over the ``plain`` row, outputs compared with it (greedy);
-    ``guesser`` names what the tree's guesses come from in the descriptions."""
+    ``draft`` names what proposes the tree's tokens in the descriptions."""
     n = len(records)
     rows = {}
     for method, what in METHODS.items():
         c = _method_counts(records, method)
         if c is None:
             continue
-        if method == "medusa" and any("heads_only" in r for r in records):
+        if method == "draft" and any("draft_only" in r for r in records):
             what = HYBRID
-        rows[method] = {"decodes_with": what.format(guesser=guesser), "tokens_per_forward": per_forward(c["tokens"], n, c["forwards"]),
+        rows[method] = {"decodes_with": what.format(draft=draft), "tokens_per_forward": per_forward(c["tokens"], n, c["forwards"]),
                         "tokens": c["tokens"], "forwards_after_prefill": c["forwards"],
                         "tokens_per_s": c["tokens"] / max(c["wall_s"], 1e-9),
                         "decode_tokens_per_s": (c["tokens"] - n) / max(c["decode_s"], 1e-9)}
@@ -76,10 +75,10 @@ def method_rows(records: list[dict], guesser: str = "the heads") -> dict[str, di
     for method, row in rows.items():
         row["speedup"] = row["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
         row["decode_speedup"] = row["decode_tokens_per_s"] / max(plain["decode_tokens_per_s"], 1e-9)
-        if method in ("heads_only", "context_lookup"):
+        if method in ("draft_only", "context_lookup"):
             checked = [r[method]["match"] for r in records if r[method]["match"] is not None]
         else:
-            match_key = {"plain": None, "prompt_lookup": "lookup_match", "medusa": "match"}[method]
+            match_key = {"plain": None, "prompt_lookup": "prompt_lookup_match", "draft": "match"}[method]
             checked = [r[match_key] for r in records if match_key and r.get(match_key) is not None]
         row["outputs"] = {"compared": len(checked), "identical": sum(checked)} if checked else None
     return rows
@@ -96,44 +95,44 @@ def _totals(records: list[dict], rows: dict[str, dict] | None = None) -> dict:
     """Accepted length, tokens/s and speedups of a group of per-prompt records (``rows``: their ``method_rows``,
     when already computed)."""
     rows = rows or method_rows(records)
-    medusa, plain = rows["medusa"], rows["plain"]
-    tokens, steps, n = medusa["tokens"], medusa["forwards_after_prefill"], len(records)
+    draft, plain = rows["draft"], rows["plain"]
+    tokens, steps, n = draft["tokens"], draft["forwards_after_prefill"], len(records)
     checked = [r for r in records if r["match"] is not None]
     totals = {
         "count": n, "accepted_length": per_forward(tokens, n, steps) or 0.0,
-        "tokens_per_verify_step": verify_step_tokens(records), "speedup": medusa["speedup"],
-        "decode_speedup": medusa["decode_speedup"],
-        "tokens_per_s": {"medusa": medusa["tokens_per_s"], "plain": plain["tokens_per_s"]},
-        "decode_tokens_per_s": {"medusa": medusa["decode_tokens_per_s"], "plain": plain["decode_tokens_per_s"]},
+        "tokens_per_verify_step": verify_step_tokens(records), "speedup": draft["speedup"],
+        "decode_speedup": draft["decode_speedup"],
+        "tokens_per_s": {"draft": draft["tokens_per_s"], "plain": plain["tokens_per_s"]},
+        "decode_tokens_per_s": {"draft": draft["decode_tokens_per_s"], "plain": plain["decode_tokens_per_s"]},
         "mismatches": sum(not r["match"] for r in checked) if checked else None,
         "mismatches_unexplained": sum(bool(r["mismatch"]) and r["mismatch"]["kind"] == "unexplained"
                                       for r in checked) if checked else None,
         "mismatches_at_rounding": sum(bool(r["mismatch"]) and r["mismatch"]["kind"] == "at_rounding"
                                       for r in checked) if checked else None,
-        "new_tokens": {"medusa": tokens, "plain": plain["tokens"]}, "steps": steps,
+        "new_tokens": {"draft": tokens, "plain": plain["tokens"]}, "steps": steps,
     }
-    for method in ("prompt_lookup", "heads_only", "context_lookup"):
+    for method in ("prompt_lookup", "draft_only", "context_lookup"):
         if method in rows:
             totals[f"{method}_speedup"] = rows[method]["speedup"]
             totals[f"{method}_tokens_per_forward"] = rows[method]["tokens_per_forward"]
     return totals
 
 
-def summarise(records: list[dict], num_heads: int, guesser: str = "the heads") -> dict:
+def summarise(records: list[dict], num_heads: int, draft: str = "the heads") -> dict:
     """The report's headline numbers from per-prompt records (``num_heads``: the heads the tree reaches;
-    ``guesser``: what its guesses come from, for the rows' descriptions).
+    ``draft``: what proposes the tree's tokens, for the rows' descriptions).
 
     Returns:
         ``mean_accepted_length`` (tokens per forward, see the module docstring), ``tokens_per_verify_step``,
         ``speedup`` and ``decode_speedup`` (the heads over HF ``generate`` greedy), ``tokens_per_s`` and
-        ``decode_tokens_per_s`` ({medusa, plain}), ``methods`` (every in-process decoder's row, see
+        ``decode_tokens_per_s`` ({draft, plain}), ``methods`` (every in-process decoder's row, see
         ``method_rows``), ``mismatches`` (greedy outputs differing from plain decoding; ``None`` when
         sampling), split into ``mismatches_unexplained`` (must be 0) and ``mismatches_at_rounding`` (see
         ``mismatch_detail``), with ``mismatch_details``, ``per_head_acceptance``, ``accept_length_histogram``
         ({tokens per verify step: steps}), ``per_category`` ({category: count, accepted_length, speedup, ...})
         and ``totals``.
     """
-    methods = method_rows(records, guesser)
+    methods = method_rows(records, draft)
     overall = _totals(records, methods)
     steps = max(overall["steps"], 1)
     depths = [d for r in records for d in r["accepted_depths"]]
@@ -163,7 +162,7 @@ def summarise(records: list[dict], num_heads: int, guesser: str = "the heads") -
 def _lookup_acceptance(records: list[dict], steps: int) -> list[float] | None:
     """Per lookup chain index i, the fraction of verify steps that kept the chain's first i + 1 tokens (``None``:
     no lookup chain); these steps' tokens are the chain's, not the heads' (``per_head_acceptance``)."""
-    if not any("heads_only" in r for r in records):
+    if not any("draft_only" in r for r in records):
         return None
     depths = [d for r in records for d in r["lookup_depths"]]
     deepest = max(depths, default=0)

@@ -10,8 +10,9 @@
   into the 4-bit weights dequantized, plus the tokenizer; ``backbone/merge.py``) that needs neither peft nor
   bitsandbytes, which the heads' config then names. ``model/load.py``'s ``load_medusa2_export`` loads either form.
 
-Every process calls ``save_run_export`` (a sharded adapter is gathered from all of them); the main process writes,
-atomically (``model.folder.replace_folder``: an ``export`` folder holding files of someone else's is refused).
+A recipe hands what it trained (``TrainedRun``: the config, the draft, the chat template, and for a backbone trained
+too, what rebuilds it); nothing else of the recipe is read. Every process calls ``save_run_export`` (a sharded adapter
+is gathered from all of them); the main process writes, atomically (``model.folder.replace_folder``: an ``export`` folder holding files of someone else's is refused).
 """
 
 from __future__ import annotations
@@ -19,54 +20,44 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from medusa_train.backbone.chat_template import resolve_chat_template, tokenizer_template
 from medusa_train.backbone.merge import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR, merge_backbone
 from medusa_train.model.folder import replace_folder, write_heads_files
 from medusa_train.training import loop
+from medusa_train.training.run_folder import OPTION, RunFolder, TrainedRun
 
-OPTION = "trainer.output_dir"  # what names <output_dir>/export, for the message when it is refused
 
-
-def save_run_export(recipe) -> Path | None:
-    """Write ``recipe``'s trained model (a ``Medusa1Recipe`` or ``Medusa2Recipe`` after ``train()``) to
-    ``<output_dir>/export``; ``None`` with ``trainer.export=false``. A collective: every process calls it."""
-    cfg = recipe.cfg
+def save_run_export(run: TrainedRun) -> Path | None:
+    """Write ``run``'s trained draft to ``<output_dir>/export``; ``None`` with ``trainer.export=false``. A collective:
+    every process calls it."""
+    cfg = run.cfg
     if not cfg.trainer.export:
         return None
-    target = Path(cfg.trainer.output_dir) / "export"
-    medusa2 = cfg.method == "medusa2"
-    adapter = recipe.whole_adapter() if medusa2 and recipe.joint else None
-    if recipe.accelerator.is_main_process:
-        if medusa2:
-            write_medusa2_export(recipe, target, adapter)
+    target = RunFolder.of(cfg).export
+    adapter = run.adapted.whole_adapter() if run.adapted and run.adapted.joint else None
+    if run.accelerator.is_main_process:
+        if run.adapted:
+            write_adapted_export(run, target, adapter)
         else:
             def fill(tmp: Path) -> None:
-                write_heads_files(tmp, *recipe.model.native_files(), chat_template=run_chat_template(recipe))
+                write_heads_files(tmp, *run.model.native_files(), chat_template=run.chat_template)
                 loop.write_training_config(cfg, tmp)
 
             replace_folder(target, fill, OPTION)
-            what = "the EAGLE-3 draft (vLLM's layout)" if cfg.method == "eagle3" else "heads"
-            loop.say(recipe.accelerator, f"exported {what} to {target}")
-    recipe.accelerator.wait_for_everyone()
+            loop.say(run.accelerator, f"exported {run.model.config.draft_name} to {target}")
+    run.accelerator.wait_for_everyone()
     return target
 
 
-def run_chat_template(recipe) -> str | None:
-    """The template ``recipe``'s data was rendered with: ``data.chat_template`` when set, else the tokenizer's."""
-    value = recipe.cfg.data.chat_template
-    return resolve_chat_template(value) if value else tokenizer_template(recipe.tokenizer)
-
-
-def write_medusa2_export(recipe, target: Path, adapter: dict | None) -> None:
+def write_adapted_export(run: TrainedRun, target: Path, adapter: dict | None) -> None:
     """Heads, adapter (``adapter``: its weights gathered whole, or None for peft to read them from the model),
     ``backbone.json`` and, with ``trainer.merge_export``, ``merged/``: into a temporary folder, then renamed."""
-    replace_folder(target, lambda tmp: _fill_medusa2_export(recipe, tmp, adapter), OPTION)
-    loop.say(recipe.accelerator, f"exported heads{', adapter' if recipe.joint else ''}"
-                                 f"{', merged backbone' if recipe.cfg.trainer.merge_export else ''} to {target}")
+    replace_folder(target, lambda tmp: _fill_adapted_export(run, tmp, adapter), OPTION)
+    loop.say(run.accelerator, f"exported heads{', adapter' if run.adapted.joint else ''}"
+                              f"{', merged backbone' if run.cfg.trainer.merge_export else ''} to {target}")
 
 
-def _fill_medusa2_export(recipe, tmp: Path, adapter: dict | None) -> None:
-    cfg, m, model, joint = recipe.cfg, recipe.cfg.model, recipe.model, recipe.joint
+def _fill_adapted_export(run: TrainedRun, tmp: Path, adapter: dict | None) -> None:
+    cfg, m, model, joint = run.cfg, run.cfg.model, run.model, run.adapted.joint
     merge = cfg.trainer.merge_export
     reference = model.config.base_model_name_or_path
     # Heads trained with an adapter must not silently load on the original backbone: they name
@@ -76,16 +67,16 @@ def _fill_medusa2_export(recipe, tmp: Path, adapter: dict | None) -> None:
         files, config = model.native_files()
     finally:
         model.config.base_model_name_or_path = reference
-    write_heads_files(tmp, files, config, chat_template=run_chat_template(recipe))
+    write_heads_files(tmp, files, config, chat_template=run.chat_template)
     if joint:
         # embeddings are never adapted; "auto" would look the base model up on the hub
-        recipe.peft_model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False, state_dict=adapter)
+        run.adapted.peft_model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False, state_dict=adapter)
     if merge:
         merged = merge_backbone(model.backbone, tmp / ADAPTER_DIR if joint else None,
                                 m.name_or_path, dtype=m.dtype, into=cfg.trainer.merge_into,
                                 trust_remote_code=m.trust_remote_code, attn_implementation=m.attn_implementation)
         merged.save_pretrained(tmp / MERGED_DIR, safe_serialization=True)
-        recipe.tokenizer.save_pretrained(tmp / MERGED_DIR)
+        run.adapted.tokenizer.save_pretrained(tmp / MERGED_DIR)
         del merged
     info = {"base_model_name_or_path": str(m.name_or_path), "quantization": m.quantization,
             "dtype": m.dtype, "bnb_compute_dtype": m.bnb_compute_dtype,

@@ -1,12 +1,8 @@
-"""Write Medusa heads in another layout: ``native``, ``medusa_v1`` (original Medusa / TensorRT-LLM)
-or ``vllm``. The layouts are defined, and read back, in ``model/layouts.py``; a Medusa-2 backbone is
-merged in ``backbone/merge.py``.
+"""``medusa-train export``'s work: a draft folder converted to another layout of its family's, as the family table
+(``model/family.py``) says which layouts it has and which writer converts it (Medusa heads:
+``model/medusa_export.py``; an EAGLE-3 draft: ``model/eagle3_model.py``).
 
     medusa-train export heads=out/run/export format=vllm output=out/heads-vllm
-
-Every write goes to a temporary folder beside the target and is renamed into place; only a heads folder
-of ours is replaced, a folder holding anything else is refused (``model.folder.replace_folder``). The
-chat template the heads were trained with (``chat_template.jinja``) travels with them into every layout.
 """
 
 from __future__ import annotations
@@ -14,226 +10,46 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
-from medusa_train.model.folder import check_output, read_chat_template, write_heads_folder
-from medusa_train.model.layouts import (
-    LAYOUTS,
-    MEDUSA_V1_PT_NAME,
-    MEDUSA_V1_WEIGHTS_NAME,
-    SHARED_LM_HEAD_KEY,
-    TOKEN_MAP_KEY,
-    VLLM_WEIGHTS_NAME,
-    WEIGHTS_NAME,
-    MedusaConfig,
-    check_tensors,
-    detect_format,
-    layout_names,
-    native_shapes,
-    read_config_json,
-    read_heads,
-)
-from medusa_train.model.medusa import MedusaModel
-
-
-def export_heads(model: MedusaModel, directory: str | os.PathLike, format: str, lm_head_pt: bool = False,
-                 max_paths: int = 64, topk: int = 10, chat_template: str | None = None,
-                 option: str | None = None) -> Path:
-    """Write ``model``'s heads to ``directory`` in ``format``.
-
-    Args:
-        model: The heads (and, when they share it, the backbone's LM head) to write.
-        directory: Target folder; an existing one is replaced whole if it is a heads folder of ours (its
-            ``serving.json`` kept), and refused if it holds anything else.
-        format: ``native``, ``medusa_v1`` or ``vllm``.
-        lm_head_pt: ``medusa_v1`` only: also write ``medusa_lm_head.pt`` (a ``torch.save`` of the same
-            tensors), the only file the original Medusa loader reads.
-        max_paths: ``vllm`` only: written to ``config.json`` for vLLM.
-        topk: ``vllm`` only: written to ``config.json`` for vLLM.
-        chat_template: The template the heads were trained with, written as ``chat_template.jinja``.
-        option: The setting that names ``directory`` (``output``), for the message when it is refused.
-
-    Returns:
-        The folder written.
-    """
-    lm_head = model.lm_head.weight if model.config.share_lm_head else None
-    return write_heads(model.config, model.heads_state_dict(), directory, format, lm_head_weight=lm_head,
-                       lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk, chat_template=chat_template,
-                       option=option)
-
-
-def write_heads(config: MedusaConfig, tensors: dict[str, torch.Tensor], directory: str | os.PathLike,
-                format: str, lm_head_weight: torch.Tensor | None = None, lm_head_pt: bool = False,
-                max_paths: int = 64, topk: int = 10, chat_template: str | None = None,
-                option: str | None = None) -> Path:
-    """Write native-keyed head tensors in ``format`` (what ``export_heads`` does, without a model).
-
-    Args:
-        config: The heads' config.
-        tensors: Native-keyed tensors (``heads.{h}.…``), exactly those ``config`` describes.
-        directory: Target folder; see ``export_heads``.
-        format: ``native``, ``medusa_v1`` or ``vllm``.
-        lm_head_weight: The backbone's LM head, required when ``config.share_lm_head`` and
-            ``format`` is not native: ``medusa_v1`` gets a copy per head, ``vllm`` one copy (the whole
-            LM head, also for heads with a draft vocabulary: vLLM 0.32 loads no ``token_map``).
-        lm_head_pt: See ``export_heads``.
-        max_paths: See ``export_heads``.
-        topk: See ``export_heads``.
-        chat_template: See ``export_heads``.
-        option: See ``export_heads``.
-
-    Raises:
-        ValueError: a ``directory`` that holds files of someone else's, an unknown format or bad option, tensors that do not match ``config``, a
-            shared LM head that is missing, heads with a native-only feature
-            (``MedusaConfig.native_only_features``) for a layout other than native, a draft vocabulary for ``medusa_v1``, or a draft vocabulary
-            with the heads' own output layers for ``vllm`` (``MedusaConfig.vllm_problem``).
-    """
-    _check_options(format, lm_head_pt, max_paths, topk)
-    check_output(directory, option)
-    for key, what in config.native_only_features().items():
-        if format != "native":
-            raise ValueError(f"format={format}: these heads {what} ({key}), which the {format} layout has no "
-                             f"place for; export format=native, or train with heads.{key}=false for heads the "
-                             "original Medusa, TensorRT-LLM or vLLM can load")
-    if format == "medusa_v1" and config.token_map_problem():
-        raise ValueError(f"format=medusa_v1: these heads {config.token_map_problem()}; export format=vllm or "
-                         "native, or train with heads.vocab_size=null for heads TensorRT-LLM and TGI can load")
-    if format == "vllm" and config.vllm_problem():
-        raise ValueError(f"format=vllm: these heads {config.vllm_problem()}; export format=native, or train with "
-                         "heads.share_lm_head=true (or heads.vocab_size=null) for heads vLLM can load")
-    if config.share_lm_head and format != "native" and lm_head_weight is None:
-        raise ValueError(f"format={format} stores the heads' shared LM head: pass lm_head_weight")
-    check_tensors(tensors, native_shapes(config), "the heads to export")
-
-    tensors = {k: t.detach().cpu().contiguous() for k, t in tensors.items()}
-    dtype = _dtype_of(tensors, config)
-    if lm_head_weight is not None:
-        lm_head_weight = lm_head_weight.detach().cpu().to(dtype)
-        if tuple(lm_head_weight.shape) != (config.vocab_size, config.hidden_size):
-            raise ValueError(f"lm_head_weight has shape {tuple(lm_head_weight.shape)}: pass the backbone's whole LM "
-                             f"head ({config.vocab_size}, {config.hidden_size})")
-    if format == "native":
-        files = {WEIGHTS_NAME: tensors}
-        meta = {**config.to_dict(), "dtype": str(dtype).removeprefix("torch.")}
-    elif format == "medusa_v1":
-        files, meta = _medusa_v1(config, tensors, lm_head_weight, lm_head_pt)
-    else:
-        files, meta = _vllm(config, tensors, lm_head_weight, max_paths, topk, dtype)
-    return write_heads_folder(directory, files, meta, chat_template=chat_template, option=option)
+from medusa_train.model.family import LAYOUTS, family_of, layout_problem
+from medusa_train.model.folder import check_output
+from medusa_train.model.layouts import read_config_json
 
 
 def option_problems(format: str | None, lm_head_pt: bool = False, max_paths: int = 64, topk: int = 10) -> list[str]:
-    """Every problem with the export options, each naming the option (``format=None``: not checked)."""
-    problems = []
-    if format is not None and format not in LAYOUTS:
-        problems.append(f"format={format}: must be one of {', '.join(LAYOUTS)}")
-    if lm_head_pt and format != "medusa_v1":
-        problems.append(f"lm_head_pt=true: only format=medusa_v1 has a .pt file (format={format})")
-    for name, value in (("max_paths", max_paths), ("topk", topk)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{name}={value}: must be an integer >= 1")
-    return problems
+    """Every problem with the export options, each naming the option (``format=None``: not checked); the options
+    past ``format`` are Medusa layouts' (``model.medusa_export.option_problems``)."""
+    from medusa_train.model.layouts import LAYOUTS as MEDUSA_LAYOUTS
+    from medusa_train.model.medusa_export import option_problems as medusa_option_problems
 
-
-def _check_options(format: str, lm_head_pt: bool, max_paths: int, topk: int) -> None:
-    problems = option_problems(format, lm_head_pt, max_paths, topk)
-    if problems:
-        raise ValueError("cannot export heads: " + "; ".join(problems))
-
-
-def _dtype_of(tensors: dict[str, torch.Tensor], config: MedusaConfig) -> torch.dtype:
-    floats = [t for t in tensors.values() if t.is_floating_point()]  # not the token_map's int64
-    return floats[0].dtype if floats else getattr(torch, config.dtype)
-
-
-def _medusa_v1(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None, lm_head_pt: bool):
-    names = layout_names(config.num_heads, config.num_layers, "medusa_v1")
-    if config.share_lm_head:  # the layout has no shared option: every head gets its own copy
-        tensors = {**tensors, **{f"heads.{h}.lm_head.weight": lm_head.clone() for h in range(config.num_heads)}}
-    state = {names[k]: t for k, t in tensors.items()}
-    files = {MEDUSA_V1_WEIGHTS_NAME: state}
-    if lm_head_pt:
-        files[MEDUSA_V1_PT_NAME] = state
-    meta = {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
-            "base_model_name_or_path": config.base_model_name_or_path,
-            "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
-    return files, meta
-
-
-def _vllm(config: MedusaConfig, tensors: dict, lm_head: torch.Tensor | None, max_paths: int, topk: int,
-          dtype: torch.dtype):
-    # No token_map: vLLM 0.32 refuses one at load. Heads sharing the LM head get the whole of it (they then
-    # guess from every token, not only the draft vocabulary's); write_heads refuses the other draft heads.
-    names = layout_names(config.num_heads, config.num_layers, "vllm")
-    state = {names[k]: t for k, t in tensors.items() if k != TOKEN_MAP_KEY}
-    if config.share_lm_head:
-        state[SHARED_LM_HEAD_KEY] = lm_head
-    meta = {"model_type": "medusa", "architectures": ["MedusaModel"],
-            "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-            "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
-            "max_paths": max_paths, "topk": topk, "truncated_vocab_size": config.vocab_size,
-            "medusa_fc_bias": True, "original_lm_head": config.share_lm_head,
-            "base_model_name_or_path": config.base_model_name_or_path,
-            "torch_dtype": str(dtype).removeprefix("torch.")}
-    return {VLLM_WEIGHTS_NAME: state}, meta
+    known = format is None or format in LAYOUTS
+    problems = [] if known else [f"format={format}: must be one of {', '.join(LAYOUTS)}"]
+    return problems + medusa_option_problems(format if format in MEDUSA_LAYOUTS else None, lm_head_pt, max_paths, topk)
 
 
 def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: str, lm_head_pt: bool = False,
                   max_paths: int = 64, topk: int = 10, model: str | None = None, dtype: str | None = None) -> Path:
-    """Convert a heads folder (any layout) to ``format``; what ``medusa-train export`` runs.
-
-    The backbone is loaded only when it is needed: when the heads share its LM head and the target
-    layout stores a copy of it. It is then the one named in the heads' ``config.json`` unless
-    ``model`` is given, in ``dtype`` (default: the heads' dtype). The chat template the heads carry
-    (``model.folder.read_chat_template``) is written with them.
+    """Convert a draft folder (any layout of any family) to ``format``; what ``medusa-train export`` runs.
 
     Args:
-        heads: Folder to read (``native``, ``medusa_v1`` or ``vllm``).
-        output: Folder to write; an existing one is replaced whole if it is a heads folder of ours (its
-            ``serving.json`` kept), and refused, naming ``output=``, if it holds anything else.
-        format: ``native``, ``medusa_v1`` or ``vllm``.
-        lm_head_pt: See ``export_heads``.
-        max_paths: See ``export_heads``.
-        topk: See ``export_heads``.
-        model: Backbone to load instead of the heads' ``base_model_name_or_path``.
-        dtype: Dtype to load the backbone in.
+        heads: Folder to read (heads or draft).
+        output: Folder to write; an existing one is replaced whole if it is a folder of ours (its ``serving.json``
+            kept), and refused, naming ``output=``, if it holds anything else.
+        format: One of the layouts its family writes (``Family.layouts``).
+        lm_head_pt: ``medusa_v1`` only: also write ``medusa_lm_head.pt``.
+        max_paths: ``vllm`` Medusa heads: written to ``config.json`` for vLLM.
+        topk: ``vllm`` Medusa heads: written to ``config.json`` for vLLM.
+        model: Backbone to load instead of the one the folder names (when the layout stores its LM head).
+        dtype: Dtype to load that backbone in.
+
+    Raises:
+        ValueError: bad options, a layout the family has no form for, an ``output`` holding files not ours.
     """
-    _check_options(format, lm_head_pt, max_paths, topk)
+    problems = option_problems(format, lm_head_pt, max_paths, topk)
+    if problems:
+        raise ValueError("cannot export heads: " + "; ".join(problems))
     check_output(output, "output")
-    if detect_format(read_config_json(heads)) == "eagle3":
-        return _copy_eagle3(heads, output, format)
-    config, tensors = read_heads(heads)
-    options = dict(lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk, chat_template=read_chat_template(heads),
-                   option="output")
-    if not (config.share_lm_head and format != "native"):
-        tensors.pop(SHARED_LM_HEAD_KEY, None)  # a native shared-head export stores no LM head
-        return write_heads(config, tensors, output, format, **options)
-    from medusa_train.backbone.load import load_backbone
-
-    name = model or config.base_model_name_or_path
-    if not name:
-        raise ValueError(f"{heads}/config.json names no base model and these heads share its LM head: "
-                         "pass model=<backbone>")
-    backbone, _ = load_backbone(name, dtype=dtype or config.dtype)
-    return export_heads(MedusaModel.from_pretrained(heads, backbone=backbone), output, format, **options)
-
-
-def _copy_eagle3(draft: str | os.PathLike, output: str | os.PathLike, format: str) -> Path:
-    """An EAGLE-3 draft has one layout, vLLM's, which ``native`` and ``vllm`` both name: its files, checked against its
-    config and written anew; the original Medusa layout has no place for it."""
-    from safetensors.torch import load_file
-
-    if format == "medusa_v1":
-        raise ValueError(f"format=medusa_v1: {draft} holds an EAGLE-3 draft, which the original Medusa layout (TGI, "
-                         "TensorRT-LLM) has no place for; export format=vllm (vLLM serves it with method eagle3)")
-    from medusa_train.model.eagle3 import D2T_KEY, Eagle3Config, Eagle3Draft
-
-    config = read_config_json(draft)
-    tensors = load_file(str(Path(draft) / WEIGHTS_NAME))
-    with torch.device("meta"):  # the shapes its config implies, without allocating them
-        expected = {k: tuple(v.shape) for k, v in Eagle3Draft(Eagle3Config.from_dict(config)).state_dict().items()}
-    if D2T_KEY not in tensors:
-        expected.pop(D2T_KEY)
-    check_tensors(tensors, expected, str(draft))
-    return write_heads_folder(output, {WEIGHTS_NAME: tensors}, config, chat_template=read_chat_template(draft),
-                              option="output")
+    family, _ = family_of(read_config_json(heads))
+    if format not in family.layouts:
+        raise ValueError(f"format={format}: {heads} holds {layout_problem(family, None, format)}")
+    return family.convert_folder(heads, output, format, lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk,
+                                 model=model, dtype=dtype)

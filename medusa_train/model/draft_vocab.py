@@ -1,4 +1,4 @@
-"""A draft vocabulary: heads that score only the K tokens most often trained on (``heads.vocab_size=K``).
+"""A draft vocabulary: heads that score only the K tokens most often trained on (``heads.draft_vocab_size=K``).
 
 Each head's output layer then has K rows instead of the whole vocabulary's (a shared LM head is read
 through the K rows of the backbone's), so guessing costs K / vocab of the full projection. Head output
@@ -27,7 +27,7 @@ def most_frequent_tokens(labels: Iterable, size: int, vocab_size: int) -> torch.
     up when the data has fewer than ``size`` distinct ones.
     """
     if not 0 < size < vocab_size:
-        raise ValueError(f"heads.vocab_size={size}: a draft vocabulary must be between 1 and the backbone's "
+        raise ValueError(f"heads.draft_vocab_size={size}: a draft vocabulary must be between 1 and the backbone's "
                          f"{vocab_size - 1} tokens")
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for row in labels:

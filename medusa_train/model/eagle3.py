@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 
+from medusa_train.model.contract import CapturedStates
+
 FORMAT = "eagle3"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 D2T_KEY = "d2t"
@@ -75,7 +77,7 @@ class Eagle3Config:
             problems.append(f"eagle3.aux_layer_ids={self.aux_layer_ids}: the backbone's layers are 0 to "
                             f"{self.num_target_layers - 1}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
-            problems.append(f"eagle3.vocab_size={self.draft_vocab_size}: must be between 1 and the backbone's "
+            problems.append(f"eagle3.draft_vocab_size={self.draft_vocab_size}: must be between 1 and the backbone's "
                             f"{self.vocab_size} tokens")
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append(f"{self.num_attention_heads} attention heads do not group over "
@@ -84,29 +86,28 @@ class Eagle3Config:
             raise ValueError("; ".join(problems))
 
     @property
-    def max_depth(self) -> int:
-        """How deep a tree the decoder asks the draft for: the chained steps it was trained on (vLLM's K may be more)."""
+    def depth(self) -> int:
+        """The depth it drafts to by default (a chain's length, vLLM's K): the chained steps it was trained on."""
         return self.ttt_steps
 
-    @property
-    def num_heads(self) -> int:
-        """The depth it drafts to by default (as Medusa's head count: a chain's length, vLLM's K)."""
-        return self.ttt_steps
+    max_depth = depth  #: how deep a tree the decoder asks the draft for (vLLM's K may be more)
+
+    @staticmethod
+    def depth_in(config: dict) -> int:
+        """The trained chain a draft's ``config.json`` states (ours or another tool's)."""
+        return Eagle3Config.from_dict(config).depth
 
     vllm_method = FORMAT  #: vLLM's ``--speculative-config`` method that serves it
-    guesser = "the EAGLE-3 draft"  #: what a tree's guesses come from, in reports
+    draft_name = "the EAGLE-3 draft"  #: what proposes the tree's tokens, in reports
     vllm_export_differs = False  #: vLLM serves exactly this draft (its layout is ours)
 
     def native_only_features(self) -> dict[str, str]:
         """Nothing only our decoder holds: vLLM serves the draft as it is."""
         return {}
 
-    def vllm_problem(self) -> str | None:
+    def layout_problem(self, layout: str) -> str | None:
+        """None: its one layout is vLLM's, which ``native`` and ``vllm`` both name."""
         return None
-
-    def token_map_problem(self) -> str | None:
-        """Why the original Medusa layout (TGI, TensorRT-LLM) cannot hold it: it is no Medusa head."""
-        return "are an EAGLE-3 draft, which the original Medusa layout (TGI, TensorRT-LLM) has no place for"
 
     @property
     def head_vocab_size(self) -> int:
@@ -181,6 +182,20 @@ class Eagle3Config:
 def is_eagle3_config(data: dict) -> bool:
     """Whether a ``config.json`` is an EAGLE-3 draft's (vLLM's ``LlamaForCausalLMEagle3``)."""
     return ARCHITECTURE in (data.get("architectures") or []) or (data.get("medusa_train") or {}).get("format") == FORMAT
+
+
+def eagle3_layout(config: dict) -> str | None:
+    """``vllm`` for an EAGLE-3 draft's ``config.json`` (its one layout, vLLM's, is also ours); None for anything else
+    (``model.family.family_of`` asks)."""
+    return "vllm" if is_eagle3_config(config) else None
+
+
+def eagle3_captured(settings) -> CapturedStates:
+    """What a capture stores for an EAGLE-3 draft of ``settings`` (the ``eagle3`` section): the three states it reads,
+    then the final one, and the token ids; its settings key names them (Medusa's keys stay as they were)."""
+    return CapturedStates(lambda backbone: captured_states(backbone, settings.aux_layer_ids), keep_tokens=True,
+                          key={"states": "eagle3: aux hidden states, then the final one; token ids",
+                               "aux_layer_ids": settings.aux_layer_ids or "default (2, L//2, L-3)"})
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

@@ -96,7 +96,7 @@ class Eagle3Model(nn.Module):
     def max_depth(self) -> int:
         return self.config.max_depth
 
-    def medusa_modules(self) -> list[nn.Module]:
+    def draft_modules(self) -> list[nn.Module]:
         """What medusa-train adds to the backbone: the draft."""
         return [self.draft]
 
@@ -272,6 +272,13 @@ class Eagle3Model(nn.Module):
 
         return write_heads_folder(directory, *self.native_files(), chat_template=chat_template)
 
+    def save_as(self, directory: str | os.PathLike, layout: str, chat_template: str | None = None,
+                option: str | None = None, **_) -> Path:
+        """Its one layout (vLLM's), whichever of ``native`` or ``vllm`` ``layout`` names."""
+        from medusa_train.model.folder import write_heads_folder
+
+        return write_heads_folder(directory, *self.native_files(), chat_template=chat_template, option=option)
+
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, backbone: PreTrainedModel | None = None,
                         stored_config: dict | None = None, **backbone_kwargs) -> Eagle3Model:
@@ -331,3 +338,23 @@ def chained_attention(draft, q: torch.Tensor, keys: list[torch.Tensor], values: 
     for j, v in enumerate(values[1:]):
         out = out + probs[..., seq + j:seq + j + 1] * draft.group(v)
     return out
+
+
+def export_eagle3_folder(draft: str | os.PathLike, output: str | os.PathLike, format: str, **_) -> Path:
+    """Convert a draft folder to ``format`` (``native`` or ``vllm``: one layout, vLLM's): its files, checked against
+    its config and written anew, with the chat template it carries (``export.write.export_folder`` asks the family)."""
+    from safetensors.torch import load_file
+
+    from medusa_train.model.eagle3 import D2T_KEY, Eagle3Draft
+    from medusa_train.model.folder import read_chat_template, write_heads_folder
+
+    config = read_config_json(draft)
+    tensors = load_file(str(Path(draft) / WEIGHTS_NAME))
+    with torch.device("meta"):  # the shapes its config implies, without allocating them
+        expected = {k: tuple(v.shape) for k, v in Eagle3Draft(Eagle3Config.from_dict(config)).state_dict().items()}
+    if D2T_KEY not in tensors:
+        expected.pop(D2T_KEY)
+    check_tensors(tensors, expected, str(draft))
+    return write_heads_folder(output, {WEIGHTS_NAME: tensors}, config, chat_template=read_chat_template(draft),
+                              option="output")
+

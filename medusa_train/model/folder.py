@@ -3,8 +3,8 @@
 Every writer of a heads folder (``MedusaModel.save_pretrained``, ``export.write``, a run's export in
 ``export/run.py``) goes through ``replace_folder``: the files are written to a temporary folder beside the
 target, which is then renamed into place, replacing the previous one whole. Only a folder of our own is
-replaced: an existing, non-empty target must hold a ``config.json`` of a Medusa layout we read
-(``layouts.detect_format``) and nothing but the names our writers put there (``OUR_NAMES``). Any other
+replaced: an existing, non-empty target must hold a ``config.json`` of a draft we read (any layout of any family:
+``family.family_of``) and nothing but the names our writers put there (``OUR_NAMES``). Any other
 file means the folder is someone else's, and the write is refused before anything is touched. A
 ``serving.json`` written by ``medusa-train choose-k`` into an export is carried over to the new one.
 
@@ -32,7 +32,6 @@ from medusa_train.model.layouts import (
     MEDUSA_V1_WEIGHTS_NAME,
     VLLM_WEIGHTS_NAME,
     WEIGHTS_NAME,
-    detect_format,
 )
 
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
@@ -49,10 +48,10 @@ KEPT_NAMES = (SERVING_NAME,)  #: written by another tool into our folder: carrie
 def foreign_entries(directory: str | os.PathLike) -> list[str]:
     """What makes ``directory`` a folder we must not replace: ``[]`` when it is absent, empty, or ours.
 
-    Ours: a ``config.json`` of a Medusa layout (native, medusa_v1 or vllm) and nothing but ``OUR_NAMES``.
+    Ours: a ``config.json`` of a draft (any layout of any family) and nothing but ``OUR_NAMES``.
 
     Returns:
-        The entries that are not ours (sorted): every one when there is no Medusa ``config.json``;
+        The entries that are not ours (sorted): every one when there is no draft's ``config.json``;
         ``[directory's name]`` when it is a file.
     """
     directory = Path(directory)
@@ -61,7 +60,7 @@ def foreign_entries(directory: str | os.PathLike) -> list[str]:
     if not directory.is_dir():
         return [directory.name]
     names = sorted(p.name for p in directory.iterdir())
-    if names and not _is_medusa_config(directory / CONFIG_NAME):
+    if names and not _is_draft_config(directory / CONFIG_NAME):
         return names  # not a heads folder: nothing in it is ours (a model's model.safetensors, say)
     return [name for name in names if name not in OUR_NAMES]
 
@@ -92,9 +91,11 @@ def check_output(directory: str | os.PathLike, option: str | None = None) -> Non
         raise ValueError(problem)
 
 
-def _is_medusa_config(path: Path) -> bool:
+def _is_draft_config(path: Path) -> bool:
+    from medusa_train.model.family import family_of  # the family table imports the families, which write through here
+
     try:
-        detect_format(json.loads(path.read_text()))
+        family_of(json.loads(path.read_text()))
     except (OSError, ValueError, AttributeError, TypeError):
         return False
     return True
@@ -163,7 +164,7 @@ def read_chat_template(heads_dir: str | os.PathLike) -> str | None:
     stored = heads_dir / CHAT_TEMPLATE_NAME
     if stored.is_file():
         return stored.read_text(encoding="utf-8")
-    training = heads_dir / TRAINING_CONFIG_NAME
+    training = heads_dir / TRAINING_CONFIG_NAME  # a run's record (``training.run_folder``), read here: model/ is below
     if not training.is_file():
         return None
     value = (json.loads(training.read_text()).get("data") or {}).get("chat_template")

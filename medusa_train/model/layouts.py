@@ -43,7 +43,6 @@ import torch
 from safetensors.torch import load_file
 
 from medusa_train.model.config import MedusaConfig
-from medusa_train.model.eagle3 import is_eagle3_config
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -61,11 +60,9 @@ TOKEN_MAP_KEY = "token_map"
 MEDUSA_PARAMETERS = ("heads.", "prefix.")
 
 
-def detect_format(config: dict) -> str:
-    """``native`` | ``medusa_v1`` | ``vllm`` (Medusa heads) | ``eagle3`` (an EAGLE-3 draft, ``model/eagle3.py``: one
-    layout, vLLM's) from a heads folder's ``config.json``."""
-    if is_eagle3_config(config):
-        return "eagle3"
+def medusa_layout(config: dict) -> str | None:
+    """``native`` | ``medusa_v1`` | ``vllm`` from a heads folder's ``config.json``; None when it holds no Medusa heads
+    (``model.family.family_of`` asks every family)."""
     if config.get("format") == "medusa_train":
         return "native"
     if config.get("model_type") == "medusa":
@@ -74,22 +71,7 @@ def detect_format(config: dict) -> str:
         return "medusa_v1"
     if "MedusaModel" in config.get("architectures", []) and "num_heads" in config:
         return "vllm"
-    raise ValueError("config.json is not a Medusa heads config we know (native, medusa_v1 or vllm)")
-
-
-VLLM_LAYOUTS = ("vllm", "eagle3")  #: layouts vLLM loads as they are (Medusa heads' vllm export, an EAGLE-3 draft)
-
-
-def vllm_method(config: dict) -> str:
-    """vLLM's ``--speculative-config`` method for a folder with this ``config.json``: ``eagle3`` or ``medusa``."""
-    return "eagle3" if detect_format(config) == "eagle3" else "medusa"
-
-
-def draft_depth(config: dict) -> int | None:
-    """How many tokens a folder's draft proposes a step at most: Medusa's heads, an EAGLE-3 draft's trained chain."""
-    if detect_format(config) == "eagle3":
-        return (config.get("medusa_train") or {}).get("ttt_steps")
-    return config.get("num_heads", config.get("medusa_num_heads"))
+    return None
 
 
 # ---------------------------------------------------------------------------------- key schemes
@@ -196,10 +178,10 @@ def read_heads(directory: str | os.PathLike, raw: dict | None = None) -> tuple[M
     """
     directory = Path(directory)
     raw = read_config_json(directory) if raw is None else raw
-    layout = detect_format(raw)
-    if layout == "eagle3":
-        raise ValueError(f"{directory} holds an EAGLE-3 draft, not Medusa heads: load it with Eagle3Model.from_pretrained "
-                         "(or model.load.load_draft, which reads either)")
+    layout = medusa_layout(raw)
+    if layout is None:
+        raise ValueError(f"{directory} holds no Medusa heads (native, medusa_v1 or vllm): load it with "
+                         "model.load.load_draft, which reads every draft family's folder")
     reader = {"native": _read_native, "medusa_v1": _read_medusa_v1, "vllm": _read_vllm}[layout]
     return reader(directory, raw)
 

@@ -21,9 +21,9 @@ import torch
 
 from medusa_train.config.check import Problems
 from medusa_train.config.model import EvalModelConfig
-from medusa_train.model.eagle3 import Eagle3Config, is_eagle3_config
+from medusa_train.model.family import Family, family_of
 from medusa_train.model.folder import read_chat_template
-from medusa_train.model.layouts import CONFIG_NAME, detect_format, read_config_json, resolve_base_model
+from medusa_train.model.layouts import CONFIG_NAME, read_config_json, resolve_base_model
 
 __all__ = ["ExportedHeads", "check_heads", "load_draft", "load_heads", "load_medusa2_export", "read_chat_template",
            "read_export_config", "read_exported_heads", "use_export_template"]
@@ -31,17 +31,19 @@ __all__ = ["ExportedHeads", "check_heads", "load_draft", "load_heads", "load_med
 
 @dataclass(frozen=True)
 class ExportedHeads:
-    """A heads folder and its ``config.json`` as stored, read once (``read_exported_heads``)."""
+    """A draft folder (heads or draft) and its ``config.json`` as stored, read once (``read_exported_heads``)."""
 
     path: Path
     config: dict  #: ``config.json`` as stored (any layout)
-    num_heads: int  #: heads, or an EAGLE-3 draft's default depth
+    num_heads: int  #: its default depth: Medusa's heads, a chained draft's trained steps (``DraftConfig.depth``)
     base_model: str | None  #: the backbone it names (a path relative to the heads resolved), if any
+    family: Family  #: the draft family it holds (``model/family.py``)
+    layout: str  #: which of its family's layouts it is in
 
     @property
-    def layout(self) -> str:
-        """``native``, ``medusa_v1``, ``vllm`` or ``eagle3`` (``model.layouts.detect_format``)."""
-        return detect_format(self.config)
+    def served_as_is(self) -> bool:
+        """Whether vLLM loads the folder as it is (its family's served layout)."""
+        return self.layout == self.family.served_layout
 
 
 def read_exported_heads(heads_dir: str | os.PathLike | ExportedHeads) -> ExportedHeads:
@@ -56,11 +58,15 @@ def read_exported_heads(heads_dir: str | os.PathLike | ExportedHeads) -> Exporte
         return heads_dir
     path = Path(heads_dir).expanduser()
     raw = read_config_json(path)
-    counted = {"num_heads": Eagle3Config.from_dict(raw).num_heads, **raw} if is_eagle3_config(raw) else raw
-    num_heads = counted.get("num_heads", counted.get("medusa_num_heads"))  # a draft chains: its default depth
+    try:
+        family, layout = family_of(raw)
+    except ValueError as err:
+        raise ValueError(f"heads={heads_dir}: {err}") from err
+    num_heads = family.depth_in(raw)
     if not isinstance(num_heads, int):
         raise ValueError(f"heads={heads_dir}: config.json does not say how many heads there are")
-    return ExportedHeads(path, raw, num_heads, resolve_base_model(path, raw.get("base_model_name_or_path")))
+    return ExportedHeads(path, raw, num_heads, resolve_base_model(path, raw.get("base_model_name_or_path")), family,
+                         layout)
 
 
 def read_export_config(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
@@ -123,7 +129,7 @@ def load_heads(heads_dir: str | os.PathLike | ExportedHeads, model: EvalModelCon
                                         attn_implementation=model.attn_implementation)
     backbone.to(device)
     medusa = load_draft(heads, backbone)
-    for part in medusa.medusa_modules():
+    for part in medusa.draft_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)
     if export_template:
         tokenizer = use_export_template(tokenizer, heads.path)
@@ -131,14 +137,10 @@ def load_heads(heads_dir: str | os.PathLike | ExportedHeads, model: EvalModelCon
 
 
 def load_draft(heads_dir: str | os.PathLike | ExportedHeads, backbone):
-    """The draft in ``heads_dir`` on ``backbone``: Medusa heads (``MedusaModel``, any layout) or an EAGLE-3 draft
-    (``Eagle3Model``), as its ``config.json`` says (read once, handed to ``from_pretrained``)."""
-    from medusa_train.model.eagle3_model import Eagle3Model
-    from medusa_train.model.medusa import MedusaModel
-
+    """The draft in ``heads_dir`` on ``backbone``, of the family its ``config.json`` names (read once, handed to its
+    model class's ``from_pretrained``)."""
     heads = read_exported_heads(heads_dir)
-    kind = Eagle3Model if heads.layout == "eagle3" else MedusaModel
-    return kind.from_pretrained(heads.path, backbone=backbone, stored_config=heads.config)
+    return heads.family.model_class().from_pretrained(heads.path, backbone=backbone, stored_config=heads.config)
 
 
 def _user_template(tokenizer, value: str | None):

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from medusa_train.backbone.load import backbone_reference
 from medusa_train.model.draft_vocab import DraftVocab
 from medusa_train.model.folder import write_heads_folder
+from medusa_train.model.config import check_fits
 from medusa_train.model.heads import MedusaHead, path_tokens
 from medusa_train.model.layouts import (
     SHARED_LM_HEAD_KEY,
@@ -83,7 +84,7 @@ class MedusaModel(nn.Module):
         """Heads for ``config`` on ``backbone``; with a draft vocabulary, ``token_map`` lists its tokens (left
         out: a placeholder that loading the heads' tensors overwrites)."""
         super().__init__()
-        _check_compatible(backbone, config)
+        check_fits(backbone, config)
         self.backbone = backbone
         self.config = config
         dtype = getattr(torch, config.dtype)
@@ -183,7 +184,7 @@ class MedusaModel(nn.Module):
         rows = hidden.reshape(-1, hidden.shape[-1]).split(512)
         return torch.cat([self.base_logits(row).argmax(-1) for row in rows]).reshape(hidden.shape[:-1])
 
-    def medusa_modules(self) -> list[nn.Module]:
+    def draft_modules(self) -> list[nn.Module]:
         """What medusa-train adds to the backbone: the heads, and the prefix attention layer if any."""
         return [self.heads] + ([self.prefix] if self.prefix is not None else [])
 
@@ -325,6 +326,13 @@ class MedusaModel(nn.Module):
         heads were trained with) atomically; a folder holding files we did not write is refused (``folder.py``)."""
         return write_heads_folder(directory, *self.native_files(), chat_template=chat_template)
 
+    def save_as(self, directory: str | os.PathLike, layout: str, chat_template: str | None = None,
+                option: str | None = None, **options) -> Path:
+        """The heads in ``layout`` (native, medusa_v1 or vllm; ``model.medusa_export.export_heads``'s options)."""
+        from medusa_train.model.medusa_export import export_heads
+
+        return export_heads(self, directory, layout, chat_template=chat_template, option=option, **options)
+
     def native_files(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """What ``save_pretrained`` writes: ``({file name: tensors}, config.json's content)``."""
         tensors = self.heads_state_dict()
@@ -384,15 +392,3 @@ def load_heads_strict(model: MedusaModel, tensors: dict[str, torch.Tensor], sour
     with torch.no_grad():
         for key, param in expected.items():
             param.copy_(tensors[key])
-
-
-def _check_compatible(backbone: PreTrainedModel, config: MedusaConfig) -> None:
-    vocab, hidden = backbone.get_output_embeddings().weight.shape
-    problems = []
-    if hidden != config.hidden_size:
-        problems.append(f"hidden size: heads {config.hidden_size}, backbone {hidden}")
-    if vocab != config.vocab_size:
-        problems.append(f"vocab size: heads {config.vocab_size}, backbone {vocab}")
-    if problems:
-        raise ValueError(f"these heads do not fit this backbone ({'; '.join(problems)}); "
-                         f"they were trained on {config.base_model_name_or_path!r}")

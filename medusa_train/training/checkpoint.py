@@ -24,13 +24,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa_train.backbone import assets
+from medusa_train.training.run_folder import RunFolder
 from medusa_train.training.shard import full, is_sharded
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
+    return RunFolder(Path(output_dir)).checkpoints
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:

@@ -2,7 +2,7 @@
 
     medusa-train train +recipe=eagle3                          # the draft vLLM serves at full strength
     medusa-train train +recipe=eagle3 debug=smoke              # a few steps, minutes on CPU
-    medusa-train train +recipe=eagle3 eagle3.vocab_size=4096   # a draft vocabulary of the 4,096 most trained tokens
+    medusa-train train +recipe=eagle3 eagle3.draft_vocab_size=4096   # a draft vocabulary of the 4,096 most trained tokens
     medusa-train train +recipe=eagle3 data.cache_hidden_states=true   # the backbone runs once (medusa-train capture)
 
 setup -> train -> cleanup, as the Medusa recipes (``export/run.py`` writes the export, vLLM's EAGLE-3 layout, in
@@ -24,6 +24,7 @@ from medusa_train.config.capture import capture_view
 from medusa_train.config.train import TrainConfig
 from medusa_train.data.capture.run import captured_already
 from medusa_train.data.examples import load_examples
+from medusa_train.model.family import captured_for
 from medusa_train.model.eagle3 import captured_states
 from medusa_train.training import loop, setup
 from medusa_train.training.eagle3_loss import ttt_loss
@@ -42,7 +43,7 @@ class Eagle3Recipe:
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
         train, evals = load_examples(cfg.data, self.tokenizer, acc)
         backbone = None
-        if cfg.data.cache_hidden_states and captured_already(capture_view(cfg), self.tokenizer, acc, train, evals):
+        if cfg.data.cache_hidden_states and captured_already(capture_view(cfg), captured_for(cfg), self.tokenizer, acc, train, evals):
             backbone = setup.load_without_layers_for(cfg, acc)  # the embeddings and LM head the draft reads
         if backbone is None:
             backbone, _ = load_backbone_for(cfg.model, acc.device)
@@ -91,12 +92,18 @@ class Eagle3Recipe:
                                    f"{loop.top1_summary(record, steps)}")
         return record
 
+    def trained(self):
+        """What the run's export writes (``export/run.py``)."""
+        from medusa_train.training.run_folder import TrainedRun, run_chat_template
+
+        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer))
+
     def cleanup(self) -> None:
         loop.finish(self.run)
 
 
 def build_draft(cfg: TrainConfig, backbone, device: torch.device, train: list[dict]):
-    """A fresh float32 draft on ``backbone`` (frozen); with ``eagle3.vocab_size=K`` it scores the K tokens most often
+    """A fresh float32 draft on ``backbone`` (frozen); with ``eagle3.draft_vocab_size=K`` it scores the K tokens most often
     trained on in ``train``, a map every process computes alike from the same data."""
     from medusa_train.model.draft_vocab import most_frequent_tokens
     from medusa_train.model.eagle3_model import Eagle3Model
@@ -104,8 +111,8 @@ def build_draft(cfg: TrainConfig, backbone, device: torch.device, train: list[di
     e = cfg.eagle3
     backbone.requires_grad_(False)
     vocab = backbone.get_output_embeddings().weight.shape[0]
-    token_map = None if e.vocab_size is None or e.vocab_size >= vocab else most_frequent_tokens(
-        (x["labels"] for x in train), e.vocab_size, vocab)
+    token_map = None if e.draft_vocab_size is None or e.draft_vocab_size >= vocab else most_frequent_tokens(
+        (x["labels"] for x in train), e.draft_vocab_size, vocab)
     model = Eagle3Model.from_backbone(backbone, token_map=token_map, aux_layer_ids=e.aux_layer_ids,
                                       intermediate_size=e.intermediate_size, ttt_steps=e.ttt_steps, dtype="float32")
     model.config.base_model_name_or_path = str(cfg.model.name_or_path)

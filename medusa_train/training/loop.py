@@ -28,9 +28,10 @@ from torch.utils.data import DataLoader
 from medusa_train.backbone.processes import say
 from medusa_train.config.train import TrainConfig, to_dict
 from medusa_train.data.tokenize import IGNORE_INDEX
-from medusa_train.training import checkpoint
+from medusa_train.training import checkpoint, run_folder
 from medusa_train.training.losses import LossResult, head_weights, medusa_loss_backward
 from medusa_train.training.one_backward import OneBackward
+from medusa_train.training.run_folder import RunFolder
 from medusa_train.training.setup import TrainData
 from medusa_train.training.shard import clip_gradients
 from medusa_train.training.targets import HeadTargets, inputs_and_targets
@@ -43,7 +44,7 @@ class MetricsLog:
     the trackers; ``extra()`` (if given) adds the recipe's own figures to every train record."""
 
     def __init__(self, output_dir: Path, accelerator, extra: Callable[[], dict] | None = None):
-        self.path = output_dir / "metrics.jsonl"
+        self.path = RunFolder(Path(output_dir)).metrics
         self.accelerator = accelerator
         self.extra = extra
 
@@ -392,4 +393,5 @@ def finish(run: Run) -> None:
 
 
 def write_training_config(cfg: TrainConfig, folder: Path) -> None:
-    (folder / "training_config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    """The run's ``training_config.json`` into ``folder`` (its export being written; ``run_folder``)."""
+    run_folder.write_training_config(to_dict(cfg), folder)

@@ -21,6 +21,7 @@ from medusa_train.config.capture import capture_view
 from medusa_train.config.train import TrainConfig
 from medusa_train.data.capture.run import captured_already
 from medusa_train.data.examples import load_examples
+from medusa_train.model.family import captured_for
 from medusa_train.training import loop, setup
 from medusa_train.training.losses import LossResult
 from medusa_train.training.shard import shard_backbone
@@ -39,7 +40,7 @@ class Medusa1Recipe:
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
         train, evals = load_examples(cfg.data, self.tokenizer, acc)
         backbone = None
-        if cfg.data.cache_hidden_states and captured_already(capture_view(cfg), self.tokenizer, acc, train, evals):
+        if cfg.data.cache_hidden_states and captured_already(capture_view(cfg), captured_for(cfg), self.tokenizer, acc, train, evals):
             backbone = setup.load_without_layers_for(cfg, acc)
         if backbone is None and sharded:  # before the heads: they start from the LM head process 0 broadcasts
             backbone = setup.load_backbone_on_first_process(cfg, acc, self.tokenizer.pad_token_id)
@@ -79,6 +80,12 @@ class Medusa1Recipe:
                                    f"{loop.top1_summary(record, self.model.num_heads)}"
                  + (f"; greedy targets keep {kept} of the text's" if kept else ""))
         return record
+
+    def trained(self):
+        """What the run's export writes (``export/run.py``)."""
+        from medusa_train.training.run_folder import TrainedRun, run_chat_template
+
+        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer))
 
     def cleanup(self) -> None:
         loop.finish(self.run)

@@ -236,5 +236,12 @@ class Medusa2Recipe:
             return None
         return {n: full(p.detach()).cpu() for n, p in named}
 
+    def trained(self):
+        """What the run's export writes (``export/run.py``): the heads, and what rebuilds the adapted backbone."""
+        from medusa_train.training.run_folder import AdaptedBackbone, TrainedRun, run_chat_template
+
+        adapted = AdaptedBackbone(self.joint, self.peft_model, self.tokenizer, self.whole_adapter)
+        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer), adapted)
+
     def cleanup(self) -> None:
         loop.finish(self.run)

@@ -81,31 +81,31 @@ def load_without_layers_for(cfg: TrainConfig, accelerator):
 def build_heads(cfg: TrainConfig, backbone, device: torch.device, train: list[dict]):
     """Float32 trainable heads (and prefix layer) on ``backbone``: fresh, or from ``heads.init_from``.
 
-    With ``heads.vocab_size=K`` fresh heads score the K tokens most often trained on in ``train`` (the
+    With ``heads.draft_vocab_size=K`` fresh heads score the K tokens most often trained on in ``train`` (the
     tokenised training examples), a map every process computes alike from the same data.
     """
     from medusa_train.model.draft_vocab import most_frequent_tokens
     from medusa_train.model.medusa import MedusaModel
 
     h = cfg.heads
-    features = {k: v for k, v in asdict(h).items() if k not in ("init_from", "vocab_size")}  # MedusaConfig's names
+    features = {k: v for k, v in asdict(h).items() if k not in ("init_from", "draft_vocab_size")}  # MedusaConfig's
     if h.init_from:
         model = MedusaModel.from_pretrained(h.init_from, backbone=backbone)
-        stored = {k: getattr(model.config, k) for k in features} | {"vocab_size": model.config.draft_vocab_size}
-        wanted = features | {"vocab_size": h.vocab_size}
+        wanted = features | {"draft_vocab_size": h.draft_vocab_size}
+        stored = {k: getattr(model.config, k) for k in wanted}
         if stored != wanted:
             differ = ", ".join(f"heads.{k}={_yaml(stored[k])}" for k in wanted if stored[k] != wanted[k])
             raise ValueError(f"heads.init_from={h.init_from} holds heads with {differ}: set these to match")
-        for part in model.medusa_modules():
+        for part in model.draft_modules():
             part.float()
         model.config.dtype = "float32"
         model.config.base_model_name_or_path = str(cfg.model.name_or_path)
     else:
         vocab = backbone.get_output_embeddings().weight.shape[0]
-        token_map = None if h.vocab_size is None else most_frequent_tokens(
-            (e["labels"] for e in train), h.vocab_size, vocab)
+        token_map = None if h.draft_vocab_size is None else most_frequent_tokens(
+            (e["labels"] for e in train), h.draft_vocab_size, vocab)
         model = MedusaModel.from_backbone(backbone, dtype="float32", token_map=token_map, **features)
-    for part in model.medusa_modules():
+    for part in model.draft_modules():
         part.requires_grad_(True)
         part.to(device)
     return model
@@ -140,9 +140,10 @@ def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict
     if d.cache_hidden_states:
         states_fn = states_fn or (lambda ids, mask: model(ids, attention_mask=mask).hidden_states)
         from medusa_train.data.capture.run import capture_hidden_states
+        from medusa_train.model.family import captured_for
 
-        train, evals, collator = capture_hidden_states(capture_view(cfg), tokenizer, states_fn, accelerator, train,
-                                                       evals)
+        train, evals, collator = capture_hidden_states(capture_view(cfg), captured_for(cfg), tokenizer, states_fn,
+                                                       accelerator, train, evals)
     train_sampler = LengthGroupedBatchSampler(example_lengths(train), d.batch_size, seed=d.seed, shuffle=True)
     eval_sampler = LengthGroupedBatchSampler(example_lengths(evals), d.eval_batch_size or d.batch_size,
                                              seed=d.seed, shuffle=False)

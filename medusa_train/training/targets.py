@@ -10,7 +10,7 @@ and a ``HeadTargets``, the one type the loss takes:
 - ``teacher``: the backbone's whole next-token distribution at ``t + k + 1`` (soft labels, ``Teacher``),
   at the text's trained positions.
 
-Heads with a draft vocabulary (``heads.vocab_size``) learn the same targets among its tokens
+Heads with a draft vocabulary (``heads.draft_vocab_size``) learn the same targets among its tokens
 (``in_draft_vocabulary``).
 """
 

@@ -35,12 +35,9 @@ CONVERSATION_SOURCES = ("packaged:sharegpt-v3",)
 def training_prompts(heads_dir: str | os.PathLike) -> set[str]:
     """Normalised user turns of the data the heads were trained on (empty when the heads carry no
     ``training_config.json``, e.g. heads converted from another format)."""
-    import json
+    from medusa_train.training.run_folder import read_training_config
 
-    path = Path(heads_dir) / "training_config.json"
-    if not path.is_file():
-        return set()
-    data = json.loads(path.read_text()).get("data", {})
+    data = (read_training_config(heads_dir) or {}).get("data", {})
     if not data.get("source"):
         return set()
     from medusa_train.data.sources import load_conversations
@@ -107,7 +104,7 @@ def measure_ranks(model, sequences: Sequence[tuple[torch.Tensor, int]], top_k: i
     j of every head is the same place in the text (head k's list is k tokens shorter: the text ends)."""
     ranks = []
     for ids, prompt_len in sequences:
-        by_head = [[] for _ in range(model.config.num_heads)]
+        by_head = [[] for _ in range(model.config.depth)]
         # the model says what its draft scores at each depth along the text, and which output is the true token
         for k, logits, targets in model.calibration_scores(ids, prompt_len - 1):
             target_logits = logits.gather(-1, targets.clamp(min=0)[:, None])
@@ -218,7 +215,7 @@ def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]]
     Returns:
         ``(rank_accuracies [num_heads][top_k], positions per head)``.
     """
-    return rank_accuracies_from(measure_ranks(model, sequences, top_k), model.config.num_heads, top_k)
+    return rank_accuracies_from(measure_ranks(model, sequences, top_k), model.config.depth, top_k)
 
 
 # ------------------------------------------------------------------------------------------- writing

@@ -46,7 +46,7 @@ def calibrate(cfg: BuildTreeConfig, model, tokenizer) -> tuple[list[str], list, 
               f"({len(seen):,} training prompts passed over)")
     sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
     ranks = measure_ranks(model, sequences, cfg.top_k)
-    accuracies, counts = rank_accuracies_from(ranks, model.config.num_heads, cfg.top_k)
+    accuracies, counts = rank_accuracies_from(ranks, model.config.depth, cfg.top_k)
     return prompts, sequences, ranks, accuracies, counts
 
 

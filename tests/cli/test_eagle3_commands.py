@@ -37,7 +37,7 @@ def test_export_writes_the_draft_as_it_is_and_refuses_the_medusa_layout(draft_fo
 
 def test_the_serve_line_and_choose_k_speak_eagle3(draft_folder):
     from medusa_train.cli.choose_k import build_choose_k_config
-    from medusa_train.cli.export import serve_command
+    from medusa_train.export.serve import serve_command
 
     line = serve_command(draft_folder)
     assert '"method": "eagle3"' in line and "choose K in 1..3" in line

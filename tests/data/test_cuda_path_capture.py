@@ -11,7 +11,7 @@ import torch
 from helpers.backbones import PACKAGED_MODEL
 
 from medusa_train import load_backbone
-from medusa_train.config.capture import DataConfig
+from medusa_train.config.data import DataConfig
 from medusa_train.data.capture import capture_split, load_captured, tokens_per_shard, write_index
 
 

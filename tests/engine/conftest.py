@@ -26,7 +26,7 @@ def trained_heads(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("engine-heads")
     cfg = compose_config([
         f"model.name_or_path={PACKAGED_MODEL}", "model.dtype=float32", "trainer.mixed_precision=no",
-        f"heads.num_heads={NUM_HEADS}", "heads.share_lm_head=true", "heads.vocab_size=4096",
+        f"heads.num_heads={NUM_HEADS}", "heads.share_lm_head=true", "heads.draft_vocab_size=4096",
         "loss.targets=teacher", "data.max_samples=160", "data.max_length=128", "data.eval_size=8",
         "data.batch_size=8", "trainer.max_steps=14", "trainer.eval_every=14", "trainer.save_every=14",
         "optim.lr=3e-3", f"trainer.output_dir={out}"])

@@ -31,7 +31,7 @@ def _served_eval(heads, out, urls, prompts=PROMPTS, max_tokens=MAX_TOKENS, **ser
     return run(build_eval_config({
         "heads": heads, "engine": "vllm", "tree": "chain", "model": {"dtype": "float32"},
         "bench": {"limit": prompts, "turns": 1}, "generation": {"max_new_tokens": max_tokens}, "warmup": False,
-        "progress": False, "output_dir": str(out), "baselines": {"lookup_num_tokens": 5, "lookup_ngram_size": 2},
+        "progress": False, "output_dir": str(out), "baselines": {"prompt_lookup_num_tokens": 5, "prompt_lookup_ngram_size": 2},
         "served": {"concurrency": 3, "sampled_temperature": 0.7, "plain_url": urls["plain"],
                    "ngram_url": urls["ngram"], **served}}))
 
@@ -49,8 +49,8 @@ def test_every_served_row_counts_tokens_per_decode_step_and_the_heads_agree_with
     report = _served_eval(trained_heads, tmp_path / "report", free_servers)
     served = report["served"]
     rows = served["rows"]
-    assert list(rows) == ["plain", "ngram", "medusa"] and served["attached"] == ["plain", "ngram"]
-    plain, ngram, heads = rows["plain"], rows["ngram"], rows["medusa"]
+    assert list(rows) == ["plain", "ngram", "draft"] and served["attached"] == ["plain", "ngram"]
+    plain, ngram, heads = rows["plain"], rows["ngram"], rows["draft"]
     assert plain["decode_steps"] == plain["tokens"] - plain["replies"] and plain["tokens_per_step"] == 1.0
     assert plain["mean_acceptance_length"] is None
     assert heads["drafts"] == heads["decode_steps"] > 0 and heads["drafted_share"] == 1.0
@@ -101,7 +101,7 @@ def test_heads_vllm_cannot_serve_still_get_the_free_served_rows(model_folder, fr
                           sampled_temperature=0)
     served = report["served"]
     assert list(served["rows"]) == ["plain", "ngram"]
-    assert "heads.next_token_input" in served["heads_not_served"]
+    assert "heads.next_token_input" in served["draft_not_served"]
     assert served["rows"]["ngram"]["speedup"] > 0 and served["rows"]["ngram"]["outputs"]["unexplained"] == 0
     assert "The heads were not served" in (tmp_path / "report" / "report.md").read_text().splitlines()[4]
 
@@ -176,7 +176,7 @@ def test_heads_with_their_own_output_layers_load_and_propose(model_folder, tmp_p
     """The other layout vLLM accepts from us: plain heads with their own (whole-vocabulary) output layers
     (``lm_heads.{h}.weight``, ``original_lm_head: false``). The engine loads them and proposes K tokens a step."""
     from medusa_train import MedusaModel, load_backbone
-    from medusa_train.export.write import export_heads
+    from medusa_train.model.medusa_export import export_heads
 
     backbone, _ = load_backbone(model_folder, dtype="float32")
     heads = MedusaModel.from_backbone(backbone, num_heads=2, share_lm_head=False)  # each head a copy of the LM head

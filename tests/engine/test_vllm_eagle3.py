@@ -53,8 +53,8 @@ def test_the_engine_serves_the_draft_and_accepts_what_our_chain_accepts(fitted, 
         "progress": False, "output_dir": str(tmp_path / "report"),
         "baselines": {"prompt_lookup": False},  # the free rows are test_vllm.py's claim
         "served": {"concurrency": 1, "sampled_temperature": 0, "ngram": False, "plain_url": free_servers["plain"]}}))
-    row = report["served"]["rows"]["medusa"]
-    assert list(report["served"]["rows"]) == ["plain", "medusa"] and "EAGLE-3" in row["decodes_with"]
+    row = report["served"]["rows"]["draft"]
+    assert list(report["served"]["rows"]) == ["plain", "draft"] and "EAGLE-3" in row["decodes_with"]
     assert row["speculative_config"]["method"] == "eagle3" and row["speculative_config"]["model"] == str(export)
     assert row["speculative_config"]["num_speculative_tokens"] == K
     assert row["drafts"] == row["decode_steps"] > 0 and row["drafted_share"] == 1.0  # it drafts on every step

@@ -44,17 +44,17 @@ def test_forwards_are_counted_by_the_backbone_itself(loaded):
 def test_every_row_counts_tokens_per_forward_after_the_prefill(loaded):
     model, tokenizer = loaded
     report = evaluate(model, tokenizer, PROMPTS, TREE, max_new_tokens=16, progress=False, warmup=False,
-                      baselines=BaselinesConfig(lookup_num_tokens=5, lookup_ngram_size=2))
+                      baselines=BaselinesConfig(prompt_lookup_num_tokens=5, prompt_lookup_ngram_size=2))
     rows, records = report["methods"], report["per_prompt"]
-    assert list(rows) == ["plain", "prompt_lookup", "medusa"]
+    assert list(rows) == ["plain", "prompt_lookup", "draft"]
     n = len(records)
     assert rows["plain"]["tokens_per_forward"] == 1.0  # exactly: HF greedy is one token per forward
-    lookup_tokens = sum(r["lookup_new_tokens"] for r in records)
-    lookup_forwards = sum(r["lookup_s"]["forwards"] - 1 for r in records)
+    lookup_tokens = sum(r["prompt_lookup_new_tokens"] for r in records)
+    lookup_forwards = sum(r["prompt_lookup_s"]["forwards"] - 1 for r in records)
     assert rows["prompt_lookup"]["tokens_per_forward"] == pytest.approx((lookup_tokens - n) / lookup_forwards)
-    assert rows["medusa"]["tokens_per_forward"] == report["mean_accepted_length"]
+    assert rows["draft"]["tokens_per_forward"] == report["mean_accepted_length"]
     # speedups divide by the same plain row; greedy outputs are compared with it
-    for name in ("prompt_lookup", "medusa"):
+    for name in ("prompt_lookup", "draft"):
         assert rows[name]["speedup"] == pytest.approx(rows[name]["tokens_per_s"] / rows["plain"]["tokens_per_s"])
         assert rows[name]["outputs"] == {"compared": n, "identical": n}
     assert report["settings"]["prompt_lookup"] == {"num_tokens": 5, "max_matching_ngram_size": 2, "sweep": [],
@@ -65,11 +65,11 @@ def test_every_row_counts_tokens_per_forward_after_the_prefill(loaded):
 def test_the_first_lines_say_what_the_heads_buy_over_the_best_free_baseline(loaded):
     model, tokenizer = loaded
     report = evaluate(model, tokenizer, PROMPTS[:1], TREE, turns=1, max_new_tokens=12, progress=False, warmup=False,
-                      baselines=BaselinesConfig(lookup_num_tokens=3, lookup_ngram_size=2))
+                      baselines=BaselinesConfig(prompt_lookup_num_tokens=3, prompt_lookup_ngram_size=2))
     rows = report["methods"]
     line = headline_lines(report)[0]
     best = max(("plain", "prompt_lookup"), key=lambda k: rows[k]["tokens_per_s"])
-    bought = rows["medusa"]["tokens_per_s"] / rows[best]["tokens_per_s"]
+    bought = rows["draft"]["tokens_per_s"] / rows[best]["tokens_per_s"]
     assert f"the heads buy {bought:.2f}x" in line
     assert ("plain decoding" if best == "plain" else "HF prompt lookup (N=3, ngram 2)") in line.split("best free")[1]
     markdown = render_markdown(report).splitlines()
@@ -79,11 +79,11 @@ def test_the_first_lines_say_what_the_heads_buy_over_the_best_free_baseline(load
 
 def test_the_sweep_times_the_grid_and_keeps_the_fastest(loaded):
     model, tokenizer = loaded
-    chosen = choose_prompt_lookup(model, tokenizer, PROMPTS, BaselinesConfig(lookup_ngram_size=3, sweep_prompts=1,
+    chosen = choose_prompt_lookup(model, tokenizer, PROMPTS, BaselinesConfig(prompt_lookup_ngram_size=3, sweep_prompts=1,
                                                                              sweep_max_new_tokens=8), [], 0)
     assert [(r["num_tokens"], r["max_matching_ngram_size"]) for r in chosen["sweep"]] == \
         [(3, 3), (5, 3), (10, 3)]  # a given setting fixes its half of the grid, the other half is swept
-    odd = choose_prompt_lookup(model, tokenizer, PROMPTS, BaselinesConfig(lookup_num_tokens=4, sweep_prompts=1,
+    odd = choose_prompt_lookup(model, tokenizer, PROMPTS, BaselinesConfig(prompt_lookup_num_tokens=4, sweep_prompts=1,
                                                                           sweep_max_new_tokens=8), [], 0)
     assert [(r["num_tokens"], r["max_matching_ngram_size"]) for r in odd["sweep"]] == [(4, 2), (4, 3)]
     best = max(chosen["sweep"], key=lambda r: r["tokens_per_s"])
@@ -95,4 +95,4 @@ def test_turning_prompt_lookup_off_leaves_two_rows(loaded):
     model, tokenizer = loaded
     report = evaluate(model, tokenizer, PROMPTS[:1], TREE, turns=1, max_new_tokens=6, progress=False, warmup=False,
                       baselines=BaselinesConfig(prompt_lookup=False))
-    assert list(report["methods"]) == ["plain", "medusa"] and report["settings"]["prompt_lookup"] is None
+    assert list(report["methods"]) == ["plain", "draft"] and report["settings"]["prompt_lookup"] is None

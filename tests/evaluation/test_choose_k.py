@@ -15,7 +15,7 @@ from helpers import ROOT
 from helpers.training import make_model_dir
 
 from medusa_train.cli.choose_k import build_choose_k_config
-from medusa_train.cli.export import serve_command
+from medusa_train.export.serve import serve_command
 from medusa_train.cli.main import COMMANDS, usage
 from medusa_train.config.check import ConfigError
 from medusa_train.config.choose_k import ChooseKConfig

@@ -82,9 +82,9 @@ def test_report_numbers_recompute_from_per_prompt(loaded):
     writing = [r for r in rows if r["category"] == "writing"]
     assert cats["writing"]["accepted_length"] == pytest.approx(
         (sum(r["new_tokens"] for r in writing) - len(writing)) / sum(r["steps"] for r in writing))
-    medusa_tps = tokens / sum(r["medusa_s"]["wall_s"] for r in rows)
+    medusa_tps = tokens / sum(r["draft_s"]["wall_s"] for r in rows)
     plain_tps = sum(r["plain_new_tokens"] for r in rows) / sum(r["plain_s"]["wall_s"] for r in rows)
-    assert report["tokens_per_s"] == pytest.approx({"medusa": medusa_tps, "plain": plain_tps})
+    assert report["tokens_per_s"] == pytest.approx({"draft": medusa_tps, "plain": plain_tps})
     assert report["speedup"] == pytest.approx(medusa_tps / plain_tps)
     assert report["settings"]["tree_nodes"] == len(TREE) + 1 and report["settings"]["max_new_tokens"] == 12
 
@@ -100,9 +100,9 @@ def test_an_eagle3_drafts_rows_name_the_draft_not_heads(loaded):
     backbone.config.pad_token_id, backbone.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     draft = Eagle3Model.from_backbone(backbone, aux_layer_ids=[0, 1, 3], ttt_steps=2)
     report = evaluate(draft, tokenizer, PROMPTS[:1], [[0], [0, 0]], turns=1, max_new_tokens=8, progress=False)
-    assert report["methods"]["medusa"]["decodes_with"] == "medusa-train tree decoder with the EAGLE-3 draft"
+    assert report["methods"]["draft"]["decodes_with"] == "medusa-train tree decoder with the EAGLE-3 draft"
     assert report["mismatches"] == 0
-    assert "| medusa | medusa-train tree decoder with the EAGLE-3 draft |" in render_markdown(report)
+    assert "| draft | medusa-train tree decoder with the EAGLE-3 draft |" in render_markdown(report)
     assert "the EAGLE-3 draft buys" in headline_lines(report)[0] and "heads" not in headline_lines(report)[0]
 
 def test_a_head_the_tree_never_reaches_is_reported_as_untried_not_as_never_right(loaded):
@@ -125,9 +125,9 @@ def test_a_tree_with_a_lookup_chain_is_reported_with_each_branch_alone(loaded):
     report = evaluate(model, tokenizer, PROMPTS, {"choices": TREE, "lookup_depth": 3}, max_new_tokens=12,
                       progress=False, warmup=False)
     rows, methods = report["per_prompt"], report["methods"]
-    assert list(methods) == ["plain", "prompt_lookup", "heads_only", "context_lookup", "medusa"]
-    assert "lookup chain in one tree" in methods["medusa"]["decodes_with"]
-    for name in ("heads_only", "context_lookup"):
+    assert list(methods) == ["plain", "prompt_lookup", "draft_only", "context_lookup", "draft"]
+    assert "lookup chain in one tree" in methods["draft"]["decodes_with"]
+    for name in ("draft_only", "context_lookup"):
         tokens, steps = sum(r[name]["new_tokens"] for r in rows), sum(r[name]["steps"] for r in rows)
         assert methods[name]["tokens_per_forward"] == pytest.approx((tokens - len(rows)) / steps)
         assert methods[name]["speedup"] == pytest.approx(
@@ -139,14 +139,14 @@ def test_a_tree_with_a_lookup_chain_is_reported_with_each_branch_alone(loaded):
         [sum(d > i for d in depths) / report["totals"]["steps"] for i in range(max(depths, default=0))])
     assert report["settings"]["tree_nodes"] == len(TREE) + 1 + 3 and report["settings"]["lookup_depth"] == 3
     # TensorRT-LLM's static tree has no lookup chain: it would accept what the heads' nodes alone do
-    assert report["engines"]["trtllm"]["mean_accepted_length"] == methods["heads_only"]["tokens_per_forward"]
+    assert report["engines"]["trtllm"]["mean_accepted_length"] == methods["draft_only"]["tokens_per_forward"]
     assert report["engines"]["native"]["mean_accepted_length"] == report["mean_accepted_length"]
-    assert set(report["per_category"]["writing"]) >= {"heads_only_speedup", "context_lookup_tokens_per_forward"}
+    assert set(report["per_category"]["writing"]) >= {"draft_only_speedup", "context_lookup_tokens_per_forward"}
     markdown = render_markdown(report)
     assert "the heads and context lookup in one tree" in markdown and "the heads alone" in markdown
-    assert "| category | count | accepted length | speedup | heads alone | our lookup alone |" in markdown
+    assert "| category | count | accepted length | speedup | draft alone | our lookup alone |" in markdown
     plain_tree = evaluate(model, tokenizer, PROMPTS[:1], TREE, max_new_tokens=8, progress=False, warmup=False)
-    assert "heads_only" not in plain_tree["methods"] and plain_tree["lookup_acceptance"] is None
+    assert "draft_only" not in plain_tree["methods"] and plain_tree["lookup_acceptance"] is None
 
 
 def install_oracle_heads(monkeypatch, model, tokenizer, prompts, max_new_tokens):
@@ -214,8 +214,8 @@ def test_mismatch_detail_describes_the_base_models_choice(loaded):
     assert first_difference(plain, plain) is None
     assert first_difference(plain, other) == 3 and first_difference(plain, plain[:5]) == 5
     detail = mismatch_detail(model, ids, plain, other, 3)
-    assert detail["position"] == 3 and detail["plain_token"] == plain[3] and detail["medusa_token"] == other[3]
-    assert detail["top2_gap"] >= 0 and detail["plain_minus_medusa_logit"] >= 0  # plain's token is the argmax
+    assert detail["position"] == 3 and detail["plain_token"] == plain[3] and detail["draft_token"] == other[3]
+    assert detail["top2_gap"] >= 0 and detail["plain_minus_draft_logit"] >= 0  # plain's token is the argmax
     # float32: the tree pass must reproduce one-token decoding exactly, so no difference is rounding
     assert detail["tolerance"] == 0.0 and detail["kind"] == "unexplained"
 
@@ -255,7 +255,7 @@ def test_run_writes_report_files_and_prints_headline_last(heads_dir, tmp_path, c
         assert (tmp_path / "out" / name).stat().st_size > 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert REQUIRED_KEYS <= set(report)
-    assert set(report["tokens_per_s"]) == {"medusa", "plain"}
+    assert set(report["tokens_per_s"]) == {"draft", "plain"}
     assert report["mismatches"] == 0 and len(report["per_prompt"]) == 4
     assert f"{report['mean_accepted_length']:.2f}" in lines[-2]
     assert "| writing |" in (tmp_path / "out" / "report.md").read_text()

@@ -13,7 +13,8 @@ from helpers.backbones import make_tiny_backbone
 from safetensors.torch import load_file, save_file
 
 from medusa_train import MedusaModel
-from medusa_train.export.write import export_folder, export_heads
+from medusa_train.export.write import export_folder
+from medusa_train.model.medusa_export import export_heads
 
 HIDDEN, VOCAB = 64, 256
 
@@ -279,7 +280,7 @@ def test_unknown_config_and_bad_options_are_errors(tmp_path, tiny_llama):
     assert not (tmp_path / "x").exists()
     (tmp_path / "y").mkdir()
     (tmp_path / "y/config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="not a Medusa heads config"):
+    with pytest.raises(ValueError, match="not a draft we know"):
         MedusaModel.from_pretrained(tmp_path / "y", backbone=tiny_llama)
 
 
@@ -345,7 +346,7 @@ def test_a_re_export_over_our_own_export_keeps_the_measured_serving_json(tmp_pat
 
 
 def test_the_chat_template_travels_into_every_layout_and_the_serve_line(tmp_path, tiny_llama):
-    from medusa_train.cli.export import serve_command
+    from medusa_train.export.serve import serve_command
     from medusa_train.model.folder import read_chat_template
 
     template = "{% for m in messages %}MARKER {{ m['content'] }}\n{% endfor %}"
@@ -395,7 +396,7 @@ def test_script_converts_a_native_export_end_to_end(tmp_path):
     assert spec == {"method": "medusa", "model": str((tmp_path / "vllm").resolve()), "num_speculative_tokens": 1}
     assert serve.startswith(f"vllm serve {backbone.name_or_path} --dtype float32 ")
     assert "python -m vllm.entrypoints.openai.api_server --model " in done.stdout
-    from medusa_train.cli.export import serve_command
+    from medusa_train.export.serve import serve_command
 
     (tmp_path / "vllm/serving.json").write_text(json.dumps({"recommended_num_speculative_tokens": 2, "rows": []}))
     assert '"num_speculative_tokens": 2}' in serve_command(tmp_path / "vllm")

@@ -123,7 +123,7 @@ def test_medusa2_on_bitsandbytes_cuda_trains_lora_and_heads_and_merges_into_the_
     torch.cuda.reset_peak_memory_stats()
     record = recipe.train()
     print(f"medusa2 on CUDA: peak {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB; last eval {record}")
-    save_run_export(recipe)
+    save_run_export(recipe.trained())
     recipe.cleanup()
 
     train = [m for m in read_metrics(tmp_path) if m["split"] == "train"]

@@ -1,4 +1,4 @@
-"""Heads with a draft vocabulary (``heads.vocab_size=K``): the K most frequent training targets, a
+"""Heads with a draft vocabulary (``heads.draft_vocab_size=K``): the K most frequent training targets, a
 ``token_map`` back to token ids, exact greedy output, the layouts that hold it and those that refuse it."""
 
 import json
@@ -13,7 +13,7 @@ from medusa_train import MedusaModel
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.evaluation.engines import engine_rows
-from medusa_train.export.write import export_heads
+from medusa_train.model.medusa_export import export_heads
 from medusa_train.model.draft_vocab import most_frequent_tokens
 from medusa_train.model.medusa_propose import heads_candidates
 from medusa_train.training.targets import Teacher, inputs_and_targets
@@ -63,7 +63,7 @@ def test_most_frequent_tokens_counts_trained_labels_ties_to_the_lower_id():
     assert most_frequent_tokens(labels, 2, 16).tolist() == [3, 5]
     assert most_frequent_tokens(labels, 3, 16).tolist() == [3, 5, 9]  # 5 and 9 tie: both kept at 3
     assert most_frequent_tokens(labels, 5, 16).tolist() == [0, 3, 5, 7, 9]  # filled with unseen token 0
-    with pytest.raises(ValueError, match="heads.vocab_size=16"):
+    with pytest.raises(ValueError, match="heads.draft_vocab_size=16"):
         most_frequent_tokens(labels, 16, 16)
     with pytest.raises(ValueError, match="outside the backbone's 8-token vocabulary"):
         most_frequent_tokens(labels, 2, 8)
@@ -208,7 +208,7 @@ def test_vllm_refuses_draft_heads_with_their_own_output_layers_saying_why(tmp_pa
 
 
 def test_medusa_v1_refuses_a_draft_vocabulary_naming_the_key(tmp_path, tiny_llama):
-    with pytest.raises(ValueError, match=r"format=medusa_v1: .*heads.vocab_size.*format=vllm"):
+    with pytest.raises(ValueError, match=r"format=medusa_v1: .*heads.draft_vocab_size.*format=vllm"):
         export_heads(_heads(tiny_llama, False), tmp_path, "medusa_v1")
 
 
@@ -234,7 +234,7 @@ def test_training_with_heads_vocab_size_exports_the_data_s_most_frequent_tokens(
 
     model_dir, data = make_model_dir(tmp_path / "model"), make_chat_jsonl(tmp_path / "chat.jsonl")
     cfg = compose_config(train_overrides(model_dir, data, tmp_path / "run", **{
-        "trainer.max_steps": 30, "trainer.eval_every": 30, "heads.vocab_size": 24, "heads.share_lm_head": True}))
+        "trainer.max_steps": 30, "trainer.eval_every": 30, "heads.draft_vocab_size": 24, "heads.share_lm_head": True}))
     run(cfg)
     model = MedusaModel.from_pretrained(tmp_path / "run" / "export", dtype="float32")
     train, _, _ = build_datasets(AutoTokenizer.from_pretrained(model_dir), str(data), 96, None, 8, cfg.data.seed)
@@ -254,8 +254,8 @@ def test_init_from_heads_of_another_vocabulary_size_is_refused_naming_the_key(tm
     backbone = AutoModelForCausalLM.from_pretrained(model_dir)
     MedusaModel.from_backbone(backbone, 3, share_lm_head=True).save_pretrained(tmp_path / "heads")
     overrides = {"heads.init_from": tmp_path / "heads", "heads.share_lm_head": True}
-    cfg = compose_config(train_overrides(model_dir, data, tmp_path / "run", **overrides, **{"heads.vocab_size": 24}))
-    with pytest.raises(ValueError, match=r"holds heads with heads.vocab_size=null: set these to match"):
+    cfg = compose_config(train_overrides(model_dir, data, tmp_path / "run", **overrides, **{"heads.draft_vocab_size": 24}))
+    with pytest.raises(ValueError, match=r"holds heads with heads.draft_vocab_size=null: set these to match"):
         build_heads(cfg, backbone, torch.device("cpu"), [])
     same = compose_config(train_overrides(model_dir, data, tmp_path / "run", **overrides))
     assert build_heads(same, backbone, torch.device("cpu"), []).token_map is None

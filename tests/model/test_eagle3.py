@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.model.eagle3 import Eagle3Config, default_aux_layers, is_eagle3_config
 from medusa_train.model.eagle3_model import Eagle3Model, chained_attention
-from medusa_train.model.layouts import detect_format
+from medusa_train.model.family import FAMILIES, family_of
 from medusa_train.training.eagle3_loss import ttt_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -145,7 +145,7 @@ def test_the_folder_is_vllms_layout_and_round_trips_bit_exact(tmp_path):
     assert config["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 128 and config["vocab_size"] == 256
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
     assert config["rope_parameters"] == dict(bb.config.rope_parameters) and not config["tie_word_embeddings"]
-    assert detect_format(config) == "eagle3" and is_eagle3_config(config)
+    assert family_of(config) == (FAMILIES["eagle3"], "vllm") and is_eagle3_config(config)
     assert not {"norm_before_residual", "norm_output", "fc_norm", "norm_before_fc"} & set(config)
     tensors = load_file(str(folder / "model.safetensors"))
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",

@@ -16,7 +16,8 @@ def test_read_export_config_gives_the_head_count_and_resolves_a_base_beside_the_
     (tmp_path / "merged" / "config.json").write_text("{}")
     (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "base_model_name_or_path": "merged"}))
     assert read_export_config(tmp_path) == (3, str(tmp_path / "merged"))
-    (tmp_path / "config.json").write_text(json.dumps({"num_heads": 2, "base_model_name_or_path": "org/model"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 2,
+                                                      "base_model_name_or_path": "org/model"}))
     assert read_export_config(tmp_path) == (2, "org/model")
 
 
@@ -25,6 +26,10 @@ def test_check_heads_names_a_missing_folder_and_a_config_without_a_head_count(tm
     assert check_heads(str(tmp_path), p) == (None, None)
     assert "no config.json" in str(p)
     (tmp_path / "config.json").write_text(json.dumps({"base_model_name_or_path": "org/model"}))
+    p = Problems()
+    assert check_heads(str(tmp_path), p) == (None, None)
+    assert "not a draft we know" in str(p)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "medusa", "base_model_name_or_path": "org/model"}))
     p = Problems()
     assert check_heads(str(tmp_path), p) == (None, None)
     assert "how many heads" in str(p)

@@ -35,7 +35,7 @@ def test_the_recipe_trains_a_draft_that_learns_and_exports_what_vllm_loads(tiny_
     from medusa_train.cli.train import run
     from medusa_train.decoding import MedusaTree, medusa_generate
 
-    cfg = eagle3_config(tiny_setup, tmp_path / "run", **{"eagle3.vocab_size": 40, "trainer.max_steps": 16,
+    cfg = eagle3_config(tiny_setup, tmp_path / "run", **{"eagle3.draft_vocab_size": 40, "trainer.max_steps": 16,
                                                           "trainer.eval_every": 16, "optim.lr": 0.02})
     assert cfg.method == "eagle3" and cfg.loss.targets == "teacher"
     run(cfg)

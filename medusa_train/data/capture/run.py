@@ -1,7 +1,8 @@
-"""The capture stage's orchestration: which states a config captures, where they go, capturing both splits over
-the launched processes, and ``medusa-train capture`` whole (``run_capture``). Training with
-``data.cache_hidden_states=true`` runs the same functions with its config's capture view
-(``config.capture.capture_view``), so both find the same folders."""
+"""The capture stage's orchestration: where a config's states go, capturing both splits over the launched processes,
+and ``medusa-train capture`` whole (``run_capture``). Which states are stored per token is the draft family's
+(``captured``: a ``model.contract.CapturedStates``, from ``model.family.captured_for``), handed in by the caller, so
+nothing here knows a family. Training with ``data.cache_hidden_states=true`` runs the same functions with its
+config's capture view (``config.capture.capture_view``), so both find the same folders."""
 
 from __future__ import annotations
 
@@ -16,34 +17,26 @@ from medusa_train.data.cache import cache_key as examples_key
 from medusa_train.data.capture import store
 
 
-def captured_already(cfg: CaptureConfig, tokenizer, accelerator, train: list[dict], evals: list[dict]) -> bool:
+def captured_already(cfg: CaptureConfig, captured, tokenizer, accelerator, train: list[dict], evals: list[dict]) -> bool:
     """Whether both splits' hidden states are captured for these settings (training then never runs the backbone)."""
     from accelerate.utils import broadcast_object_list
 
-    folders = capture_folders(cfg, capture_settings(cfg, tokenizer, len(train), len(evals)))
+    folders = capture_folders(cfg, capture_settings(cfg, captured, tokenizer, len(train), len(evals)))
     return broadcast_object_list([all(store.read_index(f, key) is not None for f, key in folders.values())])[0]
 
 
 
-def capture_settings(cfg: CaptureConfig, tokenizer, n_train: int, n_eval: int) -> dict:
+def capture_settings(cfg: CaptureConfig, captured, tokenizer, n_train: int, n_eval: int) -> dict:
     """Everything that changes the captured hidden states (the model section but its placement: quantization
-    and its settings change them as much as the weights do), and the examples' identity as the tokenised cache
-    keys it (tokenizer and chat template, the source files' size and time, lengths and split)."""
+    and its settings change them as much as the weights do; what the family stores, ``captured.key``), and the
+    examples' identity as the tokenised cache keys it (tokenizer and chat template, the source files' size and time,
+    lengths and split)."""
     d, m = cfg.data, cfg.model
     model_section = {k: v for k, v in asdict(m).items() if k not in ("device_map", "fsdp")}
     return {"examples": examples_key(tokenizer, d.source, d.max_length, d.max_samples, d.eval_size, d.seed),
             "model": m.name_or_path, "model_section": json.dumps(model_section, sort_keys=True), "source": d.source,
             "max_samples": d.max_samples, "max_length": d.max_length, "eval_size": d.eval_size, "seed": d.seed,
-            "tokenizer": tokenizer.name_or_path, "n_train": n_train, "n_eval": n_eval, **eagle3_states(cfg)}
-
-
-def eagle3_states(cfg: CaptureConfig) -> dict:
-    """What an EAGLE-3 capture stores beyond Medusa's, in its settings (so the key tells them apart); nothing for
-    Medusa, whose keys stay as they were."""
-    if cfg.method != "eagle3":
-        return {}
-    return {"states": "eagle3: aux hidden states, then the final one; token ids",
-            "aux_layer_ids": cfg.eagle3.aux_layer_ids or "default (2, L//2, L-3)"}
+            "tokenizer": tokenizer.name_or_path, "n_train": n_train, "n_eval": n_eval, **captured.key}
 
 
 def capture_folders(cfg: CaptureConfig, settings: dict) -> dict[str, tuple[Path, str]]:
@@ -53,13 +46,14 @@ def capture_folders(cfg: CaptureConfig, settings: dict) -> dict[str, tuple[Path,
     return {split: (root / f"{key}-{split}", key) for split in ("train", "eval")}
 
 
-def capture_hidden_states(cfg: CaptureConfig, tokenizer, hidden_fn, accelerator, train: list[dict], evals: list[dict]):
+def capture_hidden_states(cfg: CaptureConfig, captured, tokenizer, hidden_fn, accelerator, train: list[dict],
+                          evals: list[dict]):
     """Capture the frozen backbone's states (``hidden_fn(input_ids, attention_mask) -> hidden``) of both splits,
     each process its share of the shards (finished shards are kept), then read them lazily: later epochs
     (and runs) never run the backbone. Returns ``(train, evals, collator)``."""
     from accelerate.utils import broadcast_object_list
 
-    settings = capture_settings(cfg, tokenizer, len(train), len(evals))
+    settings = capture_settings(cfg, captured, tokenizer, len(train), len(evals))
     loaded = []
     for split, examples in (("train", train), ("eval", evals)):
         folder, key = capture_folders(cfg, settings)[split]
@@ -70,7 +64,7 @@ def capture_hidden_states(cfg: CaptureConfig, tokenizer, hidden_fn, accelerator,
                     hidden_fn, examples, folder, key,
                     cfg.data.batch_size * 2, accelerator.device, accelerator.process_index,
                     accelerator.num_processes, cfg.data.shard_bytes, desc=f"capture {split}",
-                    keep_tokens=cfg.method == "eagle3")
+                    keep_tokens=captured.keep_tokens)
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 store.write_index(folder, examples, key, {**settings, "split": split}, done["shard_tokens"])
@@ -82,8 +76,9 @@ def capture_hidden_states(cfg: CaptureConfig, tokenizer, hidden_fn, accelerator,
     return loaded[0], loaded[1], store.HiddenCollator()
 
 
-def run_capture(cfg: CaptureConfig) -> dict:
-    """Capture both splits (each process its share of the shards; finished ones kept); returns the train index."""
+def run_capture(cfg: CaptureConfig, captured) -> dict:
+    """Capture both splits (each process its share of the shards; finished ones kept) of what ``captured`` says the
+    draft reads; returns the train index."""
     from accelerate import Accelerator
 
     from medusa_train.backbone.load import load_backbone_for
@@ -102,8 +97,8 @@ def run_capture(cfg: CaptureConfig) -> dict:
     backbone, tokenizer = load_backbone_for(cfg.model, accelerator.device)
     backbone.eval()
     train, evals = load_examples(cfg.data, tokenizer, accelerator)
-    capture_hidden_states(cfg, tokenizer, states_fn(cfg, backbone), accelerator, train, evals)
-    folders = capture_folders(cfg, capture_settings(cfg, tokenizer, len(train), len(evals)))
+    capture_hidden_states(cfg, captured, tokenizer, captured.states(backbone), accelerator, train, evals)
+    folders = capture_folders(cfg, capture_settings(cfg, captured, tokenizer, len(train), len(evals)))
     indexes = {split: store.read_index(folder, key) for split, (folder, key) in folders.items()}
     if accelerator.is_main_process:
         seconds = time.perf_counter() - started
@@ -115,19 +110,3 @@ def run_capture(cfg: CaptureConfig) -> dict:
               "data.cache_hidden_states=true", flush=True)
     accelerator.end_training()
     return indexes["train"]
-
-
-def states_fn(cfg: CaptureConfig, backbone):
-    """What ``cfg.method`` captures of ``backbone`` per token, as ``fn(input_ids, attention_mask)``: the final
-    hidden states (Medusa), or the EAGLE-3 draft's three states and the final one."""
-    if cfg.method == "eagle3":
-        from medusa_train.model.eagle3 import captured_states
-
-        return captured_states(backbone, cfg.eagle3.aux_layer_ids)
-    decoder = backbone.get_decoder()
-    first = backbone.get_input_embeddings().weight.device  # device_map=auto: where the inputs go
-
-    def hidden_fn(input_ids, attention_mask):
-        return decoder(input_ids=input_ids.to(first), attention_mask=attention_mask.to(first)).last_hidden_state
-
-    return hidden_fn

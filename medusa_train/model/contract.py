@@ -1,0 +1,125 @@
+"""What every draft family provides: the contract the decoder, the tree, training, loading, export and evaluation rely
+on, so that none of them asks which family a draft belongs to.
+
+A draft family (Medusa heads, an EAGLE-3 draft; later MTP, P-EAGLE, DFlash) is a config class (``DraftConfig``), a
+model class on an unmodified backbone (``DraftModel``), the states a capture stores for it (``CapturedStates``) and a
+row of ``model/family.py``'s table. These are Protocols, checked by shape (``isinstance`` works: they are runtime
+checkable), not base classes: families share functions, never implementation by inheritance (as torchtune's
+recipe interfaces do).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class DraftConfig(Protocol):
+    """What a draft needs to be rebuilt, and what the rest of the toolkit asks of it."""
+
+    hidden_size: int  #: the backbone's hidden size
+    vocab_size: int  #: the backbone's vocabulary
+    draft_vocab_size: int | None  #: tokens the draft scores when fewer than the vocabulary (a token map back)
+    base_model_name_or_path: str | None  #: the backbone it was trained on
+    dtype: str  #: the dtype its weights were saved in
+    vllm_method: str  #: vLLM's ``--speculative-config`` method that serves it
+    draft_name: str  #: what proposes the tree's tokens, in reports ("the heads", "the EAGLE-3 draft")
+    vllm_export_differs: bool  #: whether what vLLM serves differs from what our decoder runs
+
+    @property
+    def depth(self) -> int:
+        """Tokens it drafts a step by default: a chain's length, vLLM's K (Medusa: its heads)."""
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest tree the decoder may ask it for."""
+
+    @property
+    def head_vocab_size(self) -> int:
+        """Tokens one draft position scores (the decoder's top-k asks for no more)."""
+
+    def native_only_features(self) -> dict[str, str]:
+        """``{config key: what it does}`` for each feature only our decoder holds (empty: every engine's layout can)."""
+
+    def layout_problem(self, layout: str) -> str | None:
+        """Why ``layout`` (one its family writes) cannot hold this draft, or ``None`` when it can."""
+
+    def to_dict(self) -> dict:
+        """Its ``config.json`` in its family's native layout."""
+
+
+@runtime_checkable
+class DraftModel(Protocol):
+    """A backbone plus a draft: what the tree decoder, calibration, training's loop and the exports call."""
+
+    config: DraftConfig
+    backbone: Any  #: the unmodified Hugging Face causal LM
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The backbone's LM head (what verifies)."""
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest tree the decoder may ask for."""
+
+    def draft_modules(self) -> list[nn.Module]:
+        """What the family adds to the backbone (what trains, is cast and moved, is saved)."""
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The backbone's next-token logits for its final hidden states."""
+
+    def draft_base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The backbone's logits over the draft vocabulary."""
+
+    def new_decode_state(self) -> Any:
+        """Fresh per-sequence state for ``propose`` (it can ``rewind(length)`` to an accepted length)."""
+
+    def propose(self, tree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
+                state: Any) -> torch.Tensor:
+        """(num_nodes,) the tree's tokens for one verify step."""
+
+    def guessed_tokens(self, indices: torch.Tensor) -> torch.Tensor:
+        """Token ids of draft outputs ``indices`` (the draft vocabulary mapped back)."""
+
+    def calibration_scores(self, ids: torch.Tensor, start: int):
+        """Yields ``(depth, scores, targets)`` along a text, on the path the decoder would walk."""
+
+    def native_files(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+        """``({file name: tensors}, config.json)`` of its native layout."""
+
+    def save_pretrained(self, directory: str | os.PathLike, chat_template: str | None = None) -> Path:
+        """Its native layout, written atomically."""
+
+    def save_as(self, directory: str | os.PathLike, layout: str, chat_template: str | None = None,
+                option: str | None = None) -> Path:
+        """One of the layouts its family writes (``Family.layouts``), written atomically."""
+
+
+@dataclass(frozen=True)
+class CapturedStates:
+    """What a capture stores per token for a family's draft (``medusa-train capture``, ``data.cache_hidden_states``)."""
+
+    #: ``backbone -> fn(input_ids, attention_mask) -> (batch, seq, width)``: the states stored per token
+    states: Callable[[Any], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+    keep_tokens: bool = False  #: whether the token ids are stored beside them
+    #: what tells this capture apart in the capture's settings key (empty: the final hidden states alone)
+    key: dict = field(default_factory=dict)
+
+
+def final_hidden_states(backbone) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``fn(input_ids, attention_mask) -> (batch, seq, H)``: the backbone's final hidden states (after its norm)."""
+    decoder = backbone.get_decoder()
+    first = backbone.get_input_embeddings().weight.device  # device_map=auto: where the inputs go
+
+    def hidden_fn(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return decoder(input_ids=input_ids.to(first), attention_mask=attention_mask.to(first)).last_hidden_state
+
+    return hidden_fn

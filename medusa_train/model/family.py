@@ -1,0 +1,134 @@
+"""The one table of draft families: each is declared here once, and resolved by name or by a folder's ``config.json``.
+
+Loading, export, choose-k, capture and the demo ask this table (and training's ``config/methods.py``, which maps a
+training method to a family); nothing else branches on a family. What each family provides is the contract in
+``model/contract.py``. A new family (MTP, P-EAGLE, DFlash) is its config and model classes, a ``detect`` of its
+``config.json``, and a row here; ``tests/model/test_families.py`` then runs it through train, export, load and decode.
+
+    family, layout = family_of(read_config_json(folder))   # which family a folder holds, in which layout
+    family.model_class().from_pretrained(folder, backbone=backbone)
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from medusa_train.model.config import MedusaConfig
+from medusa_train.model.contract import CapturedStates, final_hidden_states
+from medusa_train.model.eagle3 import Eagle3Config, eagle3_captured, eagle3_layout
+from medusa_train.model.layouts import medusa_layout
+
+
+@dataclass(frozen=True)
+class Family:
+    """One draft family (a row of ``FAMILIES``)."""
+
+    name: str  #: what ``Method.family`` names
+    config: type  #: its config class (``contract.DraftConfig``)
+    model: str  #: ``module:Class`` of its model (``contract.DraftModel``), imported when first asked for
+    #: the layouts it writes (``medusa-train export format=``); the first is its native one
+    layouts: tuple[str, ...]
+    served_layout: str  #: the layout vLLM loads as it is
+    chains_any_k: bool  #: vLLM serves it as a chain of any K (else K is at most its depth: vLLM builds K heads)
+    detect: Callable[[dict], str | None]  #: a ``config.json`` -> the layout it is in, or None when not this family's
+    captured: Callable[[Any], CapturedStates]  #: its settings section -> what a capture stores for it
+    #: ``module:function`` converting a folder of it to one of its layouts: ``(source, output, format, **options)``
+    converter: str
+
+    def convert_folder(self, source, output, format: str, **options):
+        """Write the folder ``source`` (any of its layouts) as ``format``, one of ``layouts``."""
+        module, name = self.converter.split(":")
+        return getattr(importlib.import_module(module), name)(source, output, format, **options)
+
+    def model_class(self) -> type:
+        """The model class, imported now."""
+        module, name = self.model.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    @property
+    def vllm_method(self) -> str:
+        """vLLM's ``--speculative-config`` method that serves it."""
+        return self.config.vllm_method
+
+    @property
+    def draft_name(self) -> str:
+        """What it is called in messages and reports."""
+        return self.config.draft_name
+
+    def depth_in(self, config: dict) -> int | None:
+        """Its default depth (tokens drafted a step) as a ``config.json`` of any of its layouts states it."""
+        return self.config.depth_in(config)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("medusa", config=MedusaConfig, model="medusa_train.model.medusa:MedusaModel",
+           layouts=("native", "medusa_v1", "vllm"), served_layout="vllm", chains_any_k=False, detect=medusa_layout,
+           captured=lambda settings: CapturedStates(final_hidden_states),
+           converter="medusa_train.model.medusa_export:export_medusa_folder"),
+    Family("eagle3", config=Eagle3Config, model="medusa_train.model.eagle3_model:Eagle3Model",
+           layouts=("native", "vllm"), served_layout="vllm", chains_any_k=True, detect=eagle3_layout,
+           captured=eagle3_captured, converter="medusa_train.model.eagle3_model:export_eagle3_folder"),
+)}
+
+#: every layout some family writes: what ``format=`` may say
+LAYOUTS: tuple[str, ...] = tuple(dict.fromkeys(layout for f in FAMILIES.values() for layout in f.layouts))
+
+
+def family_named(name: str) -> Family:
+    """The family called ``name``.
+
+    Raises:
+        ValueError: no such family, naming those there are.
+    """
+    if name not in FAMILIES:
+        raise ValueError(f"draft family {name!r}: must be one of {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of(config: dict) -> tuple[Family, str]:
+    """``(family, layout)`` of a folder's ``config.json``, as stored (any layout of any family).
+
+    Raises:
+        ValueError: no family recognises it.
+    """
+    for family in FAMILIES.values():
+        layout = family.detect(config)
+        if layout is not None:
+            return family, layout
+    known = "; ".join(f"{f.config.draft_name} ({', '.join(f.layouts)})" for f in FAMILIES.values())
+    raise ValueError(f"config.json is not a draft we know: {known}")
+
+
+def family_of_method(method: str) -> Family:
+    """The family training method ``method`` trains (``config/methods.py``)."""
+    from medusa_train.config.methods import method_named
+
+    return family_named(method_named(method).family)
+
+
+def captured_for(cfg) -> CapturedStates:
+    """What a capture stores for training or capture config ``cfg``: its method's family, given the draft's settings
+    section (``config.capture.draft_settings``)."""
+    from medusa_train.config.capture import draft_settings
+
+    return family_of_method(cfg.method).captured(draft_settings(cfg))
+
+
+def family_of_model(model) -> Family:
+    """The family of a loaded draft model (by its config's class)."""
+    for family in FAMILIES.values():
+        if isinstance(model.config, family.config):
+            return family
+    raise ValueError(f"{type(model).__name__} is no registered draft family's model")
+
+
+def layout_problem(family: Family, config, layout: str) -> str | None:
+    """Why ``layout`` cannot hold a draft of ``family`` with ``config``, with what to change (None: it can)."""
+    if layout not in family.layouts:
+        return (f"{family.draft_name} {'have' if family.draft_name.endswith('s') else 'has'} no {layout} layout "
+                f"(written as {' or '.join(family.layouts)})")
+    return config.layout_problem(layout)
+
