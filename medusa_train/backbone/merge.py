@@ -11,7 +11,7 @@ Nothing here imports peft or bitsandbytes unless the adapter form is asked for.
 - ``merge_backbone``: write-side, builds ``merged/`` from the trained model (``export/run.py``);
 - ``read_backbone_info`` / ``merged_from``: what ``backbone.json`` says.
 
-Loading either form is ``medusa_train.model.load.load_medusa2_export``; how far the backbone moved,
+Loading either form is ``medusa_train.model.load.load_adapted_export``; how far the backbone moved,
 ``medusa_train.evaluation.drift``.
 """
 

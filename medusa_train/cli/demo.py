@@ -181,7 +181,7 @@ def run(cfg: DemoConfig) -> None:
             *py, "train", *training_overrides(cfg), f"data.source={data}", f"trainer.output_dir={run_dir}"],
             done=newer(RunFolder(run_dir).training_config, data))
     else:
-        times["train"] = train_medusa2(cfg, py, data, run_dir, paths["stage1"])
+        times["train"] = train_in_stages(cfg, py, data, run_dir, paths["stage1"])
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
         *py, "build-tree", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
@@ -218,7 +218,7 @@ def run(cfg: DemoConfig) -> None:
     print(f"speedup: {result['speedup']:.2f}x")
 
 
-def train_medusa2(cfg: DemoConfig, py: list[str], data: Path, run_dir: Path, stage1: Path) -> float:
+def train_in_stages(cfg: DemoConfig, py: list[str], data: Path, run_dir: Path, stage1: Path) -> float:
     """Medusa-2 on the demo's data and step budget: the preset's ``trainer.epochs`` in all, two stages by default.
 
     Stage 1 trains the heads on the frozen 4-bit backbone from cached hidden states (as medusa1 does on the bf16

@@ -53,10 +53,10 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
     if num_heads is not None:
         p.need(bool(base or c.model.name_or_path), "model.name_or_path", None,
                "the heads' config.json names no base model; set model.name_or_path")
-    medusa2 = bool(c.heads) and (Path(c.heads).expanduser() / BACKBONE_INFO).is_file()
-    p.need(c.model.form != "adapter" or medusa2, "model.form", c.model.form,
+    adapted = bool(c.heads) and (Path(c.heads).expanduser() / BACKBONE_INFO).is_file()  # a backbone trained too
+    p.need(c.model.form != "adapter" or adapted, "model.form", c.model.form,
            f"adapter needs a Medusa-2 export (no {BACKBONE_INFO} in heads=)")
-    p.need(c.drift.original != "auto" or medusa2, "drift.original", c.drift.original,
+    p.need(c.drift.original != "auto" or adapted, "drift.original", c.drift.original,
            f"auto needs a Medusa-2 export (no {BACKBONE_INFO} in heads=); name the original model instead")
     src = c.bench.source
     p.need(src in BENCHMARK_PACKAGES or (not src.startswith("packaged:") and Path(src).expanduser().is_file()),

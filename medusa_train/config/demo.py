@@ -41,7 +41,7 @@ class TrainStage:
 
 
 @dataclass
-class Medusa2Stage:
+class JointStage:
     stage1_epochs: int = 3  #: heads first on the frozen 4-bit backbone; 0 = joint throughout
     lr: float = 1.0e-4  #: LoRA learning rate in the joint epochs
     head_lr: float = 1.0e-3  #: heads' learning rate in the joint epochs
@@ -79,7 +79,7 @@ class DemoConfig:
     recipe: str = "medusa1"
     distill: DistillStage = field(default_factory=DistillStage)
     train: TrainStage = field(default_factory=TrainStage)
-    medusa2: Medusa2Stage = field(default_factory=Medusa2Stage)
+    medusa2: JointStage = field(default_factory=JointStage)
     tree: TreeStage = field(default_factory=TreeStage)
     eval: EvalStage = field(default_factory=EvalStage)
 

@@ -8,7 +8,7 @@
   base model, quantization, adapter, merged folder), and with ``trainer.merge_export=true`` a standalone
   backbone (``merged/``: the LoRA merged into the original weights, or with ``trainer.merge_into=dequantized``
   into the 4-bit weights dequantized, plus the tokenizer; ``backbone/merge.py``) that needs neither peft nor
-  bitsandbytes, which the heads' config then names. ``model/load.py``'s ``load_medusa2_export`` loads either form.
+  bitsandbytes, which the heads' config then names. ``model/load.py``'s ``load_adapted_export`` loads either form.
 
 A recipe hands what it trained (``TrainedRun``: the config, the draft, the chat template, and for a backbone trained
 too, what rebuilds it); nothing else of the recipe is read. Every process calls ``save_run_export`` (a sharded adapter
@@ -61,7 +61,7 @@ def _fill_adapted_export(run: TrainedRun, tmp: Path, adapter: dict | None) -> No
     merge = cfg.trainer.merge_export
     reference = model.config.base_model_name_or_path
     # Heads trained with an adapter must not silently load on the original backbone: they name
-    # the merged folder, or nothing (then load_medusa2_export reads backbone.json).
+    # the merged folder, or nothing (then load_adapted_export reads backbone.json).
     model.config.base_model_name_or_path = MERGED_DIR if merge else (None if joint else reference)
     try:
         files, config = model.native_files()

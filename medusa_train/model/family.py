@@ -58,6 +58,10 @@ class Family:
         """What it is called in messages and reports."""
         return self.config.draft_name
 
+    def serves_as_is(self, layout: str) -> bool:
+        """Whether vLLM loads a folder in ``layout`` as it is."""
+        return layout == self.served_layout
+
     def depth_in(self, config: dict) -> int | None:
         """Its default depth (tokens drafted a step) as a ``config.json`` of any of its layouts states it."""
         return self.config.depth_in(config)

@@ -8,7 +8,7 @@ build-tree, export).
 - ``check_heads``: the same as config problems (``heads=<dir>``), for a command's checks;
 - ``load_heads``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given), the
   tokenizer rendering chats with the template the heads were trained with (``read_chat_template``);
-- ``load_medusa2_export``: the same for a Medusa-2 export, its backbone merged or as trained (4-bit + LoRA).
+- ``load_adapted_export``: the same for a Medusa-2 export, its backbone merged or as trained (4-bit + LoRA).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from medusa_train.model.family import Family, family_of
 from medusa_train.model.folder import read_chat_template
 from medusa_train.model.layouts import CONFIG_NAME, read_config_json, resolve_base_model
 
-__all__ = ["ExportedHeads", "check_heads", "load_draft", "load_heads", "load_medusa2_export", "read_chat_template",
+__all__ = ["ExportedHeads", "check_heads", "load_draft", "load_heads", "load_adapted_export", "read_chat_template",
            "read_export_config", "read_exported_heads", "use_export_template"]
 
 
@@ -43,7 +43,7 @@ class ExportedHeads:
     @property
     def served_as_is(self) -> bool:
         """Whether vLLM loads the folder as it is (its family's served layout)."""
-        return self.layout == self.family.served_layout
+        return self.family.serves_as_is(self.layout)
 
 
 def read_exported_heads(heads_dir: str | os.PathLike | ExportedHeads) -> ExportedHeads:
@@ -119,7 +119,7 @@ def load_heads(heads_dir: str | os.PathLike | ExportedHeads, model: EvalModelCon
     model = model or EvalModelConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model.form == "adapter":  # Medusa-2: the 4-bit base + LoRA, as in training (peft and bitsandbytes)
-        medusa, tokenizer = load_medusa2_export(read_exported_heads(heads_dir).path, "adapter", dtype=model.dtype, device_map=device,
+        medusa, tokenizer = load_adapted_export(read_exported_heads(heads_dir).path, "adapter", dtype=model.dtype, device_map=device,
                                                 attn_implementation=model.attn_implementation,
                                                 export_template=export_template)
         return medusa.eval(), _user_template(tokenizer, model.chat_template)
@@ -152,7 +152,7 @@ def _user_template(tokenizer, value: str | None):
     return tokenizer
 
 
-def load_medusa2_export(directory: str | os.PathLike, form: str = "merged", dtype: str | None = None,
+def load_adapted_export(directory: str | os.PathLike, form: str = "merged", dtype: str | None = None,
                         device_map: str | dict | None = None, attn_implementation: str | None = None,
                         export_template: bool = True):
     """Load a Medusa-2 export as ``(MedusaModel, tokenizer)`` in eval mode.

@@ -106,7 +106,7 @@ def test_medusa2_on_bitsandbytes_cuda_trains_lora_and_heads_and_merges_into_the_
 
     from medusa_train.backbone.merge import read_backbone_info
     from medusa_train.export.run import save_run_export
-    from medusa_train.model.load import load_medusa2_export
+    from medusa_train.model.load import load_adapted_export
     from medusa_train.training.medusa2 import Medusa2Recipe
 
     cfg = compose_config(_overrides(chats, tmp_path, **{"trainer.max_steps": 6, "trainer.eval_every": 3,
@@ -133,7 +133,7 @@ def test_medusa2_on_bitsandbytes_cuda_trains_lora_and_heads_and_merges_into_the_
     assert evals[0]["base/kl"] == pytest.approx(0.0, abs=1e-6) and evals[-1]["base/kl"] > 0  # the LoRA moved it
     export = tmp_path / "export"
     assert read_backbone_info(export)["merged_from"] == "original"
-    merged, tokenizer = load_medusa2_export(export, "merged", dtype="bfloat16")
+    merged, tokenizer = load_adapted_export(export, "merged", dtype="bfloat16")
     ids = torch.tensor([[5, 17, 42, 99, 123, 7]])
     with torch.no_grad():
         logits = merged.to("cuda")(ids.to("cuda"), return_base_logits=True).base_logits

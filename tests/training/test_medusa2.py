@@ -23,7 +23,7 @@ from medusa_train.cli.train import run
 from medusa_train.config.check import ConfigError
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.evaluation.drift import backbone_drift
-from medusa_train.model.load import load_medusa2_export
+from medusa_train.model.load import load_adapted_export
 from medusa_train.training.losses import medusa_loss_naive
 from medusa_train.training.medusa2 import Medusa2Recipe, head_weight_at
 from medusa_train.training.targets import (
@@ -327,8 +327,8 @@ def test_stage_1_trains_heads_only_then_stage_2_starts_from_them_and_merges(tiny
     export = stage2 / "export"
     assert (export / "adapter/adapter_model.safetensors").is_file() and (export / "merged/config.json").is_file()
     assert json.loads((export / "config.json").read_text())["base_model_name_or_path"] == "merged"
-    merged, _ = load_medusa2_export(export, "merged")
-    adapted, _ = load_medusa2_export(export, "adapter")
+    merged, _ = load_adapted_export(export, "merged")
+    adapted, _ = load_adapted_export(export, "adapter")
     ids = torch.tensor([[5, 17, 42, 99, 123, 7, 250, 31]])
     with torch.no_grad():
         a = merged(ids, return_base_logits=True).base_logits
@@ -365,7 +365,7 @@ def test_scripts_evaluate_reads_a_merged_export_without_peft_or_bitsandbytes_and
     from medusa_train.evaluation.drift import original_backbone
 
     original, _ = original_backbone(export, dtype="float32")
-    adapted, _ = load_medusa2_export(export, "adapter")
+    adapted, _ = load_adapted_export(export, "adapter")
     ids = torch.tensor([[5, 17, 42, 99, 123, 7, 250, 31, 64, 200]])
     with torch.no_grad():
         with adapted.backbone.disable_adapter():
@@ -395,7 +395,7 @@ def test_scripts_evaluate_reads_a_merged_export_without_peft_or_bitsandbytes_and
     assert drift["mean_kl"] > 0 and 0 <= drift["greedy_agreement"] <= 1
     assert "## Backbone drift" in (report_dir / "report.md").read_text()
     # the same figures from the library, with the model rebuilt here
-    merged, tokenizer = load_medusa2_export(export, "merged")
+    merged, tokenizer = load_adapted_export(export, "merged")
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=False) for t in ("Name three colours.", "What is two plus two?")]
     ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -445,8 +445,8 @@ def test_smoke_run_through_accelerate_launch_exports_a_merged_backbone_that_need
         assert (export / name).is_file(), name
     assert "quantization_config" not in json.loads((export / "merged/config.json").read_text())
 
-    merged, _ = load_medusa2_export(export, "merged")
-    adapted, _ = load_medusa2_export(export, "adapter")
+    merged, _ = load_adapted_export(export, "merged")
+    adapted, _ = load_adapted_export(export, "adapter")
     ids = torch.tensor([[5, 17, 42, 99, 123, 7, 250, 31, 64, 200, 3, 150]])
     with torch.no_grad():
         a = merged(ids, return_base_logits=True).base_logits.float()
