@@ -19,6 +19,8 @@ from pathlib import Path
 
 from helpers import ROOT
 
+from medusa_train.config.commands import COMMANDS
+
 PACKAGE = ROOT / "medusa_train"
 MAX_LINES = 400
 STAGES = {"config": 0, "backbone": 1, "model": 2, "engine": 3, "data": 4, "training": 5, "decoding": 5,
@@ -28,8 +30,7 @@ PIPELINE = (("distill", "medusa_train.data.distill"), ("capture", "medusa_train.
             ("train", "medusa_train.training"), ("export", "medusa_train.export"), ("tree", "medusa_train.tree"),
             ("evaluate", "medusa_train.evaluation"))
 # a command's config schema and its command line belong to the step the command runs: config/<name>.py, cli/<name>.py
-COMMAND_STEPS = {"distill": "distill", "capture": "capture", "train": "train", "export": "export",
-                 "build_tree": "tree", "evaluate": "evaluate", "choose_k": "evaluate"}
+COMMAND_STEPS = {c.module.rsplit(".", 1)[1]: c.step for c in COMMANDS.values() if c.step}
 # imports of a later step allowed by name: a training run exports its heads when it ends (trainer.export)
 LATER_STEP_ALLOWED = {("medusa_train.cli.train", "medusa_train.export.run")}
 HEAD_VARIANT_WORDS = ("path_input", "prefix_attention", "next_token_input")

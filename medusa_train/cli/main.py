@@ -2,7 +2,8 @@
 
     medusa-train distill num_prompts=1000                         # self-distilled data
     medusa-train capture +recipe=medusa1 data.source=...          # the frozen backbone's states, once
-    medusa-train train +recipe=medusa1 data.source=...            # heads (accelerate launch -m medusa_train train ...)
+    medusa-train train +recipe=medusa1 data.source=...            # Medusa heads (+recipe=medusa2: with QLoRA)
+    medusa-train train +recipe=eagle3 data.source=...             # an EAGLE-3 draft (= accelerate launch train.py ...)
     medusa-train build-tree heads=outputs/medusa1/export nodes=auto
     medusa-train evaluate heads=outputs/medusa1/export
     medusa-train export heads=outputs/medusa1/export format=vllm output=outputs/medusa1/vllm
@@ -19,17 +20,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-#: command -> (module whose ``main()`` runs it, what it does)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "distill": ("medusa_train.cli.distill", "the backbone answers the training prompts (self-distilled data)"),
-    "capture": ("medusa_train.cli.capture", "run the frozen backbone once, store its hidden states"),
-    "train": ("medusa_train.cli.train", "train heads: +recipe=medusa1 (frozen backbone) or +recipe=medusa2 (QLoRA)"),
-    "build-tree": ("medusa_train.cli.build_tree", "fit a decoding tree to the heads, sized for this machine"),
-    "evaluate": ("medusa_train.cli.evaluate", "accepted length, speedup and greedy parity (engine=vllm: served)"),
-    "export": ("medusa_train.cli.export", "write the heads for vLLM, TensorRT-LLM / original Medusa, or ours"),
-    "choose-k": ("medusa_train.cli.choose_k", "serve each vLLM K (num_speculative_tokens), keep the fastest (serving.json)"),
-    "demo": ("medusa_train.cli.demo", "distill -> train -> build-tree -> evaluate on the packaged model"),
-}
+from medusa_train.config.commands import COMMANDS as TABLE
+
+#: command -> (module whose ``main()`` runs it, what it does), from the one table of commands
+COMMANDS: dict[str, tuple[str, str]] = {name: (c.module, c.what) for name, c in TABLE.items()}
 
 
 def usage() -> str:

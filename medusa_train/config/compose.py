@@ -22,16 +22,11 @@ from medusa_train.config.paths import COMMANDS_DIR, CONFIG_DIR
 
 def defaults_nodes() -> dict[str, dict]:
     """ConfigStore name -> the defaults it holds (a dataclass instance's fields, as plain values)."""
-    from medusa_train.config.build_tree import BuildTreeConfig
-    from medusa_train.config.choose_k import ChooseKConfig
-    from medusa_train.config.demo import DemoConfig
-    from medusa_train.config.distill import DistillConfig
-    from medusa_train.config.evaluate import EvalConfig
-    from medusa_train.config.export import ExportConfig
-    from medusa_train.config.train import LoggerConfig, TrainConfig
+    from medusa_train.config.commands import COMMANDS
+    from medusa_train.config.train import LoggerConfig
 
-    schemas = {"train": TrainConfig, "logger": LoggerConfig, "distill": DistillConfig, "evaluate": EvalConfig,
-               "build_tree": BuildTreeConfig, "export": ExportConfig, "demo": DemoConfig, "choose_k": ChooseKConfig}
+    schemas = {c.config: c.schema_class() for c in COMMANDS.values() if c.schema}
+    schemas["logger"] = LoggerConfig  # the logger=wandb group's node
     return {f"{name}_defaults": dataclasses.asdict(cls()) for name, cls in schemas.items()}
 
 
