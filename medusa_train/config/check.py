@@ -139,3 +139,16 @@ def data_source_problem(key: str, source: str | None) -> str | None:
     if not os.access(path, os.R_OK) or (os.path.isdir(path) and not os.access(path, os.X_OK)):
         return f"{key}={source!r}: not readable by this user ({os.path.abspath(path)}): fix its permissions"
     return None
+
+
+def one_of(names) -> str:
+    """``must be a, b or c``: the names there are, for a message."""
+    names = list(names)
+    return "must be " + (", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0])
+
+
+def table_row(table: dict, name: str, key: str):
+    """``table[name]`` of a registry (methods, families), or a ``ValueError`` naming ``key`` and the names there are."""
+    if name not in table:
+        raise ValueError(f"{key}={name!r}: {one_of(table)}")
+    return table[name]

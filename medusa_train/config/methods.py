@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from medusa_train.config.check import one_of, table_row
 from medusa_train.config.eagle3 import eagle3_problems
 
 
@@ -52,17 +53,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 
 
 def method_named(name: str) -> Method:
-    """The row of ``name``.
-
-    Raises:
-        ValueError: no such method, naming those there are.
-    """
-    if name not in METHODS:
-        raise ValueError(f"method={name!r}: {method_choices()}")
-    return METHODS[name]
+    """The row of ``name`` (a ``ValueError`` naming those there are when there is none)."""
+    return table_row(METHODS, name, "method")
 
 
 def method_choices() -> str:
     """``must be medusa1, medusa2 or eagle3``: the methods there are, for a message."""
-    names = list(METHODS)
-    return "must be " + (", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0])
+    return one_of(METHODS)

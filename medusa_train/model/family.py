@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from medusa_train.config.check import table_row
 from medusa_train.model.config import MedusaConfig
 from medusa_train.model.contract import CapturedStates, final_hidden_states
 from medusa_train.model.eagle3 import Eagle3Config, eagle3_captured, eagle3_layout
@@ -82,14 +83,8 @@ LAYOUTS: tuple[str, ...] = tuple(dict.fromkeys(layout for f in FAMILIES.values()
 
 
 def family_named(name: str) -> Family:
-    """The family called ``name``.
-
-    Raises:
-        ValueError: no such family, naming those there are.
-    """
-    if name not in FAMILIES:
-        raise ValueError(f"draft family {name!r}: must be one of {', '.join(FAMILIES)}")
-    return FAMILIES[name]
+    """The family called ``name`` (a ``ValueError`` naming those there are when there is none)."""
+    return table_row(FAMILIES, name, "draft family")
 
 
 def family_of(config: dict) -> tuple[Family, str]:
