@@ -195,7 +195,7 @@ def render_markdown(report: dict) -> str:
                 else f"n/a: {row['reason']}"
             lines.append(f"| {name} | {row['verifies']} | {value} |")
     if report.get("served"):
-        lines += served_markdown(report["served"])
+        lines += served_markdown(report["served"], _draft(report))
     if report.get("drift"):
         d = report["drift"]
         lines += ["", "## Backbone drift", "",
@@ -217,7 +217,7 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def served_markdown(served: dict) -> list[str]:
+def served_markdown(served: dict, draft: str = "the heads") -> list[str]:
     """The served rows: tokens per step (our count), vLLM's per-drafted-step figure beside it, speed, outputs."""
     st = served["settings"]
     lines = ["", "## Served by vLLM", "",
@@ -228,7 +228,6 @@ def served_markdown(served: dict) -> list[str]:
         lines += [f"Attached to servers already running ({', '.join(served['attached'])}): their counters include "
                   "any other traffic they got during the measurement.", ""]
     if served.get("draft_not_served"):
-        draft = _draft(report)
         lines += [f"{draft[0].upper() + draft[1:]} {'were' if _plural(draft) else 'was'} not served: "
                   f"{served['draft_not_served']}.", ""]
     lines += ["| row | decodes with | tokens per step | vLLM acceptance length (per drafted step; share of steps "

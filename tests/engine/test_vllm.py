@@ -85,7 +85,7 @@ def test_every_served_row_counts_tokens_per_decode_step_and_the_heads_agree_with
     markdown = (tmp_path / "report" / "report.md").read_text()
     assert "Served by vLLM, greedy at concurrency 1" in markdown.splitlines()[4]
     assert "Attached to servers already running (plain, ngram)" in markdown
-    assert "--speculative-config" in (tmp_path / "report" / "vllm-medusa.log").read_text()
+    assert "--speculative-config" in (tmp_path / "report" / "vllm-draft.log").read_text()
 
 
 def test_heads_vllm_cannot_serve_still_get_the_free_served_rows(model_folder, free_servers, tmp_path):

@@ -16,6 +16,7 @@ from medusa_train.backbone.load import load_backbone
 from medusa_train.backbone.lora import add_lora
 from medusa_train.backbone.merge import MERGED_DIR, merge_backbone, read_backbone_info
 from medusa_train.cli import export as export_cli
+from medusa_train.export.serve import served_base
 from medusa_train.cli.train import run
 from medusa_train.evaluation.drift import describe_original, original_backbone
 
@@ -106,4 +107,4 @@ def test_vllm_serve_line_of_a_medusa2_export_names_the_merged_folder_absolutely(
     assert (base / "config.json").is_file()
     assert json.loads((tmp_path / "served/config.json").read_text())["base_model_name_or_path"] == MERGED_DIR
     # without the source folder: a placeholder saying what to put there, never a bare "merged"
-    assert export_cli.served_base(MERGED_DIR, [tmp_path / "served"]).startswith("<the merged/ folder")
+    assert served_base(MERGED_DIR, [tmp_path / "served"]).startswith("<the merged/ folder")
