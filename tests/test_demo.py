@@ -163,7 +163,7 @@ def test_the_demo_trains_its_preset_as_the_train_command_composes_it():
     for section, keys in preset.items():
         for key, value in keys.items():
             assert settings[section][key] == value, f"{section}.{key}"
-    assert settings["model"]["dtype"] == "bfloat16" and settings["trainer"]["mixed_precision"] == "bf16"
+    assert settings["model"]["dtype"] == "bfloat16" and settings["trainer"]["mixed_precision"] == "bfloat16"
     changed = demo.training_settings(demo_config("train.dtype=float32", 'train.overrides=["loss.targets=text"]'))
     assert changed["loss"]["targets"] == "text" and changed["model"]["dtype"] == "float32"
     assert changed["trainer"]["mixed_precision"] == "no"

@@ -26,8 +26,10 @@ def under_fsdp(accelerator) -> bool:
 
 
 def autocast_precision(mixed: str) -> str:
-    """``trainer.mixed_precision`` as accelerate can run it here: fp16 read as bf16 without a GPU (fp16 autocast
-    needs one)."""
+    """``trainer.mixed_precision`` (``no``, ``bfloat16``, ``float16``) as accelerate names it here (``no``, ``bf16``,
+    ``fp16``): float16 read as bfloat16 without a GPU (fp16 autocast needs one)."""
     import torch
 
-    return "bf16" if mixed == "fp16" and not torch.cuda.is_available() else mixed
+    if mixed == "float16" and not torch.cuda.is_available():
+        mixed = "bfloat16"
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(mixed, mixed)

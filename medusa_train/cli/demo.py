@@ -93,7 +93,7 @@ def training_overrides(c: DemoConfig, recipe: str | None = None) -> list[str]:
     ``recipe`` defaults to ``c.recipe``; a resolved ``train.dtype`` (see ``resolve_dtypes``) is expected."""
     t = c.train
     return [f"+recipe={recipe or c.recipe}", f"experiment={t.experiment}", f"model.name_or_path={c.model}",
-            f"model.dtype={t.dtype}", f"trainer.mixed_precision={'bf16' if t.dtype == 'bfloat16' else 'no'}",
+            f"model.dtype={t.dtype}", f"trainer.mixed_precision={'bfloat16' if t.dtype == 'bfloat16' else 'no'}",
             "trainer.save_every=20",  # ~10 min of a CPU's joint (medusa2) steps: a killed demo resumes there
             "trainer.eval_every=100", *t.overrides]
 

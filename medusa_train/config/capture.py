@@ -13,6 +13,7 @@ from typing import Any
 
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.data import DataConfig, check_data
+from medusa_train.config.dtype import parse_dtype
 from medusa_train.config.eagle3 import Eagle3Settings, check_aux_layers
 from medusa_train.config.heads import HeadsConfig
 from medusa_train.config.methods import METHODS, method_choices
@@ -28,7 +29,7 @@ class CaptureConfig:
     data: DataConfig = field(default_factory=DataConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     eagle3: Eagle3Settings = field(default_factory=Eagle3Settings)
-    mixed_precision: str = "bf16"  #: the training config's trainer.mixed_precision (autocast while capturing)
+    mixed_precision: str = "bfloat16"  #: the training config's trainer.mixed_precision (autocast while capturing)
 
 
 #: the training config's keys the capture stage reads (``trainer.mixed_precision`` becomes ``mixed_precision``)
@@ -68,7 +69,7 @@ def check_capture(c: CaptureConfig) -> list[str]:
     p += check_placement(c.model)
     p += check_data(c.data)
     p += check_aux_layers(c.eagle3)
-    p += check_mixed_precision(c.mixed_precision)
+    p += check_mixed_precision(c)
     return p
 
 
@@ -78,7 +79,14 @@ def check_placement(m: ModelConfig) -> list[str]:
     return p
 
 
-def check_mixed_precision(value: str) -> list[str]:
-    p = Problems()
-    p.need(value in ("no", "bf16", "fp16"), "trainer.mixed_precision", value, "must be no, bf16 or fp16")
-    return p
+#: what autocast may run in: a dtype of ``config/dtype.py``'s one vocabulary (``model.dtype``'s), or ``no``
+AUTOCAST_DTYPES = ("bfloat16", "float16")
+
+
+def check_mixed_precision(section, attr: str = "mixed_precision") -> list[str]:
+    """``trainer.mixed_precision`` of ``section``: ``no``, or a dtype spelled as ``model.dtype`` takes it (stored
+    canonical: ``bf16`` -> ``bfloat16``)."""
+    problems: list[str] = []
+    if getattr(section, attr) != "no":
+        parse_dtype(problems, section, "trainer.mixed_precision", attr, allowed=AUTOCAST_DTYPES)
+    return [p.replace(": must be one of", ": must be no, or one of") for p in problems]

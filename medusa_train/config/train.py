@@ -56,7 +56,7 @@ class TrainerConfig:
     keep_last: int = 2  #: checkpoints kept
     eval_every: int = 200  #: optimizer steps between evals (0 = only at start and end)
     log_every: int = 10  #: optimizer steps between metric lines
-    mixed_precision: str = "bf16"  #: no | bf16 | fp16 (autocast)
+    mixed_precision: str = "bfloat16"  #: no | bfloat16 | float16: autocast's dtype (spelled as model.dtype is)
     seed: int = 42
     export: bool = True  #: write <output_dir>/export at the end
     merge_export: bool = False  #: medusa2: also write export/merged, a standalone backbone with the LoRA merged
@@ -189,7 +189,7 @@ def check(c: TrainConfig) -> list[str]:
         p.need(getattr(c.trainer, key) >= 0, f"trainer.{key}", getattr(c.trainer, key), "must be >= 0")
     p.need(c.trainer.keep_last >= 1, "trainer.keep_last", c.trainer.keep_last, "must be >= 1")
     p.need(c.trainer.log_every >= 1, "trainer.log_every", c.trainer.log_every, "must be >= 1")
-    p += check_mixed_precision(c.trainer.mixed_precision)
+    p += check_mixed_precision(c.trainer)
     p.need(bool(c.trainer.output_dir), "trainer.output_dir", c.trainer.output_dir, "must be set")
     p.need(c.trainer.merge_into in ("original", "dequantized"), "trainer.merge_into", c.trainer.merge_into,
            "must be original or dequantized")

@@ -36,6 +36,18 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
+# Keys renamed since a checkpoint may have been written (stored name -> current name), and values respelled: a run
+# started before the rename resumes as it was.
+RENAMED = {"heads.vocab_size": "heads.draft_vocab_size", "eagle3.vocab_size": "eagle3.draft_vocab_size"}
+RESPELLED = {"trainer.mixed_precision": {"bf16": "bfloat16", "fp16": "float16"}}
+
+
+def _current_names(stored: dict[str, object]) -> dict[str, object]:
+    """A stored config's flat keys and values as today's config names and spells them."""
+    renamed = {RENAMED.get(k, k): v for k, v in stored.items()}
+    return {k: RESPELLED.get(k, {}).get(v, v) if isinstance(v, str) else v for k, v in renamed.items()}
+
+
 def _may_change(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in MAY_CHANGE_ON_RESUME)
 
@@ -49,7 +61,7 @@ def stored_config(path: Path) -> dict | None:
 def differences(stored: dict, current: dict) -> list[tuple[str, object, object]]:
     """``(key, stored value, current value)`` of every key that differs and may not change on resume. A key the
     stored config lacks (written before that setting existed) counts as its default, which that run trained with."""
-    a, b = flatten(stored), flatten(current)
+    a, b = _current_names(flatten(stored)), flatten(current)
     a = {**{k: v for k, v in flatten(to_dict(TrainConfig())).items() if k not in a and k in b}, **a}
     missing = object()
     return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))

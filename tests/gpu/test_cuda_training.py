@@ -47,7 +47,7 @@ def chats(tmp_path_factory):
 
 def _overrides(data, out, **extra) -> list[str]:
     """The packaged model in bf16 on the GPU (autocast bf16), short examples."""
-    values = {"model.dtype": "bfloat16", "trainer.mixed_precision": "bf16", "data.max_length": 128,
+    values = {"model.dtype": "bfloat16", "trainer.mixed_precision": "bfloat16", "data.max_length": 128,
               "heads.num_heads": 3, **extra}
     return train_overrides(PACKAGED_MODEL, data, out, **values)
 

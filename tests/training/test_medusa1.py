@@ -42,7 +42,7 @@ def test_every_invalid_value_is_reported_at_once_with_its_key():
         compose_config(["heads.num_heads=0", "optim.lr=-1", "data.max_length=oops", "trainer.mixed_precision=fp8"])
     assert err.value.problems == ["data.max_length='oops': expected int", "heads.num_heads=0: must be >= 1",
                                   "optim.lr=-1.0: must be > 0",
-                                  "trainer.mixed_precision='fp8': must be no, bf16 or fp16"]
+                                  "trainer.mixed_precision='fp8': must be no, or one of bfloat16, float16 (or bf16, fp16)"]
 
 
 def test_a_missing_or_unreadable_data_source_is_reported_with_the_other_problems(tmp_path):

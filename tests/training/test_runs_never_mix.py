@@ -81,3 +81,20 @@ def test_a_checkpoint_written_before_a_setting_existed_resumes_at_its_default():
     changed = to_dict(TrainConfig())
     changed["eagle3"]["ttt_steps"] = 3
     assert differences(stored, changed) == [("eagle3.ttt_steps", 7, 3)]
+
+
+def test_a_checkpoint_written_before_the_renames_resumes_under_the_new_names():
+    """``heads.vocab_size`` is ``heads.draft_vocab_size`` now and ``bf16`` is spelled ``bfloat16``: a checkpoint with
+    the old names and the same values resumes; one with another draft vocabulary is still refused, by its new name."""
+    from medusa_train.config.train import TrainConfig, to_dict
+
+    current = to_dict(TrainConfig())
+    current["heads"]["draft_vocab_size"] = 4096
+    stored = json.loads(json.dumps(current))
+    stored["heads"]["vocab_size"] = stored["heads"].pop("draft_vocab_size")
+    stored["eagle3"]["vocab_size"] = stored["eagle3"].pop("draft_vocab_size")
+    stored["trainer"]["mixed_precision"] = "bf16"
+    assert current["trainer"]["mixed_precision"] == "bfloat16"
+    assert differences(stored, current) == []
+    stored["heads"]["vocab_size"] = 2048
+    assert differences(stored, current) == [("heads.draft_vocab_size", 2048, 4096)]
