@@ -92,7 +92,9 @@ def check_output(directory: str | os.PathLike, option: str | None = None) -> Non
 
 
 def _is_draft_config(path: Path) -> bool:
-    from medusa_train.model.family import family_of  # the family table imports the families, which write through here
+    from medusa_train.model.family import (
+        family_of,  # the family table imports the families, which write through here
+    )
 
     try:
         family_of(json.loads(path.read_text()))

@@ -12,9 +12,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from medusa_train.backbone.load import backbone_reference
+from medusa_train.model.config import check_fits
 from medusa_train.model.draft_vocab import DraftVocab
 from medusa_train.model.folder import write_heads_folder
-from medusa_train.model.config import check_fits
 from medusa_train.model.heads import MedusaHead, path_tokens
 from medusa_train.model.layouts import (
     SHARED_LM_HEAD_KEY,

@@ -24,8 +24,8 @@ from medusa_train.config.capture import capture_view
 from medusa_train.config.train import TrainConfig
 from medusa_train.data.capture.run import captured_already
 from medusa_train.data.examples import load_examples
-from medusa_train.model.family import captured_for
 from medusa_train.model.eagle3 import captured_states
+from medusa_train.model.family import captured_for
 from medusa_train.training import loop, setup
 from medusa_train.training.eagle3_loss import ttt_loss
 from medusa_train.training.losses import LossResult

@@ -15,7 +15,6 @@ from helpers import ROOT
 from helpers.training import make_model_dir
 
 from medusa_train.cli.choose_k import build_choose_k_config
-from medusa_train.export.serve import serve_command
 from medusa_train.cli.main import COMMANDS, usage
 from medusa_train.config.check import ConfigError
 from medusa_train.config.choose_k import ChooseKConfig
@@ -30,6 +29,7 @@ from medusa_train.evaluation.choose_k import (
     vllm_export,
     write_json,
 )
+from medusa_train.export.serve import serve_command
 
 # docs/results.md's sweep on the demo's heads (bf16, 16 MT-Bench first turns, 2-core CPU)
 ROWS = [{"k": 0, "startup_s": 88.0, "tokens_per_s": 22.6, "tokens_per_s_c8": 142.4, "mean_acceptance_length": None,

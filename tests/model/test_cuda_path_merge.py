@@ -16,9 +16,9 @@ from medusa_train.backbone.load import load_backbone
 from medusa_train.backbone.lora import add_lora
 from medusa_train.backbone.merge import MERGED_DIR, merge_backbone, read_backbone_info
 from medusa_train.cli import export as export_cli
-from medusa_train.export.serve import served_base
 from medusa_train.cli.train import run
 from medusa_train.evaluation.drift import describe_original, original_backbone
+from medusa_train.export.serve import served_base
 
 LAYER = "model.layers.0.self_attn.q_proj"
 

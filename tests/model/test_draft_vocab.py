@@ -13,8 +13,8 @@ from medusa_train import MedusaModel
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.decoding import MedusaTree, medusa_generate
 from medusa_train.evaluation.engines import engine_rows
-from medusa_train.model.medusa_export import export_heads
 from medusa_train.model.draft_vocab import most_frequent_tokens
+from medusa_train.model.medusa_export import export_heads
 from medusa_train.model.medusa_propose import heads_candidates
 from medusa_train.training.targets import Teacher, inputs_and_targets
 from medusa_train.tree.calibrate import measure_rank_accuracies

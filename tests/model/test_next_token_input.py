@@ -15,8 +15,8 @@ from medusa_train.config.check import ConfigError
 from medusa_train.config.train import build_config
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.decoding import MedusaTree, medusa_generate
-from medusa_train.model.medusa_export import export_heads
 from medusa_train.model.heads import MedusaHead
+from medusa_train.model.medusa_export import export_heads
 from medusa_train.model.medusa_propose import heads_candidates
 from medusa_train.training.losses import medusa_loss_backward, medusa_loss_naive
 from medusa_train.training.targets import (

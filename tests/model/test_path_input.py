@@ -14,9 +14,9 @@ from medusa_train import MedusaModel
 from medusa_train.config.check import ConfigError
 from medusa_train.config.train import build_config
 from medusa_train.decoding import MedusaTree
-from medusa_train.model.medusa_export import export_heads
 from medusa_train.model.layouts import MedusaConfig
 from medusa_train.model.medusa import path_tokens
+from medusa_train.model.medusa_export import export_heads
 from medusa_train.model.medusa_propose import heads_candidates
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
