@@ -39,19 +39,17 @@ def native_only_reason(config) -> str | None:
 
 def layout_reason(config, layout: str) -> str | None:
     """Why ``layout`` cannot hold the draft of ``config`` (``None``: it can), for an engine's row."""
-    from medusa_train.model.family import FAMILIES, layout_problem
+    from medusa_train.model.family import family_of_config, layout_problem
 
-    family = next(f for f in FAMILIES.values() if isinstance(config, f.config))
-    problem = layout_problem(family, config, layout)
+    problem = layout_problem(family_of_config(config), config, layout)
     return None if problem is None else native_only_reason(config) or f"{config.draft_name} {problem}"
 
 
 def vllm_reason(config) -> str | None:
     """Why vLLM cannot serve the draft of ``config`` (``None``: it can, from its family's served layout)."""
-    from medusa_train.model.family import FAMILIES
+    from medusa_train.model.family import family_of_config
 
-    family = next(f for f in FAMILIES.values() if isinstance(config, f.config))
-    return layout_reason(config, family.served_layout)
+    return layout_reason(config, family_of_config(config).served_layout)
 
 
 def vllm_form(model):

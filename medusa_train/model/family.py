@@ -116,12 +116,17 @@ def captured_for(cfg) -> CapturedStates:
     return family_of_method(cfg.method).captured(draft_settings(cfg))
 
 
+def family_of_config(config) -> Family:
+    """The family of a draft config object (by its class)."""
+    for family in FAMILIES.values():
+        if isinstance(config, family.config):
+            return family
+    raise ValueError(f"{type(config).__name__} is no registered draft family's config")
+
+
 def family_of_model(model) -> Family:
     """The family of a loaded draft model (by its config's class)."""
-    for family in FAMILIES.values():
-        if isinstance(model.config, family.config):
-            return family
-    raise ValueError(f"{type(model).__name__} is no registered draft family's model")
+    return family_of_config(model.config)
 
 
 def layout_problem(family: Family, config, layout: str) -> str | None:
