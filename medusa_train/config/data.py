@@ -4,10 +4,11 @@ stage (``config/capture.py``), which embed it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from medusa_train.config.chat_template import chat_template_problem
 from medusa_train.config.check import Problems, data_source_problem
+from medusa_train.config.validation import ValidationConfig, check_validation
 
 
 @dataclass
@@ -29,6 +30,16 @@ class DataConfig:
     #: bytes of hidden states + labels per capture shard (medusa-train capture; each process holds one whole shard
     #: in host memory while writing it): 2**30 = 1 GiB, about 131k tokens at hidden 4096 in bf16
     shard_bytes: int = 1073741824
+    #: the validation set: prompts of the prompt source held out of training (every copy), whose greedy
+    #: continuations training walks its draft along and build-tree calibrates on (config/validation.py)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+
+def validation_source(d: DataConfig) -> str:
+    """Where the validation prompts come from: ``data.validation.source``, else the prompt source of ``data.source``."""
+    from medusa_train.data.validation import prompt_source
+
+    return d.validation.source or prompt_source(d.source)
 
 
 def check_data(d: DataConfig) -> list[str]:
@@ -47,4 +58,7 @@ def check_data(d: DataConfig) -> list[str]:
     p.need(d.eval_batch_size is None or d.eval_batch_size >= 1, "data.eval_batch_size", d.eval_batch_size,
            "must be >= 1")
     p.need(d.shard_bytes >= 1, "data.shard_bytes", d.shard_bytes, "must be >= 1")
+    p += check_validation(d.validation, "data.validation")
+    if d.validation.source and (problem := data_source_problem("data.validation.source", d.validation.source)):
+        p.append(problem)
     return p

@@ -15,6 +15,7 @@ from medusa_train.config.chat_template import chat_template_problem
 from medusa_train.config.check import Problems, data_source_problem, parse_config
 from medusa_train.config.engine import ServerConfig, check_server
 from medusa_train.config.model import ModelConfig, check_model
+from medusa_train.config.validation import ValidationConfig, check_validation
 
 # Settings that change what a record contains: resuming an output made with others is refused.
 # The engine too: another engine's numerics give other greedy replies, so a resume never mixes them.
@@ -63,6 +64,9 @@ class DistillConfig:
     url: str | list[str] | None = None  #: engine=openai: http://host:port, or a list of them
     concurrency: int = 64  #: engine=vllm|openai: conversations in flight at once, over all servers
     server: ServerConfig = field(default_factory=ServerConfig)  #: engine=vllm: how the server is started
+    #: the validation set held out of the distilled data: every conversation holding one of its prompts is passed
+    #: over (the set training's data.validation draws: keep size and seed the same; source null: ``source``)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
 def build_distill_config(raw: Any) -> DistillConfig:
@@ -94,6 +98,7 @@ def check_distill_config(c: DistillConfig) -> list[str]:
     p.need(not c.engine or c.model.quantization is None, "model.quantization", c.model.quantization,
            "the server loads the model itself; quantize it there (server.args) and leave this null")
     p.extend(check_server(c.server))
+    p.extend(check_validation(c.validation))
     g, f = c.generation, c.filters
     p.need(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
     p.need(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0 (0 = greedy)")

@@ -68,9 +68,13 @@ def source_fingerprint(source: str) -> dict:
 
 
 def cache_key(tokenizer: Any, source: str, max_length: int, max_samples: int | None, eval_size: int | float,
-              seed: int) -> str:
+              seed: int, held_out: frozenset[str] = frozenset()) -> str:
+    from medusa_train.data.validation import keys_digest
+
     parts = {"format": CACHE_FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer), "source": source_fingerprint(source),
              "max_length": max_length, "max_samples": max_samples, "eval_size": eval_size, "seed": seed}
+    if held_out:
+        parts["held_out"] = keys_digest(held_out)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -142,7 +146,8 @@ def default_num_proc() -> int:
 
 def tokenized_splits(tokenizer: Any, source: str, max_length: int, max_samples: int | None = None,
                      eval_size: int | float = 0.01, seed: int = 0, num_proc: int | None = None,
-                     cache_root: str | os.PathLike | None = None) -> TokenizedData:
+                     cache_root: str | os.PathLike | None = None,
+                     held_out: frozenset[str] = frozenset()) -> TokenizedData:
     """The tokenised train / held-out examples of ``source``, made once and read from disk afterwards.
 
     Args:
@@ -150,6 +155,8 @@ def tokenized_splits(tokenizer: Any, source: str, max_length: int, max_samples: 
         source, max_length, max_samples, eval_size, seed: as :func:`~medusa_train.data.batching.build_datasets`.
         num_proc: tokenising processes (default: the CPUs, at most 8; one below 1,000 conversations a split).
         cache_root: where the folders go (default ``$MEDUSA_TRAIN_CACHE/tokenized``).
+        held_out: normalised prompts (``data.validation.held_out``): every conversation with a user turn among them
+            is removed before the split, counted in ``stats`` as skipped for ``validation_prompt``.
 
     Returns:
         A :class:`TokenizedData`; ``stats.kept == len(train) + len(evals)``; ``len(train) >= 1``.
@@ -169,10 +176,18 @@ def tokenized_splits(tokenizer: Any, source: str, max_length: int, max_samples: 
         raise ValueError(f"data.max_length={max_length}: must be >= 1")
     started = time.perf_counter()
     root = Path(cache_root) if cache_root else default_cache_root()
-    folder = root / cache_key(tokenizer, source, max_length, max_samples, eval_size, seed)
+    folder = root / cache_key(tokenizer, source, max_length, max_samples, eval_size, seed, held_out)
     from_cache = (folder / "stats.json").is_file()
     if not from_cache:
         conversations, stats = load_conversations(source, max_samples=max_samples)
+        if held_out:
+            from medusa_train.data.validation import holds_out
+
+            kept = [c for c in conversations if not holds_out(c, held_out)]
+            if len(kept) < len(conversations):
+                stats.skip("validation_prompt", len(conversations) - len(kept))
+                stats.kept -= len(conversations) - len(kept)
+            conversations = kept
         selected = len(conversations)
         check_selected(source, stats, selected, eval_size, max_samples)
         indices = dict(zip(SPLITS, split_indices(len(conversations), eval_size, seed)))

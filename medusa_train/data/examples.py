@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from medusa_train.backbone.chat_template import resolve_chat_template
 from medusa_train.backbone.processes import say
-from medusa_train.config.data import DataConfig
+from medusa_train.config.data import DataConfig, validation_source
 from medusa_train.data.cache import tokenized_splits
+from medusa_train.data.validation import held_out, validation_prompts
 
 
 def load_examples(d: DataConfig, tokenizer, accelerator):
@@ -15,8 +16,15 @@ def load_examples(d: DataConfig, tokenizer, accelerator):
     set on ``tokenizer`` first. Says how many conversations were used, and what was left out and why."""
     if d.chat_template:
         tokenizer.chat_template = resolve_chat_template(d.chat_template)
+    validation = validation_prompts(validation_source(d), d.validation.size, d.validation.seed)
     with accelerator.main_process_first():
-        data = tokenized_splits(tokenizer, d.source, d.max_length, d.max_samples, d.eval_size, d.seed, d.num_proc)
+        data = tokenized_splits(tokenizer, d.source, d.max_length, d.max_samples, d.eval_size, d.seed, d.num_proc,
+                                held_out=held_out(validation))
+    if validation:
+        removed = data.stats.skipped.get("validation_prompt", 0)
+        say(accelerator, f"validation: {len(validation)} prompts of {validation_source(d)} held out "
+                         f"(data.validation.size={d.validation.size}, seed {d.validation.seed}); {removed:,} training "
+                         f"conversation{'s' if removed != 1 else ''} holding one removed")
     for line in data_lines(d, data):
         say(accelerator, line)
     if not len(data.train):

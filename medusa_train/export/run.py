@@ -2,6 +2,7 @@
 
 - Medusa-1: the heads (native layout) and ``training_config.json``; EAGLE-3: the draft (vLLM's layout, ``model/eagle3.py``)
   and ``training_config.json``.
+- Every draft: ``validation.json``, the last validation walk's tokens per step (``training/validation.py``).
 - Both: ``chat_template.jinja``, the template the run rendered its data with (``data.chat_template`` when set,
   else the tokenizer's), which ``model.load.load_heads`` sets on the tokenizer again.
 - Medusa-2: the heads, the LoRA adapter (``adapter/``, peft), ``backbone.json`` (how to rebuild the backbone:
@@ -23,7 +24,7 @@ from pathlib import Path
 from medusa_train.backbone.merge import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR, merge_backbone
 from medusa_train.model.folder import replace_folder, write_heads_files
 from medusa_train.training import loop
-from medusa_train.training.run_folder import OPTION, RunFolder, TrainedRun
+from medusa_train.training.run_folder import OPTION, VALIDATION_FILE, RunFolder, TrainedRun
 
 
 def save_run_export(run: TrainedRun) -> Path | None:
@@ -41,11 +42,18 @@ def save_run_export(run: TrainedRun) -> Path | None:
             def fill(tmp: Path) -> None:
                 write_heads_files(tmp, *run.model.native_files(), chat_template=run.chat_template)
                 loop.write_training_config(cfg, tmp)
+                write_validation(tmp, run.validation)
 
             replace_folder(target, fill, OPTION)
             loop.say(run.accelerator, f"exported {run.model.config.draft_name} to {target}")
     run.accelerator.wait_for_everyone()
     return target
+
+
+def write_validation(folder: Path, figures: dict | None) -> None:
+    """``validation.json``: the last validation walk's figures (what the training log promised for this export)."""
+    if figures:
+        (folder / VALIDATION_FILE).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 def write_adapted_export(run: TrainedRun, target: Path, adapter: dict | None) -> None:
@@ -68,6 +76,7 @@ def _fill_adapted_export(run: TrainedRun, tmp: Path, adapter: dict | None) -> No
     finally:
         model.config.base_model_name_or_path = reference
     write_heads_files(tmp, files, config, chat_template=run.chat_template)
+    write_validation(tmp, run.validation)
     if joint:
         # embeddings are never adapted; "auto" would look the base model up on the hub
         run.adapted.peft_model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False, state_dict=adapter)

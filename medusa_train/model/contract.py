@@ -89,8 +89,9 @@ class DraftModel(Protocol):
     def guessed_tokens(self, indices: torch.Tensor) -> torch.Tensor:
         """Token ids of draft outputs ``indices`` (the draft vocabulary mapped back)."""
 
-    def calibration_scores(self, ids: torch.Tensor, start: int):
-        """Yields ``(depth, scores, targets)`` along a text, on the path the decoder would walk."""
+    def calibration_scores(self, ids: torch.Tensor, start: int, states: torch.Tensor | None = None):
+        """Yields ``(depth, scores, targets)`` along a text, on the path the decoder would walk (``states``: what
+        the family's capture stores for ``ids``, (1, len, width), instead of running the backbone)."""
 
     def native_files(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """``({file name: tensors}, config.json)`` of its native layout."""

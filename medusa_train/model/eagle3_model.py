@@ -247,13 +247,14 @@ class Eagle3Model(nn.Module):
         return index[tokens.clamp(min=0)].masked_fill(tokens < 0, -1)
 
     @torch.no_grad()
-    def calibration_scores(self, ids: torch.Tensor, start: int):
+    def calibration_scores(self, ids: torch.Tensor, start: int, states: torch.Tensor | None = None):
         """``(depth k, logits (n, draft vocab), target indices (n,))`` along ``ids`` (1, len): the draft's step ``k``
         from positions ``start ..``, its earlier steps given the text's tokens (so its accuracy at depth k is
-        conditional on the path so far being right, as a tree's path is walked), and the true token's index."""
-        out = self(ids)
+        conditional on the path so far being right, as a tree's path is walked), and the true token's index;
+        ``states``: what the capture stored for ``ids`` (``split_captured``), instead of running the backbone."""
+        inputs = self(ids).draft_inputs if states is None else self.split_captured(states)[0].to(ids.device)
         length = ids.shape[1]
-        for k, normed in enumerate(self.chained_steps(out.draft_inputs, ids, torch.ones_like(ids), self.config.ttt_steps)):
+        for k, normed in enumerate(self.chained_steps(inputs, ids, torch.ones_like(ids), self.config.ttt_steps)):
             stop = length - k - 2
             if stop <= start:
                 continue

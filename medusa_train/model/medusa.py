@@ -235,9 +235,9 @@ class MedusaModel(nn.Module):
         """(num_nodes,) the tree's tokens for one verify step (``medusa_propose.heads_candidates``; tokens unused)."""
         return heads_candidates(self, tree, accepted_inputs, root_token, state)
 
-    def calibration_scores(self, ids: torch.Tensor, start: int):
+    def calibration_scores(self, ids: torch.Tensor, start: int, states: torch.Tensor | None = None):
         """Each head's scores along a text and its targets (``medusa_propose.heads_calibration_scores``)."""
-        return heads_calibration_scores(self, ids, start)
+        return heads_calibration_scores(self, ids, start, states)
 
     def _context(self, hidden: torch.Tensor, cache: PrefixCache | None = None) -> torch.Tensor:
         """``hidden`` itself, or through the prefix attention layer (consecutive positions; ``cache`` holds

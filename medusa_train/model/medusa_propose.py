@@ -46,11 +46,12 @@ def heads_candidates(model, tree, accepted_hidden: torch.Tensor, root_token: int
 
 
 @torch.no_grad()
-def heads_calibration_scores(model, ids: torch.Tensor, start: int):
+def heads_calibration_scores(model, ids: torch.Tensor, start: int, states: torch.Tensor | None = None):
     """``(k, logits (n, heads' vocab), target indices (n,))`` per head ``k`` along ``ids`` (1, len): head k's scores
     at positions ``start ..`` (the hidden state at t guesses the token at t + k + 2, reading the text's own next
-    tokens) and the index of that token among its outputs (-1: one it never guesses)."""
-    hidden = model(ids).hidden_states[0]
+    tokens) and the index of that token among its outputs (-1: one it never guesses); ``states``: the final hidden
+    states of ``ids`` as captured (1, len, H), instead of running the backbone."""
+    hidden = (model(ids).hidden_states if states is None else states.to(model.lm_head.weight.device))[0]
     inputs = model.head_features(hidden[:-1], ids[0, 1:])  # the next token is the text's own
     length = ids.shape[1]
     for k in range(model.config.num_heads):

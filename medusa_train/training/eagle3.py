@@ -26,7 +26,7 @@ from medusa_train.data.capture.run import captured_already
 from medusa_train.data.examples import load_examples
 from medusa_train.model.eagle3 import captured_states
 from medusa_train.model.family import captured_for
-from medusa_train.training import loop, setup
+from medusa_train.training import loop, setup, validation
 from medusa_train.training.eagle3_loss import ttt_loss
 from medusa_train.training.losses import LossResult
 
@@ -36,21 +36,24 @@ class Eagle3Recipe:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.validated: dict = {}  #: the last validation walk's figures, for the export
 
     def setup(self) -> None:
         cfg = self.cfg
         self.accelerator = acc = setup.make_accelerator(cfg)
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
         train, evals = load_examples(cfg.data, self.tokenizer, acc)
-        backbone = None
+        backbone, has_layers = None, True
         if cfg.data.cache_hidden_states and captured_already(capture_view(cfg), captured_for(cfg), self.tokenizer, acc, train, evals):
             backbone = setup.load_without_layers_for(cfg, acc)  # the embeddings and LM head the draft reads
+            has_layers = backbone is None
         if backbone is None:
             backbone, _ = load_backbone_for(cfg.model, acc.device)
         self.model = build_draft(cfg, backbone, acc.device, train)
         c = self.model.config
         loop.say(acc, f"EAGLE-3 draft: reads layers {c.aux_layer_ids} of {c.num_target_layers}, "
                       f"{c.draft_vocab_size:,}-token draft vocabulary, {cfg.eagle3.ttt_steps} chained steps trained")
+        self.validation = validation.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), has_layers)
         states = captured_states(backbone, self.model.config.aux_layer_ids) if cfg.data.cache_hidden_states else None
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals, states)
         trainable = [p for p in self.model.draft.parameters() if p.requires_grad]
@@ -87,7 +90,9 @@ class Eagle3Recipe:
         for batch in loop.eval_batches(self.run):
             sums.add(self.loss(batch))
         record = sums.record(self.run)
+        record.update(validation.walk(self.validation, self.model, self.accelerator))
         self.run.metrics.write(record)
+        self.validated = {k: v for k, v in record.items() if k.startswith("validation/")}
         loop.say(self.accelerator, f"eval @ step {self.run.step}: loss {record['loss']:.4f}, top-1 by draft step "
                                    f"{loop.top1_summary(record, steps)}")
         return record
@@ -96,7 +101,8 @@ class Eagle3Recipe:
         """What the run's export writes (``export/run.py``)."""
         from medusa_train.training.run_folder import TrainedRun, run_chat_template
 
-        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer))
+        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer),
+                          validation=self.validated)
 
     def cleanup(self) -> None:
         loop.finish(self.run)

@@ -22,7 +22,7 @@ from medusa_train.config.train import TrainConfig
 from medusa_train.data.capture.run import captured_already
 from medusa_train.data.examples import load_examples
 from medusa_train.model.family import captured_for
-from medusa_train.training import loop, setup
+from medusa_train.training import loop, setup, validation
 from medusa_train.training.losses import LossResult
 from medusa_train.training.shard import shard_backbone
 
@@ -32,6 +32,7 @@ class Medusa1Recipe:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.validated: dict = {}  #: the last validation walk's figures, for the export
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -39,15 +40,18 @@ class Medusa1Recipe:
         sharded = setup.shards_backbone(cfg, acc)  # read by process 0, its layers sharded onto every device
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
         train, evals = load_examples(cfg.data, self.tokenizer, acc)
-        backbone = None
+        backbone, has_layers = None, True
         if cfg.data.cache_hidden_states and captured_already(capture_view(cfg), captured_for(cfg), self.tokenizer, acc, train, evals):
             backbone = setup.load_without_layers_for(cfg, acc)
+            has_layers = backbone is None
         if backbone is None and sharded:  # before the heads: they start from the LM head process 0 broadcasts
             backbone = setup.load_backbone_on_first_process(cfg, acc, self.tokenizer.pad_token_id)
             loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes).summary(acc.num_processes))
         elif backbone is None:
             backbone, _ = load_backbone_for(cfg.model, acc.device)
         self.model = setup.build_heads(cfg, backbone, acc.device, train)
+        self.validation = validation.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), has_layers,
+                                             sharded=sharded)
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.run = loop.start_run(cfg, acc, self.model, data, [{"params": trainable, "lr": cfg.optim.lr}],
@@ -68,12 +72,15 @@ class Medusa1Recipe:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Loss and top-1/top-5 per head on the held-out split, over every process."""
+        """Loss and top-1/top-5 per head on the held-out split, over every process; the validation walk."""
+        acc = self.accelerator
         sums = loop.HeadEvalSums(self.model.num_heads)
         for batch in loop.eval_batches(self.run):
             sums.add(*loop.heads_loss(self.run, loop.hidden_states(self.run, batch), batch["labels"], None))
         record = sums.record(self.run)
+        record.update(validation.walk(self.validation, self.model, acc))
         self.run.metrics.write(record)
+        self.validated = {k: v for k, v in record.items() if k.startswith("validation/")}
         kept = " ".join(f"{record[f'head{k + 1}/kept']:.0%}" for k in range(self.model.num_heads)) \
             if "head1/kept" in record else ""
         loop.say(self.accelerator, f"eval @ step {self.run.step}: loss {record['loss']:.4f}, top-1 by head "
@@ -85,7 +92,8 @@ class Medusa1Recipe:
         """What the run's export writes (``export/run.py``)."""
         from medusa_train.training.run_folder import TrainedRun, run_chat_template
 
-        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer))
+        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer),
+                          validation=self.validated)
 
     def cleanup(self) -> None:
         loop.finish(self.run)

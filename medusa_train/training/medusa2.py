@@ -43,8 +43,9 @@ from medusa_train.backbone.load import load_backbone_for
 from medusa_train.backbone.lora import add_lora
 from medusa_train.config.train import TrainConfig
 from medusa_train.data.examples import load_examples
+from medusa_train.model.family import captured_for
 from medusa_train.model.layouts import MEDUSA_PARAMETERS
-from medusa_train.training import loop, setup
+from medusa_train.training import loop, setup, validation
 from medusa_train.training.backbone_loss import (
     BaseMetrics,
     base_loss_backward,
@@ -99,6 +100,7 @@ class Medusa2Recipe:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.validated: dict = {}  #: the last validation walk's figures, for the export
         self.joint = cfg.stage != 1
         self.step_metrics: dict[str, float] = {}
         self.window: list[Medusa2LossResult] = []
@@ -123,6 +125,8 @@ class Medusa2Recipe:
                      .summary(acc.num_processes))
         train, evals = load_examples(cfg.data, self.tokenizer, acc)
         self.model = setup.build_heads(cfg, backbone, acc.device, train)
+        self.validation = validation.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), adapts=self.joint,
+                                             sharded=sharded)
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         lora = [p for n, p in named if not n.startswith(MEDUSA_PARAMETERS)]
@@ -224,8 +228,10 @@ class Medusa2Recipe:
             record["loss"] = base_term(base, cfg.loss.base) + lam * heads_loss
             message = (f"eval @ step {self.run.step}: loss {record['loss']:.4f}; backbone KL to original {base.kl:.5f}, "
                        f"CE {base.ce:.4f}, top-1 agreement {base.agreement:.4f}")
-        self.run.metrics.write(record)
         loop.say(acc, f"{message}; top-1 by head {loop.top1_summary(record, k_heads)}")
+        record.update(validation.walk(self.validation, self.model, acc))
+        self.run.metrics.write(record)
+        self.validated = {k: v for k, v in record.items() if k.startswith("validation/")}
         return record
 
     def whole_adapter(self) -> dict[str, torch.Tensor] | None:
@@ -241,7 +247,8 @@ class Medusa2Recipe:
         from medusa_train.training.run_folder import AdaptedBackbone, TrainedRun, run_chat_template
 
         adapted = AdaptedBackbone(self.joint, self.peft_model, self.tokenizer, self.whole_adapter)
-        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer), adapted)
+        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer), adapted,
+                          self.validated)
 
     def cleanup(self) -> None:
         loop.finish(self.run)

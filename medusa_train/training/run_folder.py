@@ -23,6 +23,7 @@ from medusa_train.backbone.chat_template import resolve_chat_template, tokenizer
 from medusa_train.model.folder import TRAINING_CONFIG_NAME, output_problem
 
 OPTION = "trainer.output_dir"  #: the key that names a run's folder, for messages
+VALIDATION_FILE = "validation.json"  #: in an export: the last validation walk's figures (training/validation.py)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class TrainedRun:
     model: object  #: the draft on its backbone (``model.contract.DraftModel``)
     chat_template: str | None  #: the template its data was rendered with
     adapted: AdaptedBackbone | None = None  #: when the backbone trained too
+    #: the last validation walk's figures (``training/validation.py``), recorded in the export as validation.json
+    validation: dict | None = None
 
 
 def run_chat_template(cfg, tokenizer) -> str | None:

@@ -98,20 +98,27 @@ def greedy_continuations(model, tokenizer, prompts: Sequence[str], max_new_token
 
 
 @torch.no_grad()
-def measure_ranks(model, sequences: Sequence[tuple[torch.Tensor, int]], top_k: int = 10) -> list[list[list[int]]]:
+def measure_ranks(model, sequences: Sequence[tuple[torch.Tensor, int]], top_k: int = 10,
+                  states: Sequence[torch.Tensor] | None = None) -> list[list[list[int]]]:
     """Per sequence, per head (draft depth), the rank of the true token among the head's guesses at each position
-    from the last prompt token on (``top_k``: not among its first ``top_k``, or a token it never guesses): position
-    j of every head is the same place in the text (head k's list is k tokens shorter: the text ends)."""
+    from the last prompt token on (``top_k``: not among its first ``top_k``; ``top_k + 1``: a token outside the
+    draft's vocabulary, never guessed): position j of every head is the same place in the text (head k's list is k
+    tokens shorter: the text ends). ``states``: per sequence, what the draft's capture stores (no backbone run)."""
     ranks = []
-    for ids, prompt_len in sequences:
+    for i, (ids, prompt_len) in enumerate(sequences):
         by_head = [[] for _ in range(model.config.depth)]
         # the model says what its draft scores at each depth along the text, and which output is the true token
-        for k, logits, targets in model.calibration_scores(ids, prompt_len - 1):
+        for k, logits, targets in model.calibration_scores(ids, prompt_len - 1, None if states is None else states[i]):
             target_logits = logits.gather(-1, targets.clamp(min=0)[:, None])
-            rank = (logits > target_logits).sum(-1).masked_fill_(targets < 0, top_k)  # outside a draft vocabulary: never guessed
-            by_head[k] = rank.clamp_(max=top_k).tolist()
+            rank = (logits > target_logits).sum(-1).clamp_(max=top_k)
+            by_head[k] = rank.masked_fill_(targets < 0, outside_draft_vocab_rank(top_k)).tolist()
         ranks.append(by_head)
     return ranks
+
+
+def outside_draft_vocab_rank(top_k: int) -> int:
+    """The rank ``measure_ranks`` gives a true token the draft cannot guess (outside its draft vocabulary)."""
+    return top_k + 1
 
 
 def rank_accuracies_from(ranks: Sequence[Sequence[Sequence[int]]], num_heads: int,

@@ -2,7 +2,8 @@
 
 A source conversation becomes a ``Prompt``: a stable id (its index in the source + a hash of it) and
 its system/user turns cut into one segment per reply to generate. ``select_prompts`` takes the first
-``num_prompts`` usable ones (not quoting the evaluation benchmark, first prompt short enough), and
+``num_prompts`` usable ones (not quoting the evaluation benchmark, holding no validation prompt, first prompt short
+enough), and
 ``plan_batches`` orders those not yet done into length-sorted batches that a resumed run writes in
 the same order as an uninterrupted one.
 """
@@ -73,19 +74,23 @@ def render_length(tokenizer, messages: list[Message]) -> int:
 def select_prompts(cfg: DistillConfig, tokenizer, benchmark: set[str]) -> Selection:
     """The first ``num_prompts`` usable conversations of ``cfg.source`` (reading further as needed)."""
     from medusa_train.data import load_conversations
+    from medusa_train.data.validation import held_out, validation_prompts
 
+    v = cfg.validation
+    validation = held_out(validation_prompts(v.source or cfg.source, v.size, v.seed))
     want = cfg.num_prompts
     to_read = None if want is None else max(2 * want, want + 64)
     while True:
         conversations, load_stats = load_conversations(cfg.source, max_samples=to_read)
-        selection = _select(conversations, cfg, tokenizer, benchmark, want)
+        selection = _select(conversations, cfg, tokenizer, benchmark, want, validation)
         if to_read is None or len(selection.prompts) == want or len(conversations) < to_read:
             selection.source_summary = load_stats.summary()
             return selection
         to_read *= 4
 
 
-def _select(conversations, cfg: DistillConfig, tokenizer, benchmark: set[str], want: int | None) -> Selection:
+def _select(conversations, cfg: DistillConfig, tokenizer, benchmark: set[str], want: int | None,
+            validation: frozenset[str] = frozenset()) -> Selection:
     from jinja2 import TemplateError
 
     selection = Selection(prompts=[], known_ids={})
@@ -97,6 +102,9 @@ def _select(conversations, cfg: DistillConfig, tokenizer, benchmark: set[str], w
         segments = prompt_segments(conversation, cfg.max_turns)
         if not segments:
             selection.excluded["no_user_turn"] += 1
+            continue
+        if validation and any(normalise_prompt(s[-1]["content"]) in validation for s in segments):
+            selection.excluded["validation_prompt"] += 1  # held out: the validation set (config/validation.py)
             continue
         matches = sum(normalise_prompt(s[-1]["content"]) in benchmark for s in segments)
         if matches:

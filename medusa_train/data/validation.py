@@ -1,0 +1,167 @@
+"""One validation set per prompt source: the prompts every figure before decoding is measured on.
+
+``validation_prompts``: a seeded sample of first user turns drawn from the whole source (independent of
+``data.max_samples``: runs at any data size share it), never a prompt of the evaluation benchmark nor a text the source
+also asks as a follow-up turn ("Continue"), one per normalised text. Distillation passes over every conversation that contains one of them and training removes every copy
+(``held_out``), so the draft never trains on them. ``continuations``: the backbone's greedy replies to them (untrimmed,
+unfiltered, ``max_new_tokens`` long at most), made once and cached under ``$MEDUSA_TRAIN_CACHE/validation``, keyed by
+the model, the tokenizer with its chat template, the dtype and the prompts. Training walks its draft along them
+(``evaluation/walk.py``), build-tree calibrates on them and ``evaluate bench.source=validation`` decodes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from medusa_train.data.benchmarks import benchmark_prompt_texts, normalise_prompt
+
+EXCLUDED_BENCHMARK = "packaged:mt-bench"  #: the evaluation's prompts are never validation prompts
+MAX_PROMPT_CHARS = 4000  #: longer first turns are not drawn (tokens are checked where a tokenizer is at hand)
+FORMAT = 1  #: bump when what a cached continuation holds changes
+
+
+def prompt_source(data_source: str) -> str:
+    """The source of ``data_source``'s prompts: a distilled file's own source (its ``.stats.json``), else itself."""
+    from medusa_train.data.distill.writer import sidecar
+
+    path = Path(data_source).expanduser()
+    if path.suffix == ".jsonl" and path.is_file():
+        stats = sidecar(path, ".stats.json")
+        if stats.is_file():
+            source = json.loads(stats.read_text()).get("source")
+            if source:
+                return source
+    return data_source
+
+
+@functools.lru_cache(maxsize=8)
+def _drawn(source: str, size: int, seed: int) -> tuple[str, ...]:
+    from medusa_train.data.sources import load_conversations
+
+    conversations, _ = load_conversations(source, max_samples=None)
+    firsts = [next((m["content"] for m in c if m["role"] == "user" and m["content"].strip()), "") for c in conversations]
+    # a text some conversation asks as a follow-up ("Continue", "Please continue") leans on what came before it
+    follow_ups = {normalise_prompt(m["content"]) for c in conversations
+                  for m in [m for m in c if m["role"] == "user"][1:] if isinstance(m["content"], str)}
+    banned = benchmark_prompt_texts(EXCLUDED_BENCHMARK) | follow_ups
+    order = list(range(len(firsts)))
+    random.Random(seed).shuffle(order)
+    chosen, seen = [], set()
+    for i in order:
+        text = firsts[i]
+        key = normalise_prompt(text)
+        if not key or key in banned or key in seen or len(text) > MAX_PROMPT_CHARS:
+            continue
+        chosen.append(text)
+        seen.add(key)
+        if len(chosen) == size:
+            break
+    return tuple(chosen)
+
+
+def validation_prompts(source: str, size: int = 64, seed: int = 0) -> list[str]:
+    """``size`` first user turns of ``source`` (fewer when it has fewer), a seeded sample of the whole source."""
+    return list(_drawn(source, size, seed)) if size else []
+
+
+def held_out(prompts: Iterable[str]) -> frozenset[str]:
+    """The normalised texts of ``prompts``: a conversation with a user turn among them is held out."""
+    return frozenset(normalise_prompt(p) for p in prompts)
+
+
+def holds_out(conversation: Sequence[dict], keys: frozenset[str]) -> bool:
+    """Whether ``conversation`` has a user turn among the held-out ``keys``."""
+    return any(m.get("role") == "user" and isinstance(m.get("content"), str) and normalise_prompt(m["content"]) in keys
+               for m in conversation)
+
+
+def keys_digest(keys: frozenset[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Continuations:
+    """The backbone's greedy replies to the validation prompts: ``sequences`` ``(ids (1, len), prompt length)``."""
+
+    prompts: list[str]  #: the prompts walked (those whose rendered prompt fits), in the set's order
+    sequences: list[tuple[torch.Tensor, int]]
+    too_long: int  #: prompts passed over: longer than max_prompt_tokens through the chat template
+    path: Path
+    from_cache: bool
+
+    def summary(self) -> str:
+        tokens = sum(ids.shape[1] - n for ids, n in self.sequences)
+        return (f"{len(self.sequences)} prompts, {tokens:,} reply tokens"
+                + (f" ({self.too_long} longer than the prompt limit passed over)" if self.too_long else "")
+                + f"; {'read' if self.from_cache else 'made and cached'} {self.path}")
+
+
+def model_fingerprint(backbone) -> str:
+    """What names the backbone's weights: its path or hub id and its config (not the weights themselves)."""
+    config = backbone.config
+    return hashlib.sha256((str(getattr(config, "_name_or_path", "")) + config.to_json_string(use_diff=False)).encode()
+                          ).hexdigest()[:20]
+
+
+def continuations_key(backbone, tokenizer, dtype: str, prompts: Sequence[str], max_new_tokens: int,
+                      max_prompt_tokens: int) -> str:
+    from medusa_train.data.cache import tokenizer_fingerprint
+
+    parts = {"format": FORMAT, "model": model_fingerprint(backbone), "tokenizer": tokenizer_fingerprint(tokenizer),
+             "dtype": dtype, "prompts": hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest(),
+             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cache_root() -> Path:
+    from medusa_train.backbone import assets
+
+    return assets.cache_dir() / "validation"
+
+
+@torch.no_grad()
+def continuations(backbone, tokenizer, prompts: Sequence[str], max_new_tokens: int, max_prompt_tokens: int = 256,
+                  progress: bool = True, root: str | os.PathLike | None = None) -> Continuations:
+    """The backbone's greedy continuations of ``prompts`` (through the tokenizer's chat template), read from the
+    cache or made (one prompt at a time, HF ``generate`` greedy) and cached; the file is written whole, then renamed."""
+    from tqdm.auto import tqdm
+
+    from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
+
+    dtype = str(next(backbone.parameters()).dtype).removeprefix("torch.")
+    key = continuations_key(backbone, tokenizer, dtype, prompts, max_new_tokens, max_prompt_tokens)
+    path = Path(root or cache_root()) / f"{key}.json"
+    device = backbone.get_input_embeddings().weight.device
+    if path.is_file():
+        stored = json.loads(path.read_text())
+        sequences = [(torch.tensor([s["ids"]], device=device), s["prompt_len"]) for s in stored["sequences"]]
+        return Continuations(stored["prompts"], sequences, stored["too_long"], path, True)
+    eos = eos_token_ids(backbone, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    kept, sequences, too_long = [], [], 0
+    started = time.perf_counter()
+    for text in tqdm(prompts, desc="validation continuations", unit="prompt", disable=not progress):
+        ids = encode_chat(tokenizer, [{"role": "user", "content": text}]).to(device)
+        if ids.shape[1] > max_prompt_tokens:
+            too_long += 1
+            continue
+        new, _ = plain_generate(backbone, ids, max_new_tokens, eos, pad)
+        kept.append(text)
+        sequences.append((torch.cat([ids[0], torch.tensor(new, dtype=ids.dtype, device=device)])[None], ids.shape[1]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"prompts": kept, "too_long": too_long, "dtype": dtype, "max_new_tokens": max_new_tokens,
+                               "seconds": round(time.perf_counter() - started, 1),
+                               "sequences": [{"ids": ids[0].tolist(), "prompt_len": n} for ids, n in sequences]}))
+    os.replace(tmp, path)
+    return Continuations(kept, sequences, too_long, path, False)
