@@ -7,7 +7,7 @@ from medusa_train.backbone.chat_template import resolve_chat_template
 from medusa_train.backbone.processes import say
 from medusa_train.config.data import DataConfig, validation_source
 from medusa_train.data.cache import tokenized_splits
-from medusa_train.data.validation import held_out, validation_prompts
+from medusa_train.data.validation import held_out, held_out_line, validation_prompts
 
 
 def load_examples(d: DataConfig, tokenizer, accelerator):
@@ -22,9 +22,9 @@ def load_examples(d: DataConfig, tokenizer, accelerator):
                                 held_out=held_out(validation))
     if validation:
         removed = data.stats.skipped.get("validation_prompt", 0)
-        say(accelerator, f"validation: {len(validation)} prompts of {validation_source(d)} held out "
-                         f"(data.validation.size={d.validation.size}, seed {d.validation.seed}); {removed:,} training "
-                         f"conversation{'s' if removed != 1 else ''} holding one removed")
+        say(accelerator, f"validation: {held_out_line(validation_source(d), validation, d.validation.size, d.validation.seed)}"
+                         f" (data.validation); {removed:,} training conversation{'s' if removed != 1 else ''} "
+                         "holding one removed")
     for line in data_lines(d, data):
         say(accelerator, line)
     if not len(data.train):

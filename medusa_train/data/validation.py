@@ -45,7 +45,8 @@ def prompt_source(data_source: str) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _drawn(source: str, size: int, seed: int) -> tuple[str, ...]:
+def _drawn(source: str, seed: int) -> tuple[str, ...]:
+    """Every usable distinct first user turn of ``source``, in a seeded order."""
     from medusa_train.data.sources import load_conversations
 
     conversations, _ = load_conversations(source, max_samples=None)
@@ -56,22 +57,33 @@ def _drawn(source: str, size: int, seed: int) -> tuple[str, ...]:
     banned = benchmark_prompt_texts(EXCLUDED_BENCHMARK) | follow_ups
     order = list(range(len(firsts)))
     random.Random(seed).shuffle(order)
-    chosen, seen = [], set()
+    candidates = {}  # normalised text -> the first turn, in the seeded order
     for i in order:
         text = firsts[i]
         key = normalise_prompt(text)
-        if not key or key in banned or key in seen or len(text) > MAX_PROMPT_CHARS:
-            continue
-        chosen.append(text)
-        seen.add(key)
-        if len(chosen) == size:
-            break
-    return tuple(chosen)
+        if key and key not in banned and key not in candidates and len(text) <= MAX_PROMPT_CHARS:
+            candidates[key] = text
+    return tuple(candidates.values())
 
 
 def validation_prompts(source: str, size: int = 64, seed: int = 0) -> list[str]:
-    """``size`` first user turns of ``source`` (fewer when it has fewer), a seeded sample of the whole source."""
-    return list(_drawn(source, size, seed)) if size else []
+    """``size`` first user turns of ``source``, a seeded sample of the whole source; at most a tenth of its distinct
+    usable first turns (``validation_cap``), so a small source keeps most of its data for training."""
+    return list(_drawn(source, seed)[:validation_cap(source, size, seed)]) if size else []
+
+
+def validation_cap(source: str, size: int, seed: int = 0) -> int:
+    """How many validation prompts ``source`` gives for ``size``: ``size``, or a tenth of its distinct usable first
+    turns when that is fewer (the log says so)."""
+    return min(size, len(_drawn(source, seed)) // 10)
+
+
+def held_out_line(source: str, prompts: Sequence[str], size: int, seed: int) -> str:
+    """What the log says about a validation set: how many prompts of which source, and why fewer than asked."""
+    line = f"{len(prompts)} prompts of {source} held out (size {size}, seed {seed}"
+    if len(prompts) < size:
+        line += f"; at most a tenth of its {len(_drawn(source, seed)):,} distinct first turns"
+    return line + ")"
 
 
 def held_out(prompts: Iterable[str]) -> frozenset[str]:

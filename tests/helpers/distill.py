@@ -30,7 +30,8 @@ def tiny_config(model_dir: Path, source: Path, output: Path, **overrides) -> dic
     config = {"model": {"name_or_path": str(model_dir), "dtype": "float32"}, "source": str(source),
               "output": str(output), "num_prompts": None, "max_turns": 2, "max_prompt_tokens": 256,
               "batch_size": 4, "sort_window": 2, "exclude_benchmark": None, "progress": False,
-              "generation": {"max_new_tokens": 24}}
+              "generation": {"max_new_tokens": 24},
+              "validation": {"size": 0}}  # tests that hold a validation set out set their own
     for key, value in overrides.items():
         config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
     return config
