@@ -1,6 +1,6 @@
 """``medusa-train build-tree``: fit a Medusa tree to the heads' measured accuracies and write it as a tree YAML.
 
-    medusa-train build-tree heads=outputs/medusa1/export nodes=64 calibration=packaged:sharegpt-v3
+    medusa-train build-tree heads=outputs/medusa1/export nodes=auto   # calibrated on the validation set
 
 Options: ``configs/commands/build_tree.yaml`` (schema: ``medusa_train.config.build_tree.BuildTreeConfig``);
 the work is ``medusa_train.tree.size.fit_and_write`` (calibrate, fit, size, write).

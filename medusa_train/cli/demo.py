@@ -184,7 +184,7 @@ def run(cfg: DemoConfig) -> None:
         times["train"] = train_in_stages(cfg, py, data, run_dir, paths["stage1"])
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
-        *py, "build-tree", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={tr.num_prompts}",
+        *py, "build-tree", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={_null(tr.num_prompts)}",
         f"lookup_depth={tr.lookup_depth}",
         f"model.dtype={e.dtype}", f"answer_tokens={e.max_new_tokens}", f"output={tree}"],
         done=newer(tree, export / "model.safetensors"))
@@ -245,6 +245,11 @@ def train_in_stages(cfg: DemoConfig, py: list[str], data: Path, run_dir: Path, s
     spent += stage("2/4 train LoRA and heads jointly (medusa2)", joint,
                    done=newer(RunFolder(run_dir).training_config, *inputs))
     return spent
+
+
+def _null(value) -> str:
+    """A value as the command line takes it (``None``: null)."""
+    return "null" if value is None else str(value)
 
 
 def tree_facts(path: Path) -> dict:

@@ -26,19 +26,24 @@ class BuildTreeConfig:
     cost_context: int | str = "auto"
     answer_tokens: int = 128  #: with cost_context=auto, the answers' length (the evaluation's generation.max_new_tokens)
     cost_repeats: int = 10  #: with nodes=auto, timed rounds per size (the median counts)
-    calibration: str = "packaged:sharegpt-v3"  #: packaged:sharegpt-v3 or a .jsonl of prompts (not MT-Bench)
-    num_prompts: int = 16  #: calibration prompts (their first user turn)
-    max_new_tokens: int = 96  #: greedy continuation length per prompt
+    #: validation: the validation set of the heads' training data (their training_config.json's data.validation; the
+    #: prompts held out of training, config/validation.py); or packaged:sharegpt-v3 (its first prompts the heads did not
+    #: train on) or a .jsonl of prompts (not MT-Bench)
+    calibration: str = "validation"
+    num_prompts: int | None = None  #: calibration prompts (their first user turn); null: the whole validation set (else 16)
+    max_new_tokens: int = 128  #: greedy continuation length per prompt (evaluate's generation.max_new_tokens)
     max_prompt_tokens: int = 256  #: longer prompts are passed over
     top_k: int = 10  #: ranks measured per head
     #: nodes of the tree's lookup chain (guesses copied from the text so far, medusa_train/decoding/lookup.py), part
     #: of ``nodes``; auto: the split of nodes between heads and lookup with the most expected tokens per second
-    #: (nodes=auto) or per step (a fixed nodes), greedy decoding walked step by step over the calibration text
-    #: (heads' depths and lookup runs measured at each step's position); 0 (the default): heads only. Not auto by
-    #: default: lookup's gain depends on the prompts far more than the heads' (code and text to rewrite copy well),
-    #: so it is sized right only on prompts like those served (calibration=<your prompts>): on the packaged
-    #: ShareGPT prompts the demo's chain walked 2.49 tokens per step, on MT-Bench 1.52 (docs/results.md)
-    lookup_depth: int | str = 0
+    #: (nodes=auto) or per step (a fixed nodes), greedy decoding walked step by step over the calibration text, then
+    #: checked by decoding (``guard_prompts``): the hybrid is kept only if it beats the heads alone and the lookup
+    #: alone by ``guard_margin`` in tokens/s; 0: the heads alone
+    lookup_depth: int | str = "auto"
+    #: with lookup_depth=auto: validation prompts decoded with the hybrid, the heads alone and the lookup alone
+    #: (interleaved, tokens/s here) before a hybrid is kept; 0: no guard (the walk's choice stands)
+    guard_prompts: int = 16
+    guard_margin: float = 0.03  #: the hybrid must beat both by this share of tokens/s; within it the smaller tree wins
     lookup_max_depth: int = 8  #: with lookup_depth=auto, the longest chain considered
     lookup_ngram: list[int] = field(default_factory=lambda: [1, 3])  #: [shortest, longest] suffix lookup matches
     exclude: str | None = "packaged:mt-bench"  #: drop calibration prompts found in this benchmark (null: keep all)
@@ -61,7 +66,9 @@ def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
            c.cost_context, "must be >= 1 or auto")
     p.need(c.answer_tokens >= 0, "answer_tokens", c.answer_tokens, "must be >= 0")
     p.need(c.cost_repeats >= 1, "cost_repeats", c.cost_repeats, "must be >= 1")
-    p.need(c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1")
+    p.need(c.num_prompts is None or c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1 or null (all)")
+    p.need(c.guard_prompts >= 0, "guard_prompts", c.guard_prompts, "must be >= 0 (0: no guard)")
+    p.need(0 <= c.guard_margin < 1, "guard_margin", c.guard_margin, "must be in [0, 1)")
     p.need(c.max_new_tokens >= 4, "max_new_tokens", c.max_new_tokens, "must be >= 4")
     p.need(c.max_prompt_tokens >= 1, "max_prompt_tokens", c.max_prompt_tokens, "must be >= 1")
     p.need(c.top_k >= 1, "top_k", c.top_k, "must be >= 1")
@@ -74,7 +81,7 @@ def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
     p.need(len(c.lookup_ngram) == 2 and 1 <= c.lookup_ngram[0] <= c.lookup_ngram[1], "lookup_ngram",
            c.lookup_ngram, "must be [shortest, longest] with 1 <= shortest <= longest")
     p.need(c.calibration != c.exclude and "mt-bench" not in c.calibration, "calibration", c.calibration,
-           "MT-Bench is the evaluation set; calibrate on other prompts (default packaged:sharegpt-v3)")
+           "MT-Bench is the evaluation set; calibrate on other prompts (default: validation)")
     p.need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null")
     p += check_decoder_attention(c.model)
     parse_dtype(p, c.model, "model.dtype")

@@ -45,6 +45,20 @@ WARMUP_TOKENS = 16
 
 
 # ------------------------------------------------------------------------------------------- trees
+def tree_expectation(spec, measured: float) -> dict:
+    """``{"expected": {tokens_per_forward, gap, from}}`` when ``spec`` is a tree YAML that build-tree wrote (its
+    walked expectation on its calibration prompts) beside what was measured here; else nothing."""
+    if not isinstance(spec, (str, Path)) or not str(spec).endswith((".yaml", ".yml")) or not Path(spec).is_file():
+        return {}
+    from medusa_train.decoding.tree import _read_tree_file
+
+    expected = _read_tree_file(spec).get("expected_accept_length")
+    if expected is None:
+        return {}
+    return {"expected": {"tokens_per_forward": float(expected), "gap": round(measured - float(expected), 4),
+                         "from": f"build-tree's walk over its calibration prompts ({spec})"}}
+
+
 def resolve_tree(spec, num_heads: int | None) -> MedusaTree:
     """A ``MedusaTree`` for ``spec`` that fits ``num_heads`` heads.
 
@@ -258,6 +272,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
                    "decode); decode_speedup: decode time only, tokens after the first",
         "accepted_length": "tokens after each reply's first / target forwards after its prefill",
     }
+    report.update(tree_expectation(tree_spec, report["mean_accepted_length"]))
     report.update(extra or {})
     report["per_prompt"] = records
     if output_dir is not None:  # written before any engine runs: a failed server loses nothing measured here

@@ -51,7 +51,10 @@ def headline_lines(report: dict) -> list[str]:
     methods = report.get("methods") or {}
     lines = []
     if "draft" in methods and "plain" in methods:
-        m, plain = methods["draft"], methods["plain"]
+        plain = methods["plain"]
+        # the headline is the best decoder the run has: the tree as fitted, or its draft alone when that was faster
+        best_key = max((k for k in ("draft", "draft_only") if k in methods), key=lambda k: methods[k]["tokens_per_s"])
+        m = methods[best_key]
         free = {"plain decoding": plain}
         if "prompt_lookup" in methods:
             free[_lookup_label(report)] = methods["prompt_lookup"]
@@ -61,15 +64,20 @@ def headline_lines(report: dict) -> list[str]:
                        "tokens per forward)") if lookup else ""
         ours = draft = _draft(report)
         if "draft_only" in methods:  # a tree with a lookup chain: the hybrid, and each branch alone beside it
-            ours = f"{draft} and context lookup in one tree"
+            hybrid = f"{draft} and context lookup in one tree"
+            ours = hybrid if best_key == "draft" else f"{draft} alone (faster here than {hybrid})"
+            beside = (("draft_only", f"{draft} alone") if best_key == "draft" else ("draft", hybrid),
+                      ("context_lookup", "our lookup alone"))
             lookup_part = "".join(f"; {label} {methods[key]['speedup']:.2f}x ({_num(methods[key]['tokens_per_forward'])}"
-                                  " tokens per forward)" for key, label in (("draft_only", f"{draft} alone"),
-                                                                            ("context_lookup", "our lookup alone"))) \
-                + lookup_part
+                                  " tokens per forward)" for key, label in beside) + lookup_part
         lines.append(f"In this process, against {(report.get('settings') or {}).get('plain_decoding', 'HF generate')} "
                      f"({plain['tokens_per_s']:.1f} tokens/s): {ours} {m['speedup']:.2f}x "
                      f"({_num(m['tokens_per_forward'])} tokens per forward){lookup_part}. Over the best free baseline "
                      f"({best_name}) {ours} {_verb(ours, 'buy')} {m['tokens_per_s'] / max(best['tokens_per_s'], 1e-9):.2f}x.")
+    if report.get("expected"):
+        e = report["expected"]
+        lines.append(f"Expected beside measured: {e['tokens_per_forward']:.3f} tokens per forward expected by "
+                     f"{e['from']}; {report['mean_accepted_length']:.3f} measured on these prompts (gap {e['gap']:+.3f})")
     served = report.get("served")
     if served:
         from medusa_train.evaluation.served_report import best_free

@@ -26,9 +26,10 @@ import torch
 
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
-from medusa_train.tree.fit import build_tree, expected_accept_length
+from medusa_train.tree.fit import build_tree
 
-CONVERSATION_SOURCES = ("packaged:sharegpt-v3",)
+VALIDATION = "validation"  #: calibration on the heads' validation set (data/validation.py)
+CONVERSATION_SOURCES = (VALIDATION, "packaged:sharegpt-v3")
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -226,16 +227,16 @@ def measure_rank_accuracies(model, sequences: Sequence[tuple[torch.Tensor, int]]
 
 
 # ------------------------------------------------------------------------------------------- writing
-def tree_yaml(choices: Sequence[Sequence[int]], rank_accuracies: Sequence[Sequence[float]],
+def tree_yaml(choices: Sequence[Sequence[int]], rank_accuracies: Sequence[Sequence[float]], expected: float,
               comments: Sequence[str] = (), extra: dict | None = None) -> str:
     """A tree YAML (``choices:``, ``expected_accept_length:``, ``rank_accuracies:``, then ``extra``'s keys)
     opening with ``comments``."""
-    expected = expected_accept_length(choices, rank_accuracies)
     lines = [f"# {c}" for c in comments]
     rows = [", ".join(str(list(c)) for c in choices[i: i + 8])
             for i in range(0, len(choices), 8)]
     lines += ["choices: [", *(f"  {row}," for row in rows), "]"] if choices else ["choices: []"]
-    lines.append(f"expected_accept_length: {expected:.4f}  # 1 + sum of path chances, heads taken as independent")
+    lines.append(f"expected_accept_length: {expected:.4f}  # tokens per step (after each reply's first, per forward), "
+                 "greedy decoding walked step by step over the calibration text")
     lines.append("rank_accuracies:  # [head][rank]: fraction of positions where the head's rank-i guess was right")
     lines += [f"  - [{', '.join(f'{a:.4f}' for a in row)}]" for row in rank_accuracies]
     text = "\n".join(lines) + "\n"
@@ -246,17 +247,18 @@ def tree_yaml(choices: Sequence[Sequence[int]], rank_accuracies: Sequence[Sequen
     return text
 
 
-def write_tree(path: str | os.PathLike, rank_accuracies: Sequence[Sequence[float]], nodes: int,
-               comments: Sequence[str] = (), extra: dict | None = None) -> tuple[Path, list[list[int]], float]:
-    """Build the ``nodes``-node tree for ``rank_accuracies`` and write it as YAML (temp file, then rename).
+def write_tree(path: str | os.PathLike, rank_accuracies: Sequence[Sequence[float]], nodes: int, expected: float,
+               comments: Sequence[str] = (), extra: dict | None = None) -> tuple[Path, list[list[int]]]:
+    """Build the ``nodes``-node tree for ``rank_accuracies`` and write it as YAML (temp file, then rename), with
+    ``expected`` (the walk's tokens per step) as its expected accepted length.
 
     Returns:
-        ``(path, choices, expected accepted length)``.
+        ``(path, choices)``.
     """
     choices = build_tree(rank_accuracies, nodes)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(tree_yaml(choices, rank_accuracies, comments, extra))
+    tmp.write_text(tree_yaml(choices, rank_accuracies, expected, comments, extra))
     os.replace(tmp, path)
-    return path, choices, expected_accept_length(choices, rank_accuracies)
+    return path, choices

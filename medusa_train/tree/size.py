@@ -12,9 +12,13 @@ from pathlib import Path
 from medusa_train.backbone.generation import encode_chat
 from medusa_train.config.build_tree import BuildTreeConfig
 from medusa_train.config.paths import heads_name
-from medusa_train.data.benchmarks import load_benchmark
+from medusa_train.config.validation import ValidationConfig
+from medusa_train.data.benchmarks import load_benchmark, normalise_prompt
+from medusa_train.data.validation import continuations, prompt_source, validation_prompts
 from medusa_train.decoding.tree import MedusaTree
 from medusa_train.tree.calibrate import (
+    CONVERSATION_SOURCES,
+    VALIDATION,
     calibration_prompts,
     greedy_continuations,
     heads_depths,
@@ -27,24 +31,55 @@ from medusa_train.tree.calibrate import (
     write_tree,
 )
 from medusa_train.tree.cost import auto_sizes, choose_tree_size, measure_cost_curve
-from medusa_train.tree.fit import build_tree, expected_accept_length
+from medusa_train.tree.fit import build_tree
+
+DEFAULT_PROMPT_SOURCE = CONVERSATION_SOURCES[1]  #: heads with no training config: the packaged ShareGPT prompts
+
+
+def heads_validation(heads_dir) -> tuple[str, ValidationConfig, bool]:
+    """``(prompt source, validation settings, predates)`` of the heads' training data (``training_config.json``'s
+    ``data.source`` and ``data.validation``); ``predates``: the heads trained before validation sets were held out
+    (their training data may hold those prompts)."""
+    import dataclasses
+
+    from medusa_train.training.run_folder import read_training_config
+
+    data = (read_training_config(heads_dir) or {}).get("data", {})
+    stored = data.get("validation")
+    names = {f.name for f in dataclasses.fields(ValidationConfig)}
+    v = ValidationConfig(**{k: x for k, x in (stored or {}).items() if k in names})
+    source = v.source or (prompt_source(data["source"]) if data.get("source") else DEFAULT_PROMPT_SOURCE)
+    return source, v, stored is None or not v.size
 
 
 def calibrate(cfg: BuildTreeConfig, model, tokenizer) -> tuple[list[str], list, list, list[list[float]], list[int]]:
-    """The calibration ``fit_and_write`` fits to: greedy continuations of ``cfg``'s calibration prompts (the heads'
-    training prompts passed over when ``exclude_training_data``) and the heads' ranks on them.
+    """The calibration ``fit_and_write`` fits to: greedy continuations of ``cfg``'s calibration prompts (by default
+    the heads' validation set, held out of their training; otherwise the source's prompts, the heads' training
+    prompts passed over when ``exclude_training_data``) and the heads' ranks on them.
 
     Returns ``(prompts, sequences, ranks, rank accuracies, positions per head)``."""
-    seen = training_prompts(cfg.heads) if cfg.exclude_training_data else set()
-    prompts = calibration_prompts(cfg.calibration, tokenizer, cfg.num_prompts, cfg.max_prompt_tokens, cfg.exclude,
-                                  seen)
+    if cfg.calibration == VALIDATION:
+        source, v, predates = heads_validation(cfg.heads)
+        prompts = validation_prompts(source, v.size or 64, v.seed)
+        if predates and cfg.exclude_training_data:
+            seen = training_prompts(cfg.heads)
+            prompts = [p for p in prompts if normalise_prompt(p) not in seen]
+        texts = continuations(model.backbone, tokenizer, prompts, cfg.max_new_tokens, cfg.max_prompt_tokens)
+        prompts, sequences = texts.prompts[:cfg.num_prompts], texts.sequences[:cfg.num_prompts]
+        print(f"calibration: {len(sequences)} validation prompts of {source}"
+              + (" (the heads' training predates validation sets: their training prompts passed over)" if predates
+                 else " (held out of the heads' training)") + f"; continuations: {texts.summary()}")
+    else:
+        seen = training_prompts(cfg.heads) if cfg.exclude_training_data else set()
+        prompts = calibration_prompts(cfg.calibration, tokenizer, cfg.num_prompts or 16, cfg.max_prompt_tokens,
+                                      cfg.exclude, seen)
+        if seen:
+            print(f"calibration: {len(prompts)} prompts of {cfg.calibration} the heads were not trained on "
+                  f"({len(seen):,} training prompts passed over)")
+        sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
     if not prompts:
         raise SystemExit(f"calibration={cfg.calibration}: no usable prompts (all too long, empty, excluded or "
                          "in the heads' training data); pass calibration=<a .jsonl of held-out prompts>")
-    if seen:
-        print(f"calibration: {len(prompts)} prompts of {cfg.calibration} the heads were not trained on "
-              f"({len(seen):,} training prompts passed over)")
-    sequences = greedy_continuations(model, tokenizer, prompts, cfg.max_new_tokens, progress=True)
     ranks = measure_ranks(model, sequences, cfg.top_k)
     accuracies, counts = rank_accuracies_from(ranks, model.config.depth, cfg.top_k)
     return prompts, sequences, ranks, accuracies, counts
@@ -67,6 +102,11 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
                      if cfg.nodes == "auto" else (cfg.nodes, None))
     split_expected, depth = split.best(target)
     heads_nodes = target - depth
+    guard = None
+    if cfg.lookup_depth == "auto" and depth and heads_nodes > 1 and cfg.guard_prompts:
+        guard = run_guard(cfg, model, tokenizer, sequences, accuracies, heads_nodes, depth, split)
+        heads_nodes, depth = guard.pop("heads_nodes"), guard.pop("lookup_nodes")
+        split_expected = split.expected(heads_nodes, depth)
     nodes = len(build_tree(accuracies, heads_nodes)) + 1
     gains = split.gains(heads_nodes)[:depth]
     lookup = {"lookup_depth": depth, "lookup_ngram": list(cfg.lookup_ngram),
@@ -77,13 +117,11 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
                 + (f"; then a lookup chain of {depth} nodes (lookup_gains: per chain node, the share of "
                    "positions of the same text where it is right and the heads' tree falls short; tokens per step "
                    "walked step by step over that text)." if depth else ".")]
-    if depth:
-        lookup["expected_accept_length_with_lookup"] = round(split_expected, 4)
-    path, choices, expected = write_tree(output, accuracies, heads_nodes, comments, {**lookup, **(extra or {})})
-    if split.runs is not None:  # lookup was weighed: the walked figure, as every split was compared by
-        expected = split_expected
+    expected = split_expected
+    path, choices = write_tree(output, accuracies, heads_nodes, expected, comments,
+                               {**lookup, **({"guard": guard} if guard else {}), **(extra or {})})
     default = MedusaTree.from_name("default").truncated(max_nodes=target, max_depth=len(accuracies))
-    default_expected = expected_accept_length([c for c in default.choices if max(c) < cfg.top_k], accuracies)
+    default_expected = tokens_per_step(heads_depths(ranks, [c for c in default.choices if max(c) < cfg.top_k]))
     print("top-1 accuracy by head: " + ", ".join(f"{row[0]:.3f}" for row in accuracies))
     print(f"top-{cfg.top_k} accuracy by head: " + ", ".join(f"{sum(row):.3f}" for row in accuracies))
     print(f"tree: {path} ({len(choices) + 1 + depth} nodes"
@@ -102,17 +140,53 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
         print(f"chosen size: {extra['chosen_nodes']} nodes on {extra['device']}, {extra['dtype']}: expected speedup "
               f"{extra['expected_speedup']:.2f}x over generate"
               + (f" (the 64-node tree: {at64['expected_accept_length']:.2f} tokens per step)" if at64 else ""))
-    print(f"expected accepted length: {expected:.2f}")
+    if guard:
+        print(f"guard: kept {guard['kept']} ({guard['why']})")
+    print(f"expected accepted length: {expected:.3f} tokens per step (walked over the calibration text)")
     return {"path": str(path), "choices": choices, "rank_accuracies": accuracies, "positions": counts,
-            "expected_accept_length": expected, "lookup_depth": depth, **({"auto": extra} if extra else {})}
+            "expected_accept_length": expected, "lookup_depth": depth, **({"auto": extra} if extra else {}),
+            **({"guard": guard} if guard else {})}
+
+
+def run_guard(cfg: BuildTreeConfig, model, tokenizer, sequences, accuracies, heads_nodes: int, depth: int,
+              split: LookupSplit) -> dict:
+    """Decode ``cfg.guard_prompts`` calibration prompts with the hybrid (``heads_nodes`` heads' nodes and a ``depth``
+    chain), the heads alone (all its nodes theirs) and the lookup alone (the root and the chain) and keep the one
+    ``guard.choose`` keeps. Returns what the tree YAML records, with the kept split (``heads_nodes``,
+    ``lookup_nodes``)."""
+    from medusa_train.backbone.generation import eos_token_ids
+    from medusa_train.tree.guard import HEADS, HYBRID, LOOKUP, choose, decode_rates
+
+    nodes = heads_nodes + depth
+    fitted = build_tree(accuracies, nodes)
+    shapes = {HYBRID: (heads_nodes, depth), HEADS: (nodes, 0), LOOKUP: (1, depth)}
+    trees = {name: MedusaTree(fitted[:h - 1], lookup_depth=d, lookup_ngram=cfg.lookup_ngram)
+             for name, (h, d) in shapes.items()}
+    prompts = sequences[:cfg.guard_prompts]
+    print(f"guard: decoding {len(prompts)} calibration prompts with the hybrid ({heads_nodes} heads' nodes + "
+          f"{depth} lookup), the heads alone ({nodes} nodes) and the lookup alone (1 + {depth}), interleaved", flush=True)
+    rates = decode_rates(model, prompts, trees, cfg.max_new_tokens, eos_token_ids(model.backbone, tokenizer))
+    kept, why = choose({n: r["tokens_per_s"] for n, r in rates.items()}, {n: trees[n].num_nodes for n in trees},
+                       cfg.guard_margin)
+    for name, r in rates.items():
+        print(f"guard: {name}: {r['tokens_per_s']:.1f} tokens/s, {r['tokens_per_step']:.3f} tokens per step "
+              f"(walk expected {split.expected(*shapes[name], len(prompts)):.3f} on the same prompts)")
+    if not rates[HYBRID].get("same_text", True):
+        print("guard: warning: the three trees did not write the same text on every prompt (greedy ties in "
+              f"{model.backbone.dtype} rounding)")
+    h, d = shapes[kept]
+    return {"kept": kept, "why": why, "prompts": len(prompts), "margin": cfg.guard_margin,
+            "measured": {n: {"tokens_per_s": round(r["tokens_per_s"], 2), "tokens_per_step": round(r["tokens_per_step"], 4),
+                             "expected_tokens_per_step": round(split.expected(*shapes[n], len(prompts)), 4), "nodes": trees[n].num_nodes}
+                         for n, r in rates.items()},
+            "heads_nodes": h, "lookup_nodes": d}
 
 
 class LookupSplit:
     """How to share a tree's nodes between the heads and a lookup chain (``lookup_depth``).
 
-    The heads' part of an ``n``-node tree with a ``d``-node chain is the fitted tree's first ``n - d`` nodes. With
-    no chain to weigh (``lookup_depth=0``) its expected tokens per step are the heads' (``expected_accept_length``).
-    Otherwise every split, ``d = 0`` included, is estimated the same way: greedy decoding walked step by step over
+    The heads' part of an ``n``-node tree with a ``d``-node chain is the fitted tree's first ``n - d`` nodes. Every
+    split, the heads alone (``d = 0``) included, is estimated the same way: greedy decoding walked step by step over
     the calibration text, each step taking the longer of the heads' measured depth and the chain's measured run at
     its position (``calibrate.tokens_per_step``). Per-position gains (``calibrate.lookup_gains``, what the YAML
     records per chain node) over-promise where the text loops: the demo's calibration text promised 4.59 tokens per
@@ -135,11 +209,11 @@ class LookupSplit:
         """Per chain index, the share of positions where it is right and those heads' nodes fall short."""
         return lookup_gains(self.runs, self.depths(heads_nodes), self.max_depth) if self.runs is not None else []
 
-    def expected(self, heads_nodes: int, lookup_depth: int) -> float:
-        """Expected tokens per step of ``heads_nodes`` heads' nodes (root included) and a ``lookup_depth`` chain."""
-        if self.runs is None:
-            return expected_accept_length(build_tree(self.accuracies, heads_nodes), self.accuracies)
-        return tokens_per_step(self.depths(heads_nodes), self.runs, lookup_depth)
+    def expected(self, heads_nodes: int, lookup_depth: int, texts: int | None = None) -> float:
+        """Expected tokens per step of ``heads_nodes`` heads' nodes (root included) and a ``lookup_depth`` chain (over
+        the first ``texts`` calibration texts; all by default)."""
+        runs = self.runs[:texts] if self.runs is not None else None
+        return tokens_per_step(self.depths(heads_nodes)[:texts], runs, lookup_depth)
 
     def best(self, nodes: int) -> tuple[float, int]:
         """``(expected tokens per step, chain nodes)`` of the best split of ``nodes`` (ties: the shorter chain)."""
