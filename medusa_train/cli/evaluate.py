@@ -18,6 +18,7 @@ import torch
 
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.evaluate import EvalConfig, check_eval_config, default_output_dir
+from medusa_train.data.validation import VALIDATION
 from medusa_train.evaluation.drift import measure_drift
 from medusa_train.evaluation.evaluate import evaluate, resolve_tree
 from medusa_train.evaluation.report import headline_lines
@@ -59,8 +60,10 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
     p.need(c.drift.original != "auto" or adapted, "drift.original", c.drift.original,
            f"auto needs a Medusa-2 export (no {BACKBONE_INFO} in heads=); name the original model instead")
     src = c.bench.source
-    p.need(src in BENCHMARK_PACKAGES or (not src.startswith("packaged:") and Path(src).expanduser().is_file()),
-           "bench.source", src, f"must be one of {', '.join(BENCHMARK_PACKAGES)} or an existing .jsonl file")
+    p.need(src in (*BENCHMARK_PACKAGES, VALIDATION)
+           or (not src.startswith("packaged:") and Path(src).expanduser().is_file()), "bench.source", src,
+           f"must be one of {', '.join(BENCHMARK_PACKAGES)}, {VALIDATION} (the draft's validation prompts, held out of "
+           "its training) or an existing .jsonl file")
     p.need(c.bench.pick in BENCH_PICKS, "bench.pick", c.bench.pick, f"must be one of {', '.join(BENCH_PICKS)}")
     p.need(c.generation.acceptance in ACCEPTANCE_METHODS, "generation.acceptance", c.generation.acceptance,
            f"must be one of {', '.join(ACCEPTANCE_METHODS)}")
@@ -92,9 +95,14 @@ def run(cfg: EvalConfig) -> dict:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    prompts = load_benchmark(cfg.bench.source, cfg.bench.limit, pick=cfg.bench.pick)
     heads = read_exported_heads(cfg.heads)  # its config.json, read once and handed along
     model, tokenizer = load_heads(heads, cfg.model, cfg.device)
+    if cfg.bench.source == VALIDATION:
+        from medusa_train.data.validation import validation_bench
+
+        prompts = validation_bench(cfg.heads, tokenizer, cfg.bench.limit)
+    else:
+        prompts = load_benchmark(cfg.bench.source, cfg.bench.limit, pick=cfg.bench.pick)
     if model.lm_head.weight.device.type == "cpu":
         busy_cpu_note()
     output_dir = cfg.output_dir or default_output_dir(cfg.heads)

@@ -25,9 +25,11 @@ import torch
 
 from medusa_train.data.benchmarks import benchmark_prompt_texts, normalise_prompt
 
+VALIDATION = "validation"  #: the name that means this set (build-tree's calibration=, evaluate's bench.source=)
 EXCLUDED_BENCHMARK = "packaged:mt-bench"  #: the evaluation's prompts are never validation prompts
 MAX_PROMPT_CHARS = 4000  #: longer first turns are not drawn (tokens are checked where a tokenizer is at hand)
 FORMAT = 1  #: bump when what a cached continuation holds changes
+DEFAULT_PROMPT_SOURCE = "packaged:sharegpt-v3"  #: a draft with no training config: the packaged ShareGPT prompts
 
 
 def prompt_source(data_source: str) -> str:
@@ -99,6 +101,36 @@ def holds_out(conversation: Sequence[dict], keys: frozenset[str]) -> bool:
 
 def keys_digest(keys: frozenset[str]) -> str:
     return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:16]
+
+
+def heads_validation(heads_dir) -> tuple[str, object, bool]:
+    """``(prompt source, validation settings, predates)`` of the heads' training data (``training_config.json``'s
+    ``data.source`` and ``data.validation``); ``predates``: the heads trained before validation sets were held out
+    (their training data may hold those prompts)."""
+    import dataclasses
+
+    from medusa_train.config.validation import ValidationConfig
+    from medusa_train.training.run_folder import read_training_config
+
+    data = (read_training_config(heads_dir) or {}).get("data", {})
+    stored = data.get("validation")
+    names = {f.name for f in dataclasses.fields(ValidationConfig)}
+    v = ValidationConfig(**{k: x for k, x in (stored or {}).items() if k in names})
+    source = v.source or (prompt_source(data["source"]) if data.get("source") else DEFAULT_PROMPT_SOURCE)
+    return source, v, stored is None or not v.size
+
+
+def validation_bench(heads_dir, tokenizer, limit: int | None = None, max_prompt_tokens: int | None = None) -> list:
+    """The draft's validation prompts as benchmark prompts (``evaluate bench.source=validation``): those whose
+    rendered prompt fits the validation's ``max_prompt_tokens`` (as its continuations), the first ``limit``."""
+    from medusa_train.backbone.generation import encode_chat
+    from medusa_train.data.benchmarks import BenchPrompt
+
+    source, v, _ = heads_validation(heads_dir)
+    longest = max_prompt_tokens or v.max_prompt_tokens
+    texts = [t for t in validation_prompts(source, v.size or 64, v.seed)
+             if encode_chat(tokenizer, [{"role": "user", "content": t}]).shape[1] <= longest]
+    return [BenchPrompt(id=f"validation-{i}", category="validation", turns=[t]) for i, t in enumerate(texts[:limit])]
 
 
 @dataclass

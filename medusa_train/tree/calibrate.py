@@ -26,9 +26,9 @@ import torch
 
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
+from medusa_train.data.validation import VALIDATION
 from medusa_train.tree.fit import build_tree
 
-VALIDATION = "validation"  #: calibration on the heads' validation set (data/validation.py)
 CONVERSATION_SOURCES = (VALIDATION, "packaged:sharegpt-v3")
 
 

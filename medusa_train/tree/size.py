@@ -12,12 +12,10 @@ from pathlib import Path
 from medusa_train.backbone.generation import encode_chat
 from medusa_train.config.build_tree import BuildTreeConfig
 from medusa_train.config.paths import heads_name
-from medusa_train.config.validation import ValidationConfig
 from medusa_train.data.benchmarks import load_benchmark, normalise_prompt
-from medusa_train.data.validation import continuations, prompt_source, validation_prompts
+from medusa_train.data.validation import continuations, heads_validation, validation_prompts
 from medusa_train.decoding.tree import MedusaTree
 from medusa_train.tree.calibrate import (
-    CONVERSATION_SOURCES,
     VALIDATION,
     calibration_prompts,
     greedy_continuations,
@@ -32,24 +30,6 @@ from medusa_train.tree.calibrate import (
 )
 from medusa_train.tree.cost import auto_sizes, choose_tree_size, measure_cost_curve
 from medusa_train.tree.fit import build_tree
-
-DEFAULT_PROMPT_SOURCE = CONVERSATION_SOURCES[1]  #: heads with no training config: the packaged ShareGPT prompts
-
-
-def heads_validation(heads_dir) -> tuple[str, ValidationConfig, bool]:
-    """``(prompt source, validation settings, predates)`` of the heads' training data (``training_config.json``'s
-    ``data.source`` and ``data.validation``); ``predates``: the heads trained before validation sets were held out
-    (their training data may hold those prompts)."""
-    import dataclasses
-
-    from medusa_train.training.run_folder import read_training_config
-
-    data = (read_training_config(heads_dir) or {}).get("data", {})
-    stored = data.get("validation")
-    names = {f.name for f in dataclasses.fields(ValidationConfig)}
-    v = ValidationConfig(**{k: x for k, x in (stored or {}).items() if k in names})
-    source = v.source or (prompt_source(data["source"]) if data.get("source") else DEFAULT_PROMPT_SOURCE)
-    return source, v, stored is None or not v.size
 
 
 def calibrate(cfg: BuildTreeConfig, model, tokenizer) -> tuple[list[str], list, list, list[list[float]], list[int]]:
