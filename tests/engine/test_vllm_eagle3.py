@@ -34,7 +34,22 @@ def fitted(packaged_backbone, tmp_path_factory):
     model = fit_draft(backbone, tokenizer, prompts, MAX_TOKENS, K, FIT_STEPS)
     export = model.save_pretrained(tmp_path_factory.mktemp("eagle3") / "draft")
     replies, ours = chain_figures(model, tokenizer, prompts, MAX_TOKENS, eos)
+    ours["walk"] = walked(model, tokenizer, prompts, replies)
     return export, prompts, replies, ours, eos
+
+
+def walked(model, tokenizer, prompts, replies) -> dict:
+    """What training logs for the draft (``evaluation.walk``): its chains walked along the backbone's replies."""
+    import torch
+
+    from medusa_train.backbone.generation import encode_chat
+    from medusa_train.evaluation.walk import walk_figures
+
+    sequences = []
+    for messages, reply in zip(prompts, replies):
+        ids = encode_chat(tokenizer, messages)
+        sequences.append((torch.cat([ids[0], torch.tensor(reply)])[None], ids.shape[1]))
+    return walk_figures(model, sequences, chains=range(1, K + 1))
 
 
 def test_the_engine_serves_the_draft_and_accepts_what_our_chain_accepts(fitted, free_servers, tmp_path):
@@ -68,3 +83,23 @@ def test_the_engine_serves_the_draft_and_accepts_what_our_chain_accepts(fitted, 
     outputs = row["outputs"]
     assert outputs["compared"] == PROMPTS and outputs["identical"] == PROMPTS, outputs  # the plain server's replies
     assert report["mismatches"] == 0  # and our decoder's, in the same report
+    # what the training log says of a draft (the walk along the backbone's replies) is what the engine accepts
+    assert abs(ours["walk"][f"chain{K}"] - row["tokens_per_step"]) <= 0.03, (ours["walk"], row)
+
+
+def test_the_logged_one_token_figure_is_what_the_engine_serves_at_k1(fitted, free_servers, tmp_path):
+    """``served.num_speculative_tokens=1``: vLLM serves the draft one token a step, and accepts what the walk (the
+    training log's validation/K1 figure) says it will, within 0.03 tokens per step (float32)."""
+    from medusa_train.cli.evaluate import build_eval_config, run
+
+    export, prompts, _, ours, _ = fitted
+    report = run(build_eval_config({
+        "heads": str(export), "engine": "vllm", "tree": "chain", "model": {"dtype": "float32"},
+        "bench": {"limit": PROMPTS, "turns": 1}, "generation": {"max_new_tokens": MAX_TOKENS}, "warmup": False,
+        "progress": False, "output_dir": str(tmp_path / "report"), "baselines": {"prompt_lookup": False},
+        "served": {"concurrency": 1, "sampled_temperature": 0, "ngram": False, "num_speculative_tokens": 1,
+                   "plain_url": free_servers["plain"]}}))
+    row = report["served"]["rows"]["draft"]
+    assert row["speculative_config"]["num_speculative_tokens"] == 1
+    assert ours["walk"]["chain1"] > 1.2, ours["walk"]  # it accepts: the comparison can fail
+    assert abs(ours["walk"]["chain1"] - row["tokens_per_step"]) <= 0.03, (ours["walk"], row)
