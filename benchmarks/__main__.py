@@ -9,6 +9,7 @@
     python -m benchmarks tokenize  # the data's tokenisation: first run, cached run, peak memory
     python -m benchmarks eagle3_served  # an EAGLE-3 draft in vLLM: a drafting step's cost, served = simulated
     python -m benchmarks lookup_walk heads=... tree=...  # a lookup chain's expected gain: per position vs walked
+    python -m benchmarks gpu_check heads=... prompts=...  # on a GPU: walk beside decoding, build-tree, evaluate
 
 Extra ``key=value`` arguments are passed to the chosen benchmark. vLLM's num_speculative_tokens is chosen by the
 installed command, ``medusa-train choose-k heads=...`` (one server per K, the fastest kept in serving.json).
@@ -21,7 +22,8 @@ import sys
 
 BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
               "rounding": "bench_rounding", "loop": "bench_loop", "tokenize": "bench_tokenize",
-              "eagle3_served": "bench_eagle3_served", "lookup_walk": "bench_lookup_walk"}
+              "eagle3_served": "bench_eagle3_served", "lookup_walk": "bench_lookup_walk",
+              "gpu_check": "bench_gpu_check"}
 
 
 def main(argv: list[str]) -> int:

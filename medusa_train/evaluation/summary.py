@@ -5,8 +5,10 @@ tokens after each reply's first, per target forward after that reply's prefill, 
 The prefill makes a reply's first token whatever the decoder, so it is left out of both counts:
 plain decoding scores exactly 1.00, and a decoder that verifies drafts scores the tokens each of its
 forwards adds. The same count is made of a served engine (``evaluation.served``), so rows compare.
-Our tree decoder's tokens per verify step (``tokens_per_verify_step``: 1 + the drafts each step accepted, cuts by
-eos or the token limit aside) is kept, labelled, for the tree fit's predictions, which count the same.
+Every prediction counts the same way: the walk of training's validation and build-tree's expectation
+(``evaluation/walk.py``) give tokens after each reply's first per forward, the reply's last step included, so
+evaluate's ``expected`` sits beside ``mean_accepted_length`` as like beside like. ``tokens_per_verify_step`` (1 + the
+drafts each verify step accepted) is kept, labelled, as a diagnostic of the steps alone.
 
 **Speedup**: a method's tokens/s over HF ``generate`` greedy (the ``plain`` row) in the same process,
 measured prompt by prompt in turn with the others (wall clock, prefill + decode; ``decode_speedup``:
@@ -85,8 +87,8 @@ def method_rows(records: list[dict], draft: str = "the heads") -> dict[str, dict
 
 
 def verify_step_tokens(records: list[dict]) -> float:
-    """1 + the drafts each verify step accepted, averaged over the steps of ``records`` (what the tree fit's
-    expected accepted length predicts)."""
+    """1 + the drafts each verify step accepted, averaged over the steps of ``records`` (a diagnostic; predictions
+    are of tokens per forward)."""
     depths = [d for r in records for d in r["accepted_depths"]]
     return sum(1 + d for d in depths) / max(len(depths), 1)
 

@@ -1,0 +1,95 @@
+"""Figures that hold before decoding (float32, the packaged model): what the training log says of the draft at each
+evaluation (tokens per step for K-chains and the fixed tree, walked along the validation continuations) and what
+build-tree expects of the tree it chose are what decoding the validation prompts measures, within 0.03 tokens per
+step, counted the same way (tokens after each reply's first per forward after its prefill, the last step included).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.backbones import PACKAGED_MODEL
+from helpers.training import compose_config, read_metrics
+
+pytestmark = [pytest.mark.slow]
+
+PROMPTS = 8
+NEW_TOKENS = 48
+TOLERANCE = 0.03
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Heads as the demo trains them (shared LM head, a 4,096-token draft vocabulary, teacher targets), float32,
+    with an 8-prompt validation set walked at each evaluation: the run folder."""
+    from medusa_train.cli.train import run
+
+    out = tmp_path_factory.mktemp("walked-heads")
+    run(compose_config([
+        f"model.name_or_path={PACKAGED_MODEL}", "model.dtype=float32", "trainer.mixed_precision=no",
+        "heads.num_heads=3", "heads.share_lm_head=true", "heads.draft_vocab_size=4096", "loss.targets=teacher",
+        "data.max_samples=160", "data.max_length=128", "data.eval_size=8", "data.batch_size=8",
+        f"data.validation.size={PROMPTS}", f"data.validation.max_new_tokens={NEW_TOKENS}",
+        "data.validation.chains=[1,2,3]", "data.validation.tree_nodes=16",
+        "trainer.max_steps=14", "trainer.eval_every=14", "trainer.save_every=14", "optim.lr=3e-3",
+        f"trainer.output_dir={out}"]))
+    return out
+
+
+def decoded(model, tokenizer, prompts, tree) -> float:
+    """Tokens per forward decoding ``prompts`` with ``tree`` (as evaluate's rows count them)."""
+    from medusa_train.backbone.generation import encode_chat, eos_token_ids
+    from medusa_train.decoding import medusa_generate
+
+    eos = eos_token_ids(model.backbone, tokenizer)
+    gained = steps = 0
+    for p in prompts:
+        ids = encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])
+        out = medusa_generate(model, ids, tree, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
+        gained, steps = gained + out.new_tokens - 1, steps + out.steps
+    return gained / steps
+
+
+def test_the_training_logs_walk_is_what_decoding_the_validation_prompts_accepts(trained):
+    from medusa_train.config.model import EvalModelConfig
+    from medusa_train.data.validation import validation_bench
+    from medusa_train.decoding import MedusaTree
+    from medusa_train.model.load import load_heads
+
+    record = [r for r in read_metrics(trained) if r.get("split") == "eval"][-1]
+    logged = {k: v for k, v in record.items() if k.startswith("validation/")}
+    export = trained / "export"
+    assert json.loads((export / "validation.json").read_text()) == logged  # the export records the last walk
+    assert logged["validation/K1"] > 1.05, logged  # heads that accept: the comparison can fail
+    assert 0 < logged["validation/outside_draft_vocab"] < 0.5  # counted as misses, and said
+    model, tokenizer = load_heads(export, EvalModelConfig(dtype="float32"), "cpu")
+    prompts = validation_bench(export, tokenizer)
+    assert len(prompts) >= PROMPTS - 2
+    measured = {f"validation/K{k}": decoded(model, tokenizer, prompts, MedusaTree.chain(k)) for k in (1, 2, 3)}
+    tree = MedusaTree.from_name("default").truncated(max_nodes=16, max_depth=3)
+    measured["validation/tree16"] = decoded(model, tokenizer, prompts, tree)
+    for key, value in measured.items():
+        assert abs(logged[key] - value) <= TOLERANCE, (key, logged, measured)
+
+
+def test_build_trees_walk_for_the_tree_it_chose_is_what_evaluate_measures(trained, tmp_path):
+    """build-tree on the validation set (lookup_depth=auto, its guard decoding 4 prompts), then ``evaluate
+    bench.source=validation``: the report's measured tokens per forward beside build-tree's expectation."""
+    from medusa_train.cli.build_tree import build_build_tree_config
+    from medusa_train.cli.build_tree import run as build_tree
+    from medusa_train.cli.evaluate import build_eval_config
+    from medusa_train.cli.evaluate import run as evaluate
+
+    export = trained / "export"
+    fitted = build_tree(build_build_tree_config({
+        "heads": str(export), "nodes": 12, "max_new_tokens": NEW_TOKENS, "guard_prompts": 4,
+        "model": {"dtype": "float32"}, "device": "cpu", "output": str(tmp_path / "tree.yaml")}))
+    report = evaluate(build_eval_config({
+        "heads": str(export), "tree": fitted["path"], "bench": {"source": "validation", "turns": 1},
+        "generation": {"max_new_tokens": NEW_TOKENS}, "model": {"dtype": "float32"}, "device": "cpu",
+        "warmup": False, "progress": False, "baselines": {"prompt_lookup": False},
+        "output_dir": str(tmp_path / "report")}))
+    assert report["expected"]["tokens_per_forward"] == pytest.approx(fitted["expected_accept_length"], abs=1e-4)
+    assert abs(report["expected"]["gap"]) <= TOLERANCE, (report["expected"], report["mean_accepted_length"])
+    assert report["mismatches"] == 0
