@@ -28,8 +28,8 @@ def parity(heads: str, prompts: list[str], device: str, new_tokens: int, out: Pa
     from medusa_train.config.model import EvalModelConfig
     from medusa_train.data.validation import continuations
     from medusa_train.decoding import MedusaTree, medusa_generate
-    from medusa_train.evaluation.walk import walk_figures
     from medusa_train.model.load import load_heads
+    from medusa_train.model.walk import walk_figures
 
     model, tokenizer = load_heads(heads, EvalModelConfig(dtype="float32"), device)
     texts = continuations(model.backbone, tokenizer, prompts, new_tokens, root=out / "continuations")

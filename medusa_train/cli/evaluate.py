@@ -98,7 +98,7 @@ def run(cfg: EvalConfig) -> dict:
     heads = read_exported_heads(cfg.heads)  # its config.json, read once and handed along
     model, tokenizer = load_heads(heads, cfg.model, cfg.device)
     if cfg.bench.source == VALIDATION:
-        from medusa_train.data.validation import validation_bench
+        from medusa_train.tree.calibrate import validation_bench
 
         prompts = validation_bench(cfg.heads, tokenizer, cfg.bench.limit)
     else:

@@ -35,13 +35,6 @@ class DataConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
-def validation_source(d: DataConfig) -> str:
-    """Where the validation prompts come from: ``data.validation.source``, else the prompt source of ``data.source``."""
-    from medusa_train.data.validation import prompt_source
-
-    return d.validation.source or prompt_source(d.source)
-
-
 def check_data(d: DataConfig) -> list[str]:
     """Problems of a ``data`` section."""
     p = Problems()

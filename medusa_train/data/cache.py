@@ -69,7 +69,7 @@ def source_fingerprint(source: str) -> dict:
 
 def cache_key(tokenizer: Any, source: str, max_length: int, max_samples: int | None, eval_size: int | float,
               seed: int, held_out: frozenset[str] = frozenset()) -> str:
-    from medusa_train.data.validation import keys_digest
+    from medusa_train.data.held_out import keys_digest
 
     parts = {"format": CACHE_FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer), "source": source_fingerprint(source),
              "max_length": max_length, "max_samples": max_samples, "eval_size": eval_size, "seed": seed}
@@ -181,7 +181,7 @@ def tokenized_splits(tokenizer: Any, source: str, max_length: int, max_samples: 
     if not from_cache:
         conversations, stats = load_conversations(source, max_samples=max_samples)
         if held_out:
-            from medusa_train.data.validation import holds_out
+            from medusa_train.data.held_out import holds_out
 
             kept = [c for c in conversations if not holds_out(c, held_out)]
             if len(kept) < len(conversations):

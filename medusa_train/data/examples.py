@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from medusa_train.backbone.chat_template import resolve_chat_template
 from medusa_train.backbone.processes import say
-from medusa_train.config.data import DataConfig, validation_source
+from medusa_train.config.data import DataConfig
 from medusa_train.data.cache import tokenized_splits
-from medusa_train.data.validation import held_out, held_out_line, validation_prompts
+from medusa_train.data.validation import held_out, held_out_line, validation_prompts, validation_source
 
 
 def load_examples(d: DataConfig, tokenizer, accelerator):

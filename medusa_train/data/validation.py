@@ -6,7 +6,7 @@ also asks as a follow-up turn ("Continue"), one per normalised text. Distillatio
 (``held_out``), so the draft never trains on them. ``continuations``: the backbone's greedy replies to them (untrimmed,
 unfiltered, ``max_new_tokens`` long at most), made once and cached under ``$MEDUSA_TRAIN_CACHE/validation``, keyed by
 the model, the tokenizer with its chat template, the dtype and the prompts. Training walks its draft along them
-(``evaluation/walk.py``), build-tree calibrates on them and ``evaluate bench.source=validation`` decodes them.
+(``model/walk.py``), build-tree calibrates on them and ``evaluate bench.source=validation`` decodes them.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from medusa_train.data.benchmarks import benchmark_prompt_texts, normalise_prompt
+from medusa_train.data.held_out import held_out, holds_out, keys_digest  # noqa: F401 - this set's names
 
 VALIDATION = "validation"  #: the name that means this set (build-tree's calibration=, evaluate's bench.source=)
 EXCLUDED_BENCHMARK = "packaged:mt-bench"  #: the evaluation's prompts are never validation prompts
@@ -44,6 +45,12 @@ def prompt_source(data_source: str) -> str:
             if source:
                 return source
     return data_source
+
+
+def validation_source(d) -> str:
+    """Where a ``data`` section's validation prompts come from: ``data.validation.source``, else the prompt source of
+    ``data.source``."""
+    return d.validation.source or prompt_source(d.source)
 
 
 @functools.lru_cache(maxsize=8)
@@ -86,51 +93,6 @@ def held_out_line(source: str, prompts: Sequence[str], size: int, seed: int) -> 
     if len(prompts) < size:
         line += f"; at most a tenth of its {len(_drawn(source, seed)):,} distinct first turns"
     return line + ")"
-
-
-def held_out(prompts: Iterable[str]) -> frozenset[str]:
-    """The normalised texts of ``prompts``: a conversation with a user turn among them is held out."""
-    return frozenset(normalise_prompt(p) for p in prompts)
-
-
-def holds_out(conversation: Sequence[dict], keys: frozenset[str]) -> bool:
-    """Whether ``conversation`` has a user turn among the held-out ``keys``."""
-    return any(m.get("role") == "user" and isinstance(m.get("content"), str) and normalise_prompt(m["content"]) in keys
-               for m in conversation)
-
-
-def keys_digest(keys: frozenset[str]) -> str:
-    return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:16]
-
-
-def heads_validation(heads_dir) -> tuple[str, object, bool]:
-    """``(prompt source, validation settings, predates)`` of the heads' training data (``training_config.json``'s
-    ``data.source`` and ``data.validation``); ``predates``: the heads trained before validation sets were held out
-    (their training data may hold those prompts)."""
-    import dataclasses
-
-    from medusa_train.config.validation import ValidationConfig
-    from medusa_train.training.run_folder import read_training_config
-
-    data = (read_training_config(heads_dir) or {}).get("data", {})
-    stored = data.get("validation")
-    names = {f.name for f in dataclasses.fields(ValidationConfig)}
-    v = ValidationConfig(**{k: x for k, x in (stored or {}).items() if k in names})
-    source = v.source or (prompt_source(data["source"]) if data.get("source") else DEFAULT_PROMPT_SOURCE)
-    return source, v, stored is None or not v.size
-
-
-def validation_bench(heads_dir, tokenizer, limit: int | None = None, max_prompt_tokens: int | None = None) -> list:
-    """The draft's validation prompts as benchmark prompts (``evaluate bench.source=validation``): those whose
-    rendered prompt fits the validation's ``max_prompt_tokens`` (as its continuations), the first ``limit``."""
-    from medusa_train.backbone.generation import encode_chat
-    from medusa_train.data.benchmarks import BenchPrompt
-
-    source, v, _ = heads_validation(heads_dir)
-    longest = max_prompt_tokens or v.max_prompt_tokens
-    texts = [t for t in validation_prompts(source, v.size or 64, v.seed)
-             if encode_chat(tokenizer, [{"role": "user", "content": t}]).shape[1] <= longest]
-    return [BenchPrompt(id=f"validation-{i}", category="validation", turns=[t]) for i, t in enumerate(texts[:limit])]
 
 
 @dataclass

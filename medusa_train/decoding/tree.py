@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from medusa_train.config.paths import TREE_DIR
+from medusa_train.model.walk import truncated_choices
 
 #: the suffix sizes a lookup chain matches unless its tree says otherwise: (shortest, longest)
 DEFAULT_LOOKUP_NGRAM = (1, 3)
@@ -175,15 +176,8 @@ class MedusaTree:
             raise ValueError(f"max_nodes={max_nodes}: must be >= {1 + self.lookup_depth} (the root"
                              + (f" and the {self.lookup_depth} lookup nodes)" if self.lookup_depth else ")"))
         limit = math.inf if max_nodes is None else max_nodes - 1 - self.lookup_depth
-        kept: dict[tuple[int, ...], None] = {}
-        for path in self.listed_choices:
-            if max_depth is not None and len(path) > max_depth:
-                continue
-            missing = [path[:d] for d in range(1, len(path) + 1) if path[:d] not in kept]
-            if len(kept) + len(missing) > limit:
-                continue
-            kept.update(dict.fromkeys(missing))
-        return MedusaTree(list(kept), lookup_depth=self.lookup_depth, lookup_ngram=self.lookup_ngram)
+        kept = truncated_choices(self.listed_choices, limit, max_depth)
+        return MedusaTree(kept, lookup_depth=self.lookup_depth, lookup_ngram=self.lookup_ngram)
 
     def with_lookup(self, lookup_depth: int, lookup_ngram: Sequence[int] | None = None) -> MedusaTree:
         """The same heads' nodes with a lookup chain of ``lookup_depth`` nodes (0: none)."""

@@ -6,7 +6,7 @@ The prefill makes a reply's first token whatever the decoder, so it is left out 
 plain decoding scores exactly 1.00, and a decoder that verifies drafts scores the tokens each of its
 forwards adds. The same count is made of a served engine (``evaluation.served``), so rows compare.
 Every prediction counts the same way: the walk of training's validation and build-tree's expectation
-(``evaluation/walk.py``) give tokens after each reply's first per forward, the reply's last step included, so
+(``model/walk.py``) give tokens after each reply's first per forward, the reply's last step included, so
 evaluate's ``expected`` sits beside ``mean_accepted_length`` as like beside like. ``tokens_per_verify_step`` (1 + the
 drafts each verify step accepted) is kept, labelled, as a diagnostic of the steps alone.
 

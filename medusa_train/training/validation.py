@@ -3,7 +3,7 @@
 ``prepare``: once per run, the backbone's greedy continuations of the validation prompts (``data/validation.py``,
 cached) and, for a frozen backbone, what the draft reads of them (the family's captured states), so that a run
 training from captured states (its backbone loaded without layers) walks without its layers too: a whole backbone is
-loaded for this once, then freed. ``ValidationWalk.record``: the draft walked along them (``evaluation/walk.py``) for
+loaded for this once, then freed. ``ValidationWalk.record``: the draft walked along them (``model/walk.py``) for
 each K-chain of ``data.validation.chains`` and the built-in tree cut to ``data.validation.tree_nodes``, with
 teacher-forced top-1 per depth as a diagnostic (tokens outside the draft vocabulary counted as misses). A method that
 adapts the backbone (Medusa-2) walks the original backbone's continuations through the adapted backbone: what its
@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from medusa_train.backbone.processes import say
-from medusa_train.config.data import validation_source
-from medusa_train.data.validation import Continuations, continuations, validation_prompts
-from medusa_train.evaluation.walk import fixed_tree_choices, walk_figures, walk_line
+from medusa_train.data.validation import Continuations, continuations, validation_prompts, validation_source
+from medusa_train.model.walk import fixed_tree_choices, walk_figures, walk_line
 
 
 @dataclass

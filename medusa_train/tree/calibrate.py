@@ -26,13 +26,53 @@ import torch
 
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
-from medusa_train.data.validation import VALIDATION
+from medusa_train.data.validation import VALIDATION, validation_prompts
+from medusa_train.model.walk import (  # noqa: F401 - the walk, for build-tree's callers
+    heads_depths,
+    measure_ranks,
+    outside_draft_vocab_rank,
+    rank_accuracies_from,
+    tokens_per_step,
+    walked_steps,
+)
 from medusa_train.tree.fit import build_tree
 
 CONVERSATION_SOURCES = (VALIDATION, "packaged:sharegpt-v3")
 
 
 # ------------------------------------------------------------------------------------------- measuring
+def heads_validation(heads_dir) -> tuple[str, object, bool]:
+    """``(prompt source, validation settings, predates)`` of the heads' training data (``training_config.json``'s
+    ``data.source`` and ``data.validation``); ``predates``: the heads trained before validation sets were held out
+    (their training data may hold those prompts)."""
+    import dataclasses
+
+    from medusa_train.config.validation import ValidationConfig
+    from medusa_train.data.validation import DEFAULT_PROMPT_SOURCE, prompt_source
+    from medusa_train.training.run_folder import read_training_config
+
+    data = (read_training_config(heads_dir) or {}).get("data", {})
+    stored = data.get("validation")
+    names = {f.name for f in dataclasses.fields(ValidationConfig)}
+    v = ValidationConfig(**{k: x for k, x in (stored or {}).items() if k in names})
+    source = v.source or (prompt_source(data["source"]) if data.get("source") else DEFAULT_PROMPT_SOURCE)
+    return source, v, stored is None or not v.size
+
+
+def validation_bench(heads_dir, tokenizer, limit: int | None = None, max_prompt_tokens: int | None = None) -> list:
+    """The draft's validation prompts as benchmark prompts (``evaluate bench.source=validation``): those whose
+    rendered prompt fits the validation's ``max_prompt_tokens`` (as its continuations), the first ``limit``."""
+    from medusa_train.backbone.generation import encode_chat
+    from medusa_train.data.benchmarks import BenchPrompt
+
+    source, v, _ = heads_validation(heads_dir)
+    longest = max_prompt_tokens or v.max_prompt_tokens
+    texts = [t for t in validation_prompts(source, v.size or 64, v.seed)
+             if encode_chat(tokenizer, [{"role": "user", "content": t}]).shape[1] <= longest]
+    return [BenchPrompt(id=f"validation-{i}", category="validation", turns=[t]) for i, t in enumerate(texts[:limit])]
+
+
+
 def training_prompts(heads_dir: str | os.PathLike) -> set[str]:
     """Normalised user turns of the data the heads were trained on (empty when the heads carry no
     ``training_config.json``, e.g. heads converted from another format)."""
@@ -98,44 +138,6 @@ def greedy_continuations(model, tokenizer, prompts: Sequence[str], max_new_token
     return sequences
 
 
-@torch.no_grad()
-def measure_ranks(model, sequences: Sequence[tuple[torch.Tensor, int]], top_k: int = 10,
-                  states: Sequence[torch.Tensor] | None = None) -> list[list[list[int]]]:
-    """Per sequence, per head (draft depth), the rank of the true token among the head's guesses at each position
-    from the last prompt token on (``top_k``: not among its first ``top_k``; ``top_k + 1``: a token outside the
-    draft's vocabulary, never guessed): position j of every head is the same place in the text (head k's list is k
-    tokens shorter: the text ends). ``states``: per sequence, what the draft's capture stores (no backbone run)."""
-    ranks = []
-    for i, (ids, prompt_len) in enumerate(sequences):
-        by_head = [[] for _ in range(model.config.depth)]
-        # the model says what its draft scores at each depth along the text, and which output is the true token
-        for k, logits, targets in model.calibration_scores(ids, prompt_len - 1, None if states is None else states[i]):
-            target_logits = logits.gather(-1, targets.clamp(min=0)[:, None])
-            rank = (logits > target_logits).sum(-1).clamp_(max=top_k)
-            by_head[k] = rank.masked_fill_(targets < 0, outside_draft_vocab_rank(top_k)).tolist()
-        ranks.append(by_head)
-    return ranks
-
-
-def outside_draft_vocab_rank(top_k: int) -> int:
-    """The rank ``measure_ranks`` gives a true token the draft cannot guess (outside its draft vocabulary)."""
-    return top_k + 1
-
-
-def rank_accuracies_from(ranks: Sequence[Sequence[Sequence[int]]], num_heads: int,
-                         top_k: int) -> tuple[list[list[float]], list[int]]:
-    """``(rank_accuracies [num_heads][top_k], positions per head)`` from ``measure_ranks``' ranks."""
-    hits = [[0] * top_k for _ in range(num_heads)]
-    counts = [0] * num_heads
-    for by_head in ranks:
-        for k, row in enumerate(by_head):
-            counts[k] += len(row)
-            for r in row:
-                if r < top_k:
-                    hits[k][r] += 1
-    return [[hits[k][i] / counts[k] if counts[k] else 0.0 for i in range(top_k)] for k in range(num_heads)], counts
-
-
 def lookup_runs(sequences: Sequence[tuple[torch.Tensor, int]], max_depth: int,
                 ngram: Sequence[int]) -> list[list[int]]:
     """Per sequence and position (as ``measure_ranks``' positions), how many of the lookup chain's first
@@ -158,22 +160,6 @@ def lookup_runs(sequences: Sequence[tuple[torch.Tensor, int]], max_depth: int,
     return runs
 
 
-def heads_depths(ranks: Sequence[Sequence[Sequence[int]]], choices: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Per sequence and position, how deep the heads' guesses in ``choices`` are accepted (greedy, the text's
-    own continuation): the longest prefix of the true tokens' ranks that is a path of the tree."""
-    paths = {tuple(c) for c in choices}
-    depths = []
-    for by_head in ranks:
-        row = []
-        for j in range(len(by_head[0]) if by_head else 0):
-            d = 0
-            while d < len(by_head) and j < len(by_head[d]) and tuple(by_head[k][j] for k in range(d + 1)) in paths:
-                d += 1
-            row.append(d)
-        depths.append(row)
-    return depths
-
-
 def lookup_gains(runs: Sequence[Sequence[int]], depths: Sequence[Sequence[int]], max_depth: int) -> list[float]:
     """Per lookup chain index i (1-based, to ``max_depth``), the fraction of positions where the chain's first i
     tokens are right and the heads' tree does not reach depth i: what the i-th lookup node adds to the tokens per
@@ -181,29 +167,6 @@ def lookup_gains(runs: Sequence[Sequence[int]], depths: Sequence[Sequence[int]],
     positions = sum(len(r) for r in runs)
     return [sum(run >= i > depth for row_r, row_d in zip(runs, depths) for run, depth in zip(row_r, row_d))
             / positions if positions else 0.0 for i in range(1, max_depth + 1)]
-
-
-def walked_steps(depths: Sequence[int], runs: Sequence[int] = (), lookup_depth: int = 0) -> list[int]:
-    """The tokens each greedy decode step accepts when it writes one calibration text again: the first step sits
-    at the first position (the last prompt token's), each takes 1 + the longer of the heads' depth there
-    (``heads_depths``) and the lookup chain's run there capped at ``lookup_depth`` (``lookup_runs``), and the next
-    starts after the tokens it accepted."""
-    steps, j = [], 0
-    while j < len(depths):
-        steps.append(1 + max(depths[j], min(runs[j], lookup_depth) if j < len(runs) else 0))
-        j += steps[-1]
-    return steps
-
-
-def tokens_per_step(depths: Sequence[Sequence[int]], runs: Sequence[Sequence[int]] | None = None,
-                    lookup_depth: int = 0) -> float:
-    """Tokens per decode step over every calibration text, walked step by step (``walked_steps``).
-
-    A loop's positions count as the decoder meets them: a step that copies 8 tokens passes over 8 positions, which
-    an average over positions (``lookup_gains``) counts as 8 steps that long, promising several times what comes
-    when the text loops only in parts."""
-    steps = [n for k, row in enumerate(depths) for n in walked_steps(row, runs[k] if runs else (), lookup_depth)]
-    return sum(steps) / len(steps) if steps else 1.0
 
 
 @torch.no_grad()

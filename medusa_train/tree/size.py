@@ -13,13 +13,14 @@ from medusa_train.backbone.generation import encode_chat
 from medusa_train.config.build_tree import BuildTreeConfig
 from medusa_train.config.paths import heads_name
 from medusa_train.data.benchmarks import load_benchmark, normalise_prompt
-from medusa_train.data.validation import continuations, heads_validation, validation_prompts
+from medusa_train.data.validation import continuations, validation_prompts
 from medusa_train.decoding.tree import MedusaTree
 from medusa_train.tree.calibrate import (
     VALIDATION,
     calibration_prompts,
     greedy_continuations,
     heads_depths,
+    heads_validation,
     lookup_gains,
     lookup_runs,
     measure_ranks,

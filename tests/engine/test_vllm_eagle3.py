@@ -39,11 +39,11 @@ def fitted(packaged_backbone, tmp_path_factory):
 
 
 def walked(model, tokenizer, prompts, replies) -> dict:
-    """What training logs for the draft (``evaluation.walk``): its chains walked along the backbone's replies."""
+    """What training logs for the draft (``model.walk``): its chains walked along the backbone's replies."""
     import torch
 
     from medusa_train.backbone.generation import encode_chat
-    from medusa_train.evaluation.walk import walk_figures
+    from medusa_train.model.walk import walk_figures
 
     sequences = []
     for messages, reply in zip(prompts, replies):

@@ -53,9 +53,9 @@ def decoded(model, tokenizer, prompts, tree) -> float:
 
 def test_the_training_logs_walk_is_what_decoding_the_validation_prompts_accepts(trained):
     from medusa_train.config.model import EvalModelConfig
-    from medusa_train.data.validation import validation_bench
     from medusa_train.decoding import MedusaTree
     from medusa_train.model.load import load_heads
+    from medusa_train.tree.calibrate import validation_bench
 
     record = [r for r in read_metrics(trained) if r.get("split") == "eval"][-1]
     logged = {k: v for k, v in record.items() if k.startswith("validation/")}

@@ -76,9 +76,16 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     assert all(fitted[a] <= fitted[b] for a, b in zip(sizes[1:], sizes[2:]))  # non-decreasing from 2 nodes
     rate = {n: data["sizes"][str(n)]["expected_tokens_per_s"] for n in sizes}
     assert data["chosen_nodes"] == max(sizes, key=lambda n: rate[n])
+    # each size's expectation is the walk over the calibration text (the heads' depths at each step)
+    from medusa_train.model.load import load_heads
+    from medusa_train.tree.calibrate import greedy_continuations, heads_depths, measure_ranks, tokens_per_step
+
+    model, tokenizer = load_heads(str(heads), device=device)
+    ranks = measure_ranks(model, greedy_continuations(model, tokenizer, ["Hello there!", "def add(a, b):", "One two"],
+                                                      12), 10)
     for n in sizes:
         assert data["sizes"][str(n)]["expected_accept_length"] == pytest.approx(
-            expected_accept_length(full[:n - 1], result["rank_accuracies"]), abs=1e-4)
+            tokens_per_step(heads_depths(ranks, full[:n - 1])), abs=1e-4)
     tree = MedusaTree.from_name(str(out), num_heads=3)
     assert tree.num_nodes == data["chosen_nodes"]
     assert sorted(tree.choices) == sorted(tuple(c) for c in full[:data["chosen_nodes"] - 1])
