@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 
-def parity(heads: str, prompts: list[str], device: str, new_tokens: int, out: Path) -> dict:
+def parity(heads: str, prompts: list[str], count: int, device: str, new_tokens: int, out: Path) -> dict:
     """Walk beside decoding, float32, on ``device``."""
     import torch
 
@@ -33,6 +33,7 @@ def parity(heads: str, prompts: list[str], device: str, new_tokens: int, out: Pa
 
     model, tokenizer = load_heads(heads, EvalModelConfig(dtype="float32"), device)
     texts = continuations(model.backbone, tokenizer, prompts, new_tokens, root=out / "continuations")
+    texts.sequences = texts.sequences[:count]  # the first ``count`` that fit the prompt limit
     depth = min(model.config.depth, 3)
     tree16 = MedusaTree.from_name("default").truncated(max_nodes=16, max_depth=depth)
     trees = {f"K{k}": MedusaTree.chain(k) for k in range(1, depth + 1)} | {"tree16": tree16}
@@ -72,7 +73,7 @@ def main(heads: str, prompts: str, out: str = "outputs/gpu-check", device: str |
     summary: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else device,
                      "torch": torch.__version__, "heads": heads}
     started = time.perf_counter()
-    summary["parity"] = parity(heads, texts[:int(parity_prompts)], device, 64, folder)
+    summary["parity"] = parity(heads, texts[:2 * int(parity_prompts)], int(parity_prompts), device, 64, folder)
     summary["parity_s"] = round(time.perf_counter() - started, 1)
     tree = folder / "tree.yaml"
     fitted = build_tree(build_build_tree_config({
