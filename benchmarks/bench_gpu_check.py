@@ -56,8 +56,15 @@ def parity(heads: str, prompts: list[str], count: int, device: str, new_tokens: 
             "outside_draft_vocab": round(walked["outside_draft_vocab"], 4)}
 
 
+def save(folder: Path, summary: dict) -> None:
+    """``summary.json`` as it stands, printed too (stdout may be all that comes back)."""
+    text = json.dumps(summary, indent=1)
+    (folder / "summary.json").write_text(text + "\n")
+    print(f"gpu_check summary so far: {json.dumps(summary)}", flush=True)
+
+
 def main(heads: str, prompts: str, out: str = "outputs/gpu-check", device: str | None = None, parity_prompts: str = "8",
-         calibration: str = "24", mtbench: str = "8", new_tokens: str = "128", max_nodes: str = "128") -> int:
+         calibration: str = "16", mtbench: str = "8", new_tokens: str = "128", max_nodes: str = "128") -> int:
     import torch
 
     from medusa_train.cli.build_tree import build_build_tree_config
@@ -75,6 +82,7 @@ def main(heads: str, prompts: str, out: str = "outputs/gpu-check", device: str |
     started = time.perf_counter()
     summary["parity"] = parity(heads, texts[:2 * int(parity_prompts)], int(parity_prompts), device, 64, folder)
     summary["parity_s"] = round(time.perf_counter() - started, 1)
+    save(folder, summary)  # each stage's figures land as soon as they exist: a loan can end mid-run
     tree = folder / "tree.yaml"
     fitted = build_tree(build_build_tree_config({
         "heads": heads, "nodes": "auto", "max_nodes": int(max_nodes), "calibration": prompts,
@@ -85,6 +93,7 @@ def main(heads: str, prompts: str, out: str = "outputs/gpu-check", device: str |
     summary["tree"].update({k: (fitted.get("auto") or {}).get(k) for k in ("chosen_nodes", "expected_speedup")})
     summary["tree"]["guard"] = fitted.get("guard")
     summary["build_tree_s"] = round(time.perf_counter() - started - summary["parity_s"], 1)
+    save(folder, summary)
     for name, bench in (("mtbench", {"source": "packaged:mt-bench", "limit": int(mtbench), "turns": 1}),
                         ("validation", {"source": prompts, "limit": int(calibration), "turns": 1, "pick": "first"})):
         report = evaluate(build_eval_config({
@@ -96,8 +105,9 @@ def main(heads: str, prompts: str, out: str = "outputs/gpu-check", device: str |
                                       "tokens_per_s": round(m["tokens_per_s"], 1), "speedup": round(m["speedup"], 3)}
                                   for k, m in methods.items()},
                          "expected": report.get("expected"), "mismatches": report["mismatches"]}
+        save(folder, summary)
     summary["total_s"] = round(time.perf_counter() - started, 1)
-    (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    save(folder, summary)
     lines = [f"# GPU check on {summary['device']} (torch {summary['torch']})", "",
              "## figures before decoding, float32: expected (walk) beside measured (decoding), tokens per step",
              *(f"- {k}: {r['expected']:.3f} expected, {r['measured']:.3f} measured (gap {r['gap']:+.3f}; "

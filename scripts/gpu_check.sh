@@ -5,7 +5,9 @@
 #   bash scripts/gpu_check.sh stage a         # on the device, call 1 (carry .gpu with part a): stage part a in /tmp
 #   bash scripts/gpu_check.sh run             # on the device, call 2 (carry .gpu with part b): python -m benchmarks
 #                                             # gpu_check (walk beside decoding in float32, build-tree, evaluate)
-# Between the calls, here: bash scripts/gpu_check.sh swap (part a out of .gpu, part b in). Figures: $OUT/gpu/summary.md.
+# Three calls: 1 carries .gpu/parts (part 0), stage; here: swap; 2 carries .gpu/parts (part 1), stage; 3 carries
+# .gpu/wheels .gpu/heads .gpu/question.jsonl .gpu/validation_prompts.jsonl, run (about 9 minutes on an H200 with the
+# demo's heads: give it the whole 10-minute call). Figures: $OUT/gpu/summary.json (written after each stage).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.gpu
@@ -46,7 +48,8 @@ PY
     mkdir -p "$model" "$bench" && cat /tmp/gpu-parts/model.part* > "$model/SmolLM2-135M-Instruct.Q4_1.gguf"
     cp $G/question.jsonl "$bench/"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    # unfiltered and unbuffered: a pipe through grep would hold back what a timed-out call has printed
     PYTHONUNBUFFERED=1 python3 -m benchmarks gpu_check heads=$G/heads prompts=$G/validation_prompts.jsonl \
-        out="${OUT:-outputs}/gpu" 2>&1 | grep -v "Warning\|warn(" ;;
+        out="${OUT:-outputs}/gpu";;
   *) sed -n 2,9p "$0"; exit 2;;
 esac
