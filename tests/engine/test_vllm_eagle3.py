@@ -49,7 +49,7 @@ def walked(model, tokenizer, prompts, replies) -> dict:
     for messages, reply in zip(prompts, replies):
         ids = encode_chat(tokenizer, messages)
         sequences.append((torch.cat([ids[0], torch.tensor(reply)])[None], ids.shape[1]))
-    return walk_figures(model, sequences, chains=range(1, K + 1))
+    return walk_figures(model, sequences, chains=range(1, model.config.depth + 1))
 
 
 def test_the_engine_serves_the_draft_and_accepts_what_our_chain_accepts(fitted, free_servers, tmp_path):
@@ -83,23 +83,38 @@ def test_the_engine_serves_the_draft_and_accepts_what_our_chain_accepts(fitted, 
     outputs = row["outputs"]
     assert outputs["compared"] == PROMPTS and outputs["identical"] == PROMPTS, outputs  # the plain server's replies
     assert report["mismatches"] == 0  # and our decoder's, in the same report
-    # what the training log says of a draft (the walk along the backbone's replies) is what the engine accepts
-    assert abs(ours["walk"][f"chain{K}"] - row["tokens_per_step"]) <= 0.03, (ours["walk"], row)
 
 
-def test_the_logged_one_token_figure_is_what_the_engine_serves_at_k1(fitted, free_servers, tmp_path):
-    """``served.num_speculative_tokens=1``: vLLM serves the draft one token a step, and accepts what the walk (the
-    training log's validation/K1 figure) says it will, within 0.03 tokens per step (float32)."""
+def test_the_logged_one_token_figure_is_what_the_engine_serves_at_k1(fitted, packaged_backbone, free_servers,
+                                                                      tmp_path):
+    """``served.num_speculative_tokens=1`` on 8 MT-Bench first turns, 64 tokens (the draft fitted on 3 of them: it
+    accepts on all, less on the 5 it never saw): vLLM serves the draft one token a step and accepts what the walk
+    (the training log's validation/K1 figure) says it will, within 0.03 tokens per step (float32), as does our
+    decoder's 1-chain. (From K=2 on, the walk chains the draft as training-time test does, over every position at
+    once: an estimate of the chain, not yet the decoder's own path; at K=3 it read 2.23 where vLLM and our chain
+    accepted 2.16 in this file's first test.)"""
+    from benchmarks.bench_eagle3_served import chain_figures
     from medusa_train.cli.evaluate import build_eval_config, run
+    from medusa_train.data.benchmarks import load_benchmark
+    from medusa_train.model.eagle3_model import Eagle3Model
 
-    export, prompts, _, ours, _ = fitted
+    export, _, _, _, eos = fitted
+    backbone, tokenizer = packaged_backbone
+    model = Eagle3Model.from_pretrained(export, backbone=backbone)
+    model.config.ttt_steps = 1  # the 1-chain
+    prompts = [[{"role": "user", "content": p.turns[0]}] for p in load_benchmark(limit=8, pick="spread")]
+    replies, ours = chain_figures(model, tokenizer, prompts, 64, eos)
+    walk = walked(model, tokenizer, prompts, replies)["chain1"]
     report = run(build_eval_config({
         "heads": str(export), "engine": "vllm", "tree": "chain", "model": {"dtype": "float32"},
-        "bench": {"limit": PROMPTS, "turns": 1}, "generation": {"max_new_tokens": MAX_TOKENS}, "warmup": False,
+        "bench": {"limit": 8, "turns": 1}, "generation": {"max_new_tokens": 64}, "warmup": False,
         "progress": False, "output_dir": str(tmp_path / "report"), "baselines": {"prompt_lookup": False},
         "served": {"concurrency": 1, "sampled_temperature": 0, "ngram": False, "num_speculative_tokens": 1,
                    "plain_url": free_servers["plain"]}}))
     row = report["served"]["rows"]["draft"]
     assert row["speculative_config"]["num_speculative_tokens"] == 1
-    assert ours["walk"]["chain1"] > 1.2, ours["walk"]  # it accepts: the comparison can fail
-    assert abs(ours["walk"]["chain1"] - row["tokens_per_step"]) <= 0.03, (ours["walk"], row)
+    assert walk > 1.08, walk  # it accepts (on the prompts it was fitted to, most): the comparison can fail
+    print(f"K=1: walk {walk:.4f}, our 1-chain {ours['tokens_per_step']:.4f}")
+    assert abs(walk - ours["tokens_per_step"]) <= 0.03, (walk, ours)
+    print(f"K=1: served {row['tokens_per_step']:.4f}")
+    assert abs(walk - row["tokens_per_step"]) <= 0.03, (walk, row["tokens_per_step"], ours)
