@@ -29,7 +29,7 @@ from medusa_train.data.held_out import held_out, holds_out, keys_digest  # noqa:
 VALIDATION = "validation"  #: the name that means this set (build-tree's calibration=, evaluate's bench.source=)
 EXCLUDED_BENCHMARK = "packaged:mt-bench"  #: the evaluation's prompts are never validation prompts
 MAX_PROMPT_CHARS = 4000  #: longer first turns are not drawn (tokens are checked where a tokenizer is at hand)
-FORMAT = 1  #: bump when what a cached continuation holds changes
+FORMAT = 2  #: bump when what a cached continuation holds, or how it is made, changes (2: the backbone's eos alone)
 DEFAULT_PROMPT_SOURCE = "packaged:sharegpt-v3"  #: a draft with no training config: the packaged ShareGPT prompts
 
 
@@ -135,15 +135,43 @@ def cache_root() -> Path:
     return assets.cache_dir() / "validation"
 
 
+def prompt_fits(tokenizer, text: str, max_prompt_tokens: int | None) -> bool:
+    """Whether ``text`` as a user turn, through the chat template, is at most ``max_prompt_tokens`` (None: any)."""
+    from medusa_train.backbone.generation import encode_chat
+
+    return max_prompt_tokens is None or encode_chat(tokenizer, [{"role": "user", "content": text}]).shape[1] <= \
+        max_prompt_tokens
+
+
 @torch.no_grad()
-def continuations(backbone, tokenizer, prompts: Sequence[str], max_new_tokens: int, max_prompt_tokens: int = 256,
-                  progress: bool = True, root: str | os.PathLike | None = None) -> Continuations:
-    """The backbone's greedy continuations of ``prompts`` (through the tokenizer's chat template), read from the
-    cache or made (one prompt at a time, HF ``generate`` greedy) and cached; the file is written whole, then renamed."""
+def greedy_replies(backbone, tokenizer, prompts: Sequence[str], max_new_tokens: int,
+                   max_prompt_tokens: int | None = None, progress: bool = True, desc: str = "greedy continuations",
+                   ) -> tuple[list[str], list[tuple[torch.Tensor, int]]]:
+    """``(prompts kept, [(ids (1, len), prompt length)])``: the backbone's greedy reply to each prompt (HF ``generate``,
+    one prompt at a time, stopping at the backbone's eos as the evaluation's decoders do), prompts longer than
+    ``max_prompt_tokens`` passed over."""
     from tqdm.auto import tqdm
 
     from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
 
+    device = backbone.get_input_embeddings().weight.device
+    eos = eos_token_ids(backbone)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    kept, sequences = [], []
+    for text in tqdm(prompts, desc=desc, unit="prompt", disable=not progress):
+        ids = encode_chat(tokenizer, [{"role": "user", "content": text}]).to(device)
+        if max_prompt_tokens is not None and ids.shape[1] > max_prompt_tokens:
+            continue
+        new, _ = plain_generate(backbone, ids, max_new_tokens, eos, pad)
+        kept.append(text)
+        sequences.append((torch.cat([ids[0], torch.tensor(new, dtype=ids.dtype, device=device)])[None], ids.shape[1]))
+    return kept, sequences
+
+
+def continuations(backbone, tokenizer, prompts: Sequence[str], max_new_tokens: int, max_prompt_tokens: int = 256,
+                  progress: bool = True, root: str | os.PathLike | None = None) -> Continuations:
+    """The backbone's greedy continuations of ``prompts`` (``greedy_replies``), read from the cache or made and cached;
+    the file is written whole, then renamed."""
     dtype = str(next(backbone.parameters()).dtype).removeprefix("torch.")
     key = continuations_key(backbone, tokenizer, dtype, prompts, max_new_tokens, max_prompt_tokens)
     path = Path(root or cache_root()) / f"{key}.json"
@@ -152,18 +180,10 @@ def continuations(backbone, tokenizer, prompts: Sequence[str], max_new_tokens: i
         stored = json.loads(path.read_text())
         sequences = [(torch.tensor([s["ids"]], device=device), s["prompt_len"]) for s in stored["sequences"]]
         return Continuations(stored["prompts"], sequences, stored["too_long"], path, True)
-    eos = eos_token_ids(backbone, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    kept, sequences, too_long = [], [], 0
     started = time.perf_counter()
-    for text in tqdm(prompts, desc="validation continuations", unit="prompt", disable=not progress):
-        ids = encode_chat(tokenizer, [{"role": "user", "content": text}]).to(device)
-        if ids.shape[1] > max_prompt_tokens:
-            too_long += 1
-            continue
-        new, _ = plain_generate(backbone, ids, max_new_tokens, eos, pad)
-        kept.append(text)
-        sequences.append((torch.cat([ids[0], torch.tensor(new, dtype=ids.dtype, device=device)])[None], ids.shape[1]))
+    kept, sequences = greedy_replies(backbone, tokenizer, prompts, max_new_tokens, max_prompt_tokens, progress,
+                                     "validation continuations")
+    too_long = len(prompts) - len(kept)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"prompts": kept, "too_long": too_long, "dtype": dtype, "max_new_tokens": max_new_tokens,

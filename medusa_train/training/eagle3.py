@@ -36,7 +36,6 @@ class Eagle3Recipe:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.validated: dict = {}  #: the last validation walk's figures, for the export
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -92,7 +91,6 @@ class Eagle3Recipe:
         record = sums.record(self.run)
         record.update(validation.walk(self.validation, self.model, self.accelerator))
         self.run.metrics.write(record)
-        self.validated = {k: v for k, v in record.items() if k.startswith("validation/")}
         loop.say(self.accelerator, f"eval @ step {self.run.step}: loss {record['loss']:.4f}, top-1 by draft step "
                                    f"{loop.top1_summary(record, steps)}")
         return record
@@ -102,7 +100,7 @@ class Eagle3Recipe:
         from medusa_train.training.run_folder import TrainedRun, run_chat_template
 
         return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer),
-                          validation=self.validated)
+                          validation=validation.last(self.validation))
 
     def cleanup(self) -> None:
         loop.finish(self.run)

@@ -32,7 +32,6 @@ class Medusa1Recipe:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.validated: dict = {}  #: the last validation walk's figures, for the export
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -80,7 +79,6 @@ class Medusa1Recipe:
         record = sums.record(self.run)
         record.update(validation.walk(self.validation, self.model, acc))
         self.run.metrics.write(record)
-        self.validated = {k: v for k, v in record.items() if k.startswith("validation/")}
         kept = " ".join(f"{record[f'head{k + 1}/kept']:.0%}" for k in range(self.model.num_heads)) \
             if "head1/kept" in record else ""
         loop.say(self.accelerator, f"eval @ step {self.run.step}: loss {record['loss']:.4f}, top-1 by head "
@@ -93,7 +91,7 @@ class Medusa1Recipe:
         from medusa_train.training.run_folder import TrainedRun, run_chat_template
 
         return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer),
-                          validation=self.validated)
+                          validation=validation.last(self.validation))
 
     def cleanup(self) -> None:
         loop.finish(self.run)

@@ -100,7 +100,6 @@ class Medusa2Recipe:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.validated: dict = {}  #: the last validation walk's figures, for the export
         self.joint = cfg.stage != 1
         self.step_metrics: dict[str, float] = {}
         self.window: list[Medusa2LossResult] = []
@@ -231,7 +230,6 @@ class Medusa2Recipe:
         loop.say(acc, f"{message}; top-1 by head {loop.top1_summary(record, k_heads)}")
         record.update(validation.walk(self.validation, self.model, acc))
         self.run.metrics.write(record)
-        self.validated = {k: v for k, v in record.items() if k.startswith("validation/")}
         return record
 
     def whole_adapter(self) -> dict[str, torch.Tensor] | None:
@@ -248,7 +246,7 @@ class Medusa2Recipe:
 
         adapted = AdaptedBackbone(self.joint, self.peft_model, self.tokenizer, self.whole_adapter)
         return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer), adapted,
-                          self.validated)
+                          validation.last(self.validation))
 
     def cleanup(self) -> None:
         loop.finish(self.run)

@@ -13,7 +13,7 @@ heads accept while the adapted backbone still writes the original's text (its dr
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class ValidationWalk:
     states: list[torch.Tensor] | None  #: per continuation, what the draft reads (None: the backbone runs each time)
     against: str  #: what the figures are measured on, for the log
     cfg: object  #: the run's ``TrainConfig``
+    last: dict = field(default_factory=dict)  #: the last walk's record, for the export (``validation.json``)
 
     @torch.no_grad()
     def record(self, model, accelerator) -> dict:
@@ -49,6 +50,7 @@ class ValidationWalk:
                        for d, a in enumerate(figures["top1_teacher_forced"])})
         record["validation/outside_draft_vocab"] = round(figures["outside_draft_vocab"], 4)
         say(accelerator, f"validation ({self.against}): {walk_line(figures, len(tree) + 1)}")
+        self.last = record
         return record
 
 
@@ -90,3 +92,8 @@ def prepare(cfg, accelerator, tokenizer, backbone, captured, has_layers: bool = 
 def walk(validation: ValidationWalk | None, model, accelerator) -> dict:
     """``validation``'s record for ``model`` now (empty without one: other processes, ``data.validation.size=0``)."""
     return validation.record(model, accelerator) if validation is not None else {}
+
+
+def last(validation: ValidationWalk | None) -> dict:
+    """The last walk's figures (empty before any, or without a walk), what the export records."""
+    return validation.last if validation is not None else {}

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch
 
-from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
-from medusa_train.data.validation import VALIDATION, validation_prompts
+from medusa_train.data.validation import VALIDATION, greedy_replies, prompt_fits, validation_prompts
 from medusa_train.model.walk import (  # noqa: F401 - the walk, for build-tree's callers
     heads_depths,
     measure_ranks,
@@ -62,15 +61,12 @@ def heads_validation(heads_dir) -> tuple[str, object, bool]:
 def validation_bench(heads_dir, tokenizer, limit: int | None = None, max_prompt_tokens: int | None = None) -> list:
     """The draft's validation prompts as benchmark prompts (``evaluate bench.source=validation``): those whose
     rendered prompt fits the validation's ``max_prompt_tokens`` (as its continuations), the first ``limit``."""
-    from medusa_train.backbone.generation import encode_chat
     from medusa_train.data.benchmarks import BenchPrompt
 
     source, v, _ = heads_validation(heads_dir)
     longest = max_prompt_tokens or v.max_prompt_tokens
-    texts = [t for t in validation_prompts(source, v.size or 64, v.seed)
-             if encode_chat(tokenizer, [{"role": "user", "content": t}]).shape[1] <= longest]
+    texts = [t for t in validation_prompts(source, v.size or 64, v.seed) if prompt_fits(tokenizer, t, longest)]
     return [BenchPrompt(id=f"validation-{i}", category="validation", turns=[t]) for i, t in enumerate(texts[:limit])]
-
 
 
 def training_prompts(heads_dir: str | os.PathLike) -> set[str]:
@@ -116,26 +112,16 @@ def calibration_prompts(source: str, tokenizer, num_prompts: int, max_prompt_tok
             break
         if not text.strip() or normalise_prompt(text) in banned:
             continue
-        if encode_chat(tokenizer, [{"role": "user", "content": text}]).shape[1] <= max_prompt_tokens:
+        if prompt_fits(tokenizer, text, max_prompt_tokens):
             prompts.append(text)
     return prompts
 
 
-@torch.no_grad()
 def greedy_continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
                          progress: bool = False) -> list[tuple[torch.Tensor, int]]:
-    """``(ids (1, len), prompt length)`` of the backbone's greedy answer to each prompt."""
-    from tqdm.auto import tqdm
-
-    device = model.lm_head.weight.device
-    eos = eos_token_ids(model.backbone)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    sequences = []
-    for text in tqdm(prompts, desc="greedy continuations", unit="prompt", disable=not progress):
-        ids = encode_chat(tokenizer, [{"role": "user", "content": text}]).to(device)
-        new, _ = plain_generate(model.backbone, ids, max_new_tokens, eos, pad)
-        sequences.append((torch.cat([ids[0], torch.tensor(new, dtype=ids.dtype, device=device)])[None], ids.shape[1]))
-    return sequences
+    """``(ids (1, len), prompt length)`` of the backbone's greedy answer to each prompt (``data.validation``'s
+    ``greedy_replies``, uncached)."""
+    return greedy_replies(model.backbone, tokenizer, prompts, max_new_tokens, progress=progress)[1]
 
 
 def lookup_runs(sequences: Sequence[tuple[torch.Tensor, int]], max_depth: int,

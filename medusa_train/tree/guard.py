@@ -21,10 +21,10 @@ HYBRID, HEADS, LOOKUP = "hybrid", "heads alone", "lookup alone"
 
 @torch.no_grad()
 def decode_rates(model, sequences: Sequence[tuple[torch.Tensor, int]], trees: dict[str, MedusaTree],
-                 max_new_tokens: int, eos: Sequence[int], progress: bool = True) -> dict[str, dict]:
-    """Per tree: ``{"tokens_per_s", "tokens_per_step", "tokens", "seconds"}`` decoding each prompt of ``sequences``
-    (its first ``prompt length`` tokens) greedy, the trees taking turns first; plus whether every tree wrote the
-    same text (``same_text``, on the first row)."""
+                 max_new_tokens: int, eos: Sequence[int], progress: bool = True) -> tuple[dict[str, dict], bool]:
+    """``(per tree {"tokens_per_s", "tokens_per_step", "tokens", "seconds"}, whether every tree wrote the same text
+    for every prompt)``, decoding each prompt of ``sequences`` (its first ``prompt length`` tokens) greedy, the trees
+    taking turns first."""
     from tqdm.auto import tqdm
 
     from medusa_train.decoding.generate import medusa_generate
@@ -49,8 +49,7 @@ def decode_rates(model, sequences: Sequence[tuple[torch.Tensor, int]], trees: di
     rates = {n: {"tokens_per_s": t["tokens"] / max(t["seconds"], 1e-9),
                  "tokens_per_step": (t["tokens"] - t["replies"]) / max(t["forwards"], 1),
                  "tokens": t["tokens"], "seconds": round(t["seconds"], 3)} for n, t in totals.items()}
-    rates[names[0]]["same_text"] = same
-    return rates
+    return rates, same
 
 
 def choose(rates: dict[str, float], nodes: dict[str, int], margin: float) -> tuple[str, str]:

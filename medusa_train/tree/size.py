@@ -85,7 +85,7 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
     heads_nodes = target - depth
     guard = None
     if cfg.lookup_depth == "auto" and depth and heads_nodes > 1 and cfg.guard_prompts:
-        guard = run_guard(cfg, model, tokenizer, sequences, accuracies, heads_nodes, depth, split)
+        guard = run_guard(cfg, model, sequences, accuracies, heads_nodes, depth, split)
         heads_nodes, depth = guard.pop("heads_nodes"), guard.pop("lookup_nodes")
         split_expected = split.expected(heads_nodes, depth)
     nodes = len(build_tree(accuracies, heads_nodes)) + 1
@@ -129,7 +129,7 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
             **({"guard": guard} if guard else {})}
 
 
-def run_guard(cfg: BuildTreeConfig, model, tokenizer, sequences, accuracies, heads_nodes: int, depth: int,
+def run_guard(cfg: BuildTreeConfig, model, sequences, accuracies, heads_nodes: int, depth: int,
               split: LookupSplit) -> dict:
     """Decode ``cfg.guard_prompts`` calibration prompts with the hybrid (``heads_nodes`` heads' nodes and a ``depth``
     chain), the heads alone (all its nodes theirs) and the lookup alone (the root and the chain) and keep the one
@@ -146,13 +146,13 @@ def run_guard(cfg: BuildTreeConfig, model, tokenizer, sequences, accuracies, hea
     prompts = sequences[:cfg.guard_prompts]
     print(f"guard: decoding {len(prompts)} calibration prompts with the hybrid ({heads_nodes} heads' nodes + "
           f"{depth} lookup), the heads alone ({nodes} nodes) and the lookup alone (1 + {depth}), interleaved", flush=True)
-    rates = decode_rates(model, prompts, trees, cfg.max_new_tokens, eos_token_ids(model.backbone, tokenizer))
+    rates, same_text = decode_rates(model, prompts, trees, cfg.max_new_tokens, eos_token_ids(model.backbone))
     kept, why = choose({n: r["tokens_per_s"] for n, r in rates.items()}, {n: trees[n].num_nodes for n in trees},
                        cfg.guard_margin)
     for name, r in rates.items():
         print(f"guard: {name}: {r['tokens_per_s']:.1f} tokens/s, {r['tokens_per_step']:.3f} tokens per step "
               f"(walk expected {split.expected(*shapes[name], len(prompts)):.3f} on the same prompts)")
-    if not rates[HYBRID].get("same_text", True):
+    if not same_text:
         print("guard: warning: the three trees did not write the same text on every prompt (greedy ties in "
               f"{model.backbone.dtype} rounding)")
     h, d = shapes[kept]
