@@ -13,8 +13,10 @@ class Eagle3Settings:
     """The EAGLE-3 draft of ``+recipe=eagle3`` (one decoder layer on three of the backbone's hidden states)."""
 
     ttt_steps: int = 7  #: chained draft steps trained (training-time test); step s weighs loss.head_decay**s
-    #: the draft scores only the K tokens most often trained on (d2t maps them back); null: every token
-    draft_vocab_size: int | None = None
+    #: the draft scores only the K tokens most often trained on (d2t maps them back); null: every token; auto: the
+    #: size worth most at K=1, the training targets' coverage against the weights a draft step reads
+    #: (``model/draft_vocab.choose_draft_vocab``; the log says what each size would cover and cost)
+    draft_vocab_size: int | str | None = "auto"
     #: the three backbone layers whose entering hidden state the draft reads (vLLM's count); null: (2, L//2, L-3)
     aux_layer_ids: list[int] | None = None
     intermediate_size: int | None = None  #: the draft MLP's width; null: the backbone's
@@ -34,8 +36,9 @@ def eagle3_problems(c) -> list[str]:
     e = c.eagle3
     p = Problems()
     p.need(e.ttt_steps >= 1, "eagle3.ttt_steps", e.ttt_steps, "must be >= 1")
-    p.need(e.draft_vocab_size is None or e.draft_vocab_size >= 1, "eagle3.draft_vocab_size", e.draft_vocab_size,
-           "must be >= 1 (the draft vocabulary's size), or null for the whole vocabulary")
+    p.need(e.draft_vocab_size in (None, "auto") or (isinstance(e.draft_vocab_size, int) and e.draft_vocab_size >= 1),
+           "eagle3.draft_vocab_size", e.draft_vocab_size,
+           "must be >= 1 (the draft vocabulary's size), auto (chosen from the data) or null for the whole vocabulary")
     p += check_aux_layers(e)
     p.need(e.intermediate_size is None or e.intermediate_size >= 1, "eagle3.intermediate_size", e.intermediate_size,
            "must be >= 1 or null")

@@ -10,25 +10,15 @@ same thing (``truncated_vocab_size`` + a ``token_map`` tensor); EAGLE-3 calls it
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
-def most_frequent_tokens(labels: Iterable, size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` tokens most often trained on, as a sorted (size,) long tensor.
-
-    Args:
-        labels: Label rows (token ids; negatives such as the ignore index are not counted).
-        size: K, the draft vocabulary's size.
-        vocab_size: The backbone's vocabulary.
-
-    Ties go to the lower id, so the same data always gives the same map; tokens never seen fill it
-    up when the data has fewer than ``size`` distinct ones.
-    """
-    if not 0 < size < vocab_size:
-        raise ValueError(f"heads.draft_vocab_size={size}: a draft vocabulary must be between 1 and the backbone's "
-                         f"{vocab_size - 1} tokens")
+def label_counts(labels: Iterable, vocab_size: int) -> torch.Tensor:
+    """How often each token is a target in ``labels`` (rows of token ids; negatives such as the ignore index are
+    not counted): a (vocab_size,) long tensor."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for row in labels:
         row = torch.as_tensor(row, dtype=torch.long).flatten()
@@ -36,8 +26,89 @@ def most_frequent_tokens(labels: Iterable, size: int, vocab_size: int) -> torch.
         if len(row) and int(row.max()) >= vocab_size:
             raise ValueError(f"a label {int(row.max())} lies outside the backbone's {vocab_size}-token vocabulary")
         counts += torch.bincount(row, minlength=vocab_size)
+    return counts
+
+
+def top_tokens(counts: torch.Tensor, size: int, key: str = "heads.draft_vocab_size") -> torch.Tensor:
+    """The ``size`` most counted tokens as a sorted (size,) long tensor; ties go to the lower id, so the same data
+    always gives the same map, and tokens never seen fill it up when fewer than ``size`` were counted."""
+    if not 0 < size < len(counts):
+        raise ValueError(f"{key}={size}: a draft vocabulary must be between 1 and the backbone's "
+                         f"{len(counts) - 1} tokens")
     order = torch.sort(counts, descending=True, stable=True).indices
     return order[:size].sort().values
+
+
+def most_frequent_tokens(labels: Iterable, size: int, vocab_size: int,
+                         key: str = "heads.draft_vocab_size") -> torch.Tensor:
+    """The ``size`` tokens most often trained on in ``labels`` (label rows), as a sorted (size,) long tensor
+    (``key``: the setting a bad size is reported under)."""
+    return top_tokens(label_counts(labels, vocab_size), size, key)
+
+
+#: ``eagle3.draft_vocab_size=auto`` tries powers of two from this one below the vocabulary, and the whole vocabulary
+AUTO_SMALLEST = 64
+#: the chance that a trained draft's first guess is accepted when the backbone's token is one it can name, assumed
+#: when sizing its vocabulary before training: the choice weighs what coverage buys (this times the coverage) against
+#: what a bigger output layer costs each step. Our drafts at the demo's data budget reach about 0.3, drafts trained
+#: on 100x the data 0.7-0.8; over 0.3-0.8 the choice moves by at most one size on SmolLM2 (49,152 tokens) and on a
+#: 262,144-token vocabulary (docs/results.md#eagle-3-drafts-for-big-vocabularies)
+IN_VOCAB_ACCEPTANCE = 0.6
+
+
+@dataclass(frozen=True)
+class VocabOption:
+    """One draft vocabulary size weighed by ``choose_draft_vocab``."""
+
+    size: int
+    coverage: float  #: share of the training targets inside the ``size`` most frequent tokens
+    step_share: float  #: weights one draft step reads, as a share of what a plain backbone step reads
+    score: float  #: (1 + acceptance * coverage) / (1 + step_share): tokens per unit of step cost at K=1, relative
+
+
+def choose_draft_vocab(counts: torch.Tensor, hidden_size: int, draft_weights: int, plain_weights: int,
+                       acceptance: float = IN_VOCAB_ACCEPTANCE) -> tuple[int, list[VocabOption]]:
+    """The draft vocabulary size worth most at K=1, and every size weighed.
+
+    A decode step at K=1 runs one draft step and a verify pass; a draft step reads the draft layer's weights
+    (``draft_weights``, its output layer left out) and ``size`` rows of its output layer (``hidden_size`` each), a
+    plain step the backbone's (``plain_weights``): at the small batches drafting is for, steps cost what they read
+    (measured: docs/results.md#eagle-3-drafts-for-big-vocabularies). The first token is accepted only when the
+    backbone's is inside the vocabulary (``coverage``, measured on ``counts``, the training targets). The size with
+    the highest ``(1 + acceptance * coverage) / (1 + step_share)`` wins; ties go to the smaller.
+
+    Returns:
+        ``(size, options)``: ``size`` equals the vocabulary when the whole one wins.
+    """
+    vocab = len(counts)
+    total = int(counts.sum())
+    if total == 0:
+        raise ValueError("no training targets to measure a draft vocabulary's coverage on")
+    covered = torch.sort(counts, descending=True).values.cumsum(0)
+    sizes = [vocab]
+    while sizes[0] > AUTO_SMALLEST:  # halving from the vocabulary's power of two below it
+        sizes.insert(0, 1 << ((sizes[0] - 1).bit_length() - 1))
+    options = []
+    for size in sizes:
+        coverage = int(covered[size - 1]) / total
+        share = (draft_weights + size * hidden_size) / plain_weights
+        options.append(VocabOption(size, coverage, share, (1 + acceptance * coverage) / (1 + share)))
+    best = max(options, key=lambda o: (round(o.score, 9), -o.size))
+    return best.size, options
+
+
+def step_weights(config) -> int:
+    """The weights one plain decode step of a backbone with ``config`` reads: every parameter but the input
+    embedding's (one row of it is read), the LM head whole (counted from an empty model: no memory, any family)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # a tied LM head is counted once, as it is read once
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or embedding.weight is not head.weight:
+        total -= embedding.weight.numel()
+    return total
 
 
 class DraftVocab(nn.Module):

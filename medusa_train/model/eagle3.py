@@ -114,6 +114,11 @@ class Eagle3Config:
         """How many tokens one draft step scores (the decoder's top-k cannot ask for more)."""
         return self.draft_vocab_size
 
+    def layer_weights(self) -> int:
+        """The weights one draft step reads except its output layer's: ``fc``, the layer, the norms."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return 3 * h * h + 2 * h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 4 * h
+
     @classmethod
     def for_backbone(cls, backbone, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
                      intermediate_size: int | None = None, ttt_steps: int = 7, dtype: str = "float32",

@@ -2,7 +2,7 @@
 
     medusa-train train +recipe=eagle3                          # the draft vLLM serves at full strength
     medusa-train train +recipe=eagle3 debug=smoke              # a few steps, minutes on CPU
-    medusa-train train +recipe=eagle3 eagle3.draft_vocab_size=4096   # a draft vocabulary of the 4,096 most trained tokens
+    medusa-train train +recipe=eagle3 eagle3.draft_vocab_size=4096   # the 4,096 most trained tokens (default auto)
     medusa-train train +recipe=eagle3 data.cache_hidden_states=true   # the backbone runs once (medusa-train capture)
 
 setup -> train -> cleanup, as the Medusa recipes (``export/run.py`` writes the export, vLLM's EAGLE-3 layout, in
@@ -48,7 +48,10 @@ class Eagle3Recipe:
             has_layers = backbone is None
         if backbone is None:
             backbone, _ = load_backbone_for(cfg.model, acc.device)
-        self.model = build_draft(cfg, backbone, acc.device, train)
+        token_map, choice = draft_vocabulary(cfg, backbone, train)
+        if choice:
+            loop.say(acc, choice)
+        self.model = build_draft(cfg, backbone, acc.device, token_map)
         c = self.model.config
         loop.say(acc, f"EAGLE-3 draft: reads layers {c.aux_layer_ids} of {c.num_target_layers}, "
                       f"{c.draft_vocab_size:,}-token draft vocabulary, {cfg.eagle3.ttt_steps} chained steps trained")
@@ -106,17 +109,38 @@ class Eagle3Recipe:
         loop.finish(self.run)
 
 
-def build_draft(cfg: TrainConfig, backbone, device: torch.device, train: list[dict]):
-    """A fresh float32 draft on ``backbone`` (frozen); with ``eagle3.draft_vocab_size=K`` it scores the K tokens most often
-    trained on in ``train``, a map every process computes alike from the same data."""
-    from medusa_train.model.draft_vocab import most_frequent_tokens
+def draft_vocabulary(cfg: TrainConfig, backbone, train: list[dict]) -> tuple[torch.Tensor | None, str | None]:
+    """The draft vocabulary's token ids (``None``: the whole vocabulary), the K tokens most often trained on in
+    ``train`` (every process computes the same map from the same data), and with ``eagle3.draft_vocab_size=auto`` a
+    line saying why that K: each size's coverage of the training targets and the share of a plain step's weights a
+    draft step reads (``draft_vocab.choose_draft_vocab``)."""
+    from medusa_train.model.draft_vocab import choose_draft_vocab, label_counts, step_weights, top_tokens
+    from medusa_train.model.eagle3 import Eagle3Config
+
+    e = cfg.eagle3
+    vocab = backbone.get_output_embeddings().weight.shape[0]
+    if e.draft_vocab_size is None or (e.draft_vocab_size != "auto" and e.draft_vocab_size >= vocab):
+        return None, None
+    counts = label_counts((x["labels"] for x in train), vocab)
+    if e.draft_vocab_size != "auto":
+        return top_tokens(counts, e.draft_vocab_size, "eagle3.draft_vocab_size"), None
+    layer = Eagle3Config.for_backbone(backbone, aux_layer_ids=e.aux_layer_ids,
+                                      intermediate_size=e.intermediate_size).layer_weights()
+    size, options = choose_draft_vocab(counts, backbone.get_output_embeddings().weight.shape[1], layer,
+                                       step_weights(backbone.config))
+    table = ", ".join(f"{o.size:,}: {o.coverage:.1%} / {o.step_share:.1%}" for o in options)
+    line = (f"eagle3.draft_vocab_size=auto: {size:,} tokens (coverage of the training targets / a draft step's "
+            f"weights as a share of a plain step's, by size: {table})")
+    return (None if size == vocab else top_tokens(counts, size, "eagle3.draft_vocab_size")), line
+
+
+def build_draft(cfg: TrainConfig, backbone, device: torch.device, token_map: torch.Tensor | None):
+    """A fresh float32 draft on ``backbone`` (frozen), scoring ``token_map``'s tokens (``draft_vocabulary``; ``None``:
+    the whole vocabulary)."""
     from medusa_train.model.eagle3_model import Eagle3Model
 
     e = cfg.eagle3
     backbone.requires_grad_(False)
-    vocab = backbone.get_output_embeddings().weight.shape[0]
-    token_map = None if e.draft_vocab_size is None or e.draft_vocab_size >= vocab else most_frequent_tokens(
-        (x["labels"] for x in train), e.draft_vocab_size, vocab)
     model = Eagle3Model.from_backbone(backbone, token_map=token_map, aux_layer_ids=e.aux_layer_ids,
                                       intermediate_size=e.intermediate_size, ttt_steps=e.ttt_steps, dtype="float32")
     model.config.base_model_name_or_path = str(cfg.model.name_or_path)

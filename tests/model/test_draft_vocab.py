@@ -259,3 +259,39 @@ def test_init_from_heads_of_another_vocabulary_size_is_refused_naming_the_key(tm
         build_heads(cfg, backbone, torch.device("cpu"), [])
     same = compose_config(train_overrides(model_dir, data, tmp_path / "run", **overrides))
     assert build_heads(same, backbone, torch.device("cpu"), []).token_map is None
+
+
+def test_choose_draft_vocab_weighs_coverage_against_what_a_step_reads():
+    from medusa_train.model.draft_vocab import choose_draft_vocab
+
+    counts = torch.zeros(1024, dtype=torch.long)
+    counts[:64] = 10  # 640 of the 1,000 targets among the top 64 tokens, 768 among 128, 896 among 256, all among 360
+    counts[64:128] = 2
+    counts[128:360] = 1
+    assert int(counts.sum()) == 1000
+    # hidden 10, a 1,000-weight draft layer, a 30,000-weight plain step: a size costs (1,000 + 10 size) / 30,000
+    size, options = choose_draft_vocab(counts, 10, 1_000, 30_000, acceptance=0.5)
+    assert [o.size for o in options] == [64, 128, 256, 512, 1024]
+    assert [round(o.coverage, 3) for o in options] == [0.64, 0.768, 0.896, 1.0, 1.0]
+    by_hand = {k: (1 + 0.5 * c) / (1 + (1_000 + 10 * k) / 30_000)
+               for k, c in {64: 0.64, 128: 0.768, 256: 0.896, 512: 1.0, 1024: 1.0}.items()}
+    assert {o.size: round(o.score, 6) for o in options} == {k: round(v, 6) for k, v in by_hand.items()}
+    assert size == 256  # 1.294, against 1.286 at 128 and 1.246 at 512
+    # an output layer that costs nothing: the whole vocabulary covers most; every target in 64 tokens: the smallest
+    assert choose_draft_vocab(counts, 0, 1_000, 10_000)[0] == 512  # 512 and 1,024 tie at full coverage: the smaller
+    counts[64:] = 0
+    assert choose_draft_vocab(counts, 10, 1_000, 10_000)[0] == 64
+
+
+def test_step_weights_count_what_a_plain_step_reads(tiny_llama):
+    from medusa_train.model.draft_vocab import step_weights
+    from medusa_train.model.eagle3 import Eagle3Config, Eagle3Draft
+
+    every = sum(p.numel() for p in tiny_llama.parameters())
+    embedding = tiny_llama.get_input_embeddings().weight.numel()
+    assert step_weights(tiny_llama.config) == every - embedding  # untied: the input embedding is read one row at a time
+    tied = make_tiny_backbone(tie=True)
+    assert step_weights(tied.config) == sum(p.numel() for p in tied.parameters())  # tied: the LM head, read whole
+    config = Eagle3Config.for_backbone(make_tiny_backbone(layers=4), aux_layer_ids=[0, 1, 3])
+    draft = Eagle3Draft(config)
+    assert config.layer_weights() == sum(p.numel() for n, p in draft.named_parameters() if not n.startswith("lm_head"))

@@ -68,6 +68,22 @@ def test_a_changed_draft_setting_is_not_resumed_into(tiny_setup, tmp_path):
         build(compose_raw("train", ["+recipe=eagle3", "debug=smoke", *overrides]))
 
 
+def test_by_default_the_draft_vocabulary_is_chosen_from_the_data_and_the_step_cost(tiny_setup, tmp_path, capsys):
+    """``eagle3.draft_vocab_size=auto`` (the default): replies that count in ten words fill few of the ~300 tokens,
+    so a small draft vocabulary covers them and wins; the log says what each size covers and costs."""
+    from safetensors.torch import load_file
+
+    from medusa_train.cli.train import run
+
+    run(eagle3_config(tiny_setup, tmp_path / "run", **{"trainer.max_steps": 2, "data.max_samples": 16}))
+    line = next(x for x in capsys.readouterr().out.splitlines() if "eagle3.draft_vocab_size=auto:" in x)
+    config = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
+    assert config["draft_vocab_size"] < config["vocab_size"]
+    assert f"auto: {config['draft_vocab_size']:,} tokens" in line and f"{config['vocab_size']:,}: 100.0%" in line
+    d2t = load_file(tmp_path / "run" / "export" / "model.safetensors")["d2t"]
+    assert len(d2t) == config["draft_vocab_size"]
+
+
 def test_what_the_recipe_cannot_run_with_is_reported_up_front(tiny_setup, tmp_path):
     with pytest.raises(ConfigError) as err:
         eagle3_config(tiny_setup, tmp_path, **{"model.quantization": "nf4", "model.fsdp": "true",
