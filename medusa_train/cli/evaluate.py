@@ -18,13 +18,13 @@ import torch
 
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.evaluate import EvalConfig, check_eval_config, default_output_dir
-from medusa_train.data.validation import VALIDATION
 from medusa_train.evaluation.drift import measure_drift
 from medusa_train.evaluation.evaluate import evaluate, resolve_tree
 from medusa_train.evaluation.report import headline_lines
 from medusa_train.evaluation.served import served_runner
 from medusa_train.evaluation.served_report import print_served
 from medusa_train.model.load import check_heads, load_heads, read_exported_heads
+from medusa_train.tree.calibrate import bench_prompts, bench_source_problem
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -42,7 +42,7 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
     """The checks that need the heads folder, the tree, the benchmark file or this machine."""
     from medusa_train.backbone.merge import BACKBONE_INFO
     from medusa_train.config.engine import check_served
-    from medusa_train.data.benchmarks import BENCH_PICKS, BENCHMARK_PACKAGES
+    from medusa_train.data.benchmarks import BENCH_PICKS
     from medusa_train.decoding import ACCEPTANCE_METHODS
 
     p = Problems()
@@ -59,11 +59,8 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
            f"adapter needs a Medusa-2 export (no {BACKBONE_INFO} in heads=)")
     p.need(c.drift.original != "auto" or adapted, "drift.original", c.drift.original,
            f"auto needs a Medusa-2 export (no {BACKBONE_INFO} in heads=); name the original model instead")
-    src = c.bench.source
-    p.need(src in (*BENCHMARK_PACKAGES, VALIDATION)
-           or (not src.startswith("packaged:") and Path(src).expanduser().is_file()), "bench.source", src,
-           f"must be one of {', '.join(BENCHMARK_PACKAGES)}, {VALIDATION} (the draft's validation prompts, held out of "
-           "its training) or an existing .jsonl file")
+    problem = bench_source_problem(c.bench.source)
+    p.need(problem is None, "bench.source", c.bench.source, problem)
     p.need(c.bench.pick in BENCH_PICKS, "bench.pick", c.bench.pick, f"must be one of {', '.join(BENCH_PICKS)}")
     p.need(c.generation.acceptance in ACCEPTANCE_METHODS, "generation.acceptance", c.generation.acceptance,
            f"must be one of {', '.join(ACCEPTANCE_METHODS)}")
@@ -91,18 +88,11 @@ def busy_cpu_note() -> None:
 def run(cfg: EvalConfig) -> dict:
     """Load what ``cfg`` names, evaluate, write the report, and print the summary (last two lines:
     ``mean accepted length: X.XX`` and ``speedup: Y.YYx``)."""
-    from medusa_train.data.benchmarks import load_benchmark
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     heads = read_exported_heads(cfg.heads)  # its config.json, read once and handed along
     model, tokenizer = load_heads(heads, cfg.model, cfg.device)
-    if cfg.bench.source == VALIDATION:
-        from medusa_train.tree.calibrate import validation_bench
-
-        prompts = validation_bench(cfg.heads, tokenizer, cfg.bench.limit)
-    else:
-        prompts = load_benchmark(cfg.bench.source, cfg.bench.limit, pick=cfg.bench.pick)
+    prompts = bench_prompts(cfg.bench.source, cfg.heads, tokenizer, cfg.bench.limit, cfg.bench.pick)
     if model.lm_head.weight.device.type == "cpu":
         busy_cpu_note()
     output_dir = cfg.output_dir or default_output_dir(cfg.heads)

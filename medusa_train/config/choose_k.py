@@ -19,7 +19,9 @@ class ChooseKConfig:
     model: str | None = None  #: base model to serve (null: the heads' base_model_name_or_path)
     dtype: str = "bfloat16"  #: float32 | bfloat16 | float16: the served dtype (the serve line repeats it)
     ks: list[int] | None = None  #: K values served, e.g. [0,1,2] (0 = no speculation; null: 0..heads)
-    limit: int = 24  #: MT-Bench first turns sent to each server (greedy)
+    limit: int = 24  #: first turns sent to each server (greedy)
+    #: the prompts: packaged:mt-bench, validation (the draft's validation prompts, held out of its training) or a .jsonl
+    source: str = "packaged:mt-bench"
     max_tokens: int = 128  #: reply length per request
     concurrency: int = 8  #: the higher concurrency measured beside 1 (K is chosen at concurrency 1)
     output: str | None = None  #: also write the result (serving.json's content) to this JSON file
@@ -33,6 +35,10 @@ def check_choose_k_config(c: ChooseKConfig) -> list[str]:
         p.append("heads: required; pass heads=<folder of heads>")
     parse_dtype(p, c, "dtype")  # stored canonical: the export folder, vLLM's --dtype and the serve line use it
     p.need(c.limit >= 1, "limit", c.limit, "must be >= 1")
+    from medusa_train.tree.calibrate import bench_source_problem
+
+    problem = bench_source_problem(c.source)
+    p.need(problem is None, "source", c.source, problem)
     p.need(c.max_tokens >= 1, "max_tokens", c.max_tokens, "must be >= 1")
     p.need(c.concurrency >= 1, "concurrency", c.concurrency, "must be >= 1")
     p.extend(check_server(c.server))

@@ -21,8 +21,6 @@ from pathlib import Path
 from medusa_train.config.choose_k import ChooseKConfig
 from medusa_train.model.folder import CHAT_TEMPLATE_NAME, SERVING_NAME
 
-BENCHMARK = "packaged:mt-bench"
-
 
 def ks_to_serve(ks: Sequence[int] | None, num_heads: int) -> list[int]:
     """The K values served, in order: ``ks`` as given, or 0 (no speculation) then every K up to ``num_heads``."""
@@ -143,18 +141,19 @@ def choose_k(cfg: ChooseKConfig, num_heads: int, base_model: str,
         progress: Gets each row's table line as it is measured.
     """
     from medusa_train.backbone.load import load_without_weights
-    from medusa_train.data.benchmarks import load_benchmark
+    from medusa_train.tree.calibrate import bench_prompts
 
     export = vllm_export(cfg)
-    _, eos, _, served_model = load_without_weights(base_model)
-    conversations = [[{"role": "user", "content": p.turns[0]}] for p in load_benchmark(BENCHMARK, cfg.limit)]
+    tokenizer, eos, _, served_model = load_without_weights(base_model)
+    conversations = [[{"role": "user", "content": p.turns[0]}]
+                     for p in bench_prompts(cfg.source, cfg.heads, tokenizer, cfg.limit)]
     rows = []
     for k in ks_to_serve(cfg.ks, num_heads):
         progress(f"[medusa_train] choose-k: serving K={k} ({served_model}, dtype {cfg.dtype}) ...")
         rows.append(measure_k(k, export, str(served_model), conversations, eos, cfg))
         progress(format_row(rows[-1], cfg.concurrency))
     settings = {"dtype": cfg.dtype, "limit": cfg.limit, "max_tokens": cfg.max_tokens,
-                "concurrency": cfg.concurrency, "benchmark": BENCHMARK}
+                "concurrency": cfg.concurrency, "benchmark": cfg.source}
     record = serving_record(rows, settings, base_model, export, device_description())
     write_json(export / SERVING_NAME, record)
     if cfg.output:

@@ -69,6 +69,25 @@ def validation_bench(heads_dir, tokenizer, limit: int | None = None, max_prompt_
     return [BenchPrompt(id=f"validation-{i}", category="validation", turns=[t]) for i, t in enumerate(texts[:limit])]
 
 
+def bench_prompts(source: str, heads_dir, tokenizer, limit: int | None = None, pick: str | None = None) -> list:
+    """The prompts a benchmark ``source`` names: the draft's validation prompts (``validation``) or a benchmark
+    (``data.benchmarks.load_benchmark``), the first ``limit`` (``pick``: how a benchmark chooses them)."""
+    if source == VALIDATION:
+        return validation_bench(heads_dir, tokenizer, limit)
+    return load_benchmark(source, limit, **({"pick": pick} if pick else {}))
+
+
+def bench_source_problem(source: str) -> str | None:
+    """Why ``source`` names no prompts to decode (``None``: it does)."""
+    from medusa_train.data.benchmarks import BENCHMARK_PACKAGES
+
+    if source in (*BENCHMARK_PACKAGES, VALIDATION) or (
+            not source.startswith("packaged:") and Path(source).expanduser().is_file()):
+        return None
+    return (f"must be one of {', '.join(BENCHMARK_PACKAGES)}, {VALIDATION} (the draft's validation prompts, held out "
+            "of its training) or an existing .jsonl file")
+
+
 def training_prompts(heads_dir: str | os.PathLike) -> set[str]:
     """Normalised user turns of the data the heads were trained on (empty when the heads carry no
     ``training_config.json``, e.g. heads converted from another format)."""

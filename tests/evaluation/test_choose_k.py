@@ -138,12 +138,12 @@ def test_heads_vllm_cannot_serve_are_refused_naming_why(heads, tmp_path):
 
 
 def test_every_bad_key_is_named():
-    overrides = ["dtype=fp8", "limit=0", "max_tokens=0", "concurrency=0", "ks=[0]", "server.port=70000",
-                 "+colour=red"]
+    overrides = ["dtype=fp8", "limit=0", "source=packaged:nothing", "max_tokens=0", "concurrency=0", "ks=[0]",
+                 "server.port=70000", "+colour=red"]
     with pytest.raises(ConfigError) as err:
         build_choose_k_config(compose_config("choose_k", overrides))
     keys = [p.split("=")[0].split(":")[0] for p in err.value.problems]
-    assert keys == ["colour", "heads", "dtype", "limit", "max_tokens", "concurrency", "server.port", "ks"], keys
+    assert keys == ["colour", "heads", "dtype", "limit", "source", "max_tokens", "concurrency", "server.port", "ks"], keys
     with pytest.raises(ConfigError, match="ks=\\[-1, 'x'\\]: must list whole numbers"):
         build_choose_k_config(compose_config("choose_k", ["heads=nowhere", "ks=[-1,x]"]))
 
