@@ -111,6 +111,7 @@ def changed(before: dict, after: dict) -> set[str]:
 
 @pytest.mark.parametrize("override, redone", [
     ("distill.max_new_tokens=64", {"data", "run", "tree", "report"}),  # new data: everything after it again
+    ("distill.engine=null", {"data", "run", "tree", "report"}),  # another engine's numerics: other replies
     ("model=/models/other", {"data", "run", "tree", "report"}),
     ('train.overrides=["trainer.epochs=3"]', {"run", "tree", "report"}),  # the same data, new heads
     ("train.dtype=float32", {"run", "tree", "report"}),
@@ -169,3 +170,21 @@ def test_the_demo_trains_its_preset_as_the_train_command_composes_it():
     assert changed["trainer"]["mixed_precision"] == "no"
     served = demo.training_settings(demo_config("train.dtype=bfloat16", "train.experiment=served"))
     assert not served["heads"]["path_input"] and served["heads"]["draft_vocab_size"] is None
+
+
+def test_when_the_engine_fails_the_demo_distils_in_process_and_says_why(tmp_path, monkeypatch, capfd):
+    """A vLLM that cannot start (its Python exits at once): the distill stage runs again in-process, into the data
+    folder an in-process run is keyed by, and says why; the engine's partial file is left where it is."""
+    model_dir = make_model_dir(tmp_path / "model")
+    cfg = demo_config(f"model={model_dir}", f"output_dir={tmp_path / 'out'}", "distill.num_prompts=3",
+                      "distill.max_new_tokens=4", "distill.dtype=float32")
+    engine_path = demo.stage_paths(cfg)["data"]
+    monkeypatch.setitem(demo.ENV, "MEDUSA_TRAIN_VLLM_PYTHON", "/bin/false")
+    monkeypatch.setenv("MEDUSA_TRAIN_VLLM_PYTHON", "/bin/false")
+    seconds = demo.distill_stage(cfg, [sys.executable, "-m", "medusa_train"], tmp_path / "out")
+    out = capfd.readouterr().out
+    assert "distilling in-process instead of through vLLM: distilling through vLLM failed" in out
+    assert seconds > 0 and cfg.distill.engine is None
+    data = demo.stage_paths(cfg)["data"]
+    assert data != engine_path and data.parent == tmp_path / "out"
+    assert "in-process" in demo.data_summary(data) and len(read_jsonl(data)) >= 1

@@ -48,8 +48,9 @@ from medusa_train.training.run_folder import RunFolder
 ENV = dict(os.environ)
 
 
-def stage(title: str, cmd: list[str], done: bool) -> float:
-    """Run one stage's command (or say why it is skipped); returns its wall time."""
+def stage(title: str, cmd: list[str], done: bool, may_fail: bool = False) -> float | None:
+    """Run one stage's command (or say why it is skipped); returns its wall time (``may_fail``: None when it
+    failed, else the demo stops there)."""
     shown = " ".join(str(c) for c in cmd).replace(f"{sys.executable} -m medusa_train", "medusa-train")
     if done:
         print(f"\n== {title}: already done, skipped\n   ({shown})", flush=True)
@@ -58,9 +59,67 @@ def stage(title: str, cmd: list[str], done: bool) -> float:
     started = time.perf_counter()
     result = subprocess.run([str(c) for c in cmd], env=ENV)
     if result.returncode != 0:
+        if may_fail:
+            return None
         sys.exit(f"demo: stage '{title}' failed (exit {result.returncode}); fix the error above and re-run: "
                  "finished stages are kept")
     return time.perf_counter() - started
+
+
+def engine_unavailable(d) -> str | None:
+    """Why the distill stage cannot go through its engine here (None: it can, or it runs in-process anyway)."""
+    if d.engine != "vllm":
+        return None
+    from medusa_train.engine.server import EngineError, find_engine_python
+
+    try:
+        find_engine_python()
+    except EngineError as err:
+        return str(err)
+    return None
+
+
+def in_process_instead(cfg: DemoConfig, why: str) -> None:
+    """Distil in-process from here on, saying why (the data's folder key then says in-process too)."""
+    print(f"\n== distilling in-process instead of through vLLM: {why}", flush=True)
+    cfg.distill.engine = None
+
+
+def distill_stage(cfg: DemoConfig, py: list[str], out: Path) -> float:
+    """Stage 1 through the engine when there is one, else (or when it fails) in-process, saying why; its wall time."""
+    if why := engine_unavailable(cfg.distill):
+        in_process_instead(cfg, why)
+    seconds = distill(cfg, py, out)
+    if seconds is None:
+        in_process_instead(cfg, f"distilling through vLLM failed (above; the server's log: "
+                                f"{stage_paths(cfg)['data'].with_suffix('.vllm.log')})")
+        seconds = distill(cfg, py, out)
+    return seconds
+
+
+def distill(cfg: DemoConfig, py: list[str], out: Path) -> float | None:
+    """The distill stage through ``cfg.distill.engine`` (or in-process); its wall time, None when the engine failed."""
+    d = cfg.distill
+    data = stage_paths(cfg)["data"]
+    distilled = _complete(data)
+    if not distilled and (seed := seed_distillation(out, cfg)) is not None:
+        print(f"\n== the first {seed[0]:,} prompts' replies are taken from {seed[1]} (same settings); "
+              f"distilling only the rest", flush=True)
+    how = ([f"engine={d.engine}", f"concurrency={d.concurrency}"] if d.engine else [f"batch_size={d.batch_size}"])
+    return stage(f"1/4 self-distill ({'through ' + d.engine if d.engine else 'in-process'})", [
+        *py, "distill", f"model.name_or_path={cfg.model}", f"model.dtype={d.dtype}",
+        f"num_prompts={d.num_prompts}", f"max_prompt_tokens={d.max_prompt_tokens}", f"max_turns={d.max_turns}",
+        f"generation.max_new_tokens={d.max_new_tokens}", *how,
+        f"filters.skip_truncated={str(not d.keep_truncated).lower()}", f"filters.trim_loops={str(d.trim_loops).lower()}",
+        f"output={data}"], done=distilled, may_fail=bool(d.engine))
+
+
+def data_summary(data: Path) -> str:
+    """The distilled data's size and how it was made, from its stats file."""
+    stats = json.loads(data.with_suffix(".stats.json").read_text())
+    engine = stats.get("record_settings", {}).get("engine") or "in-process"
+    return (f"{stats['records']:,} conversations of {stats['selected']:,} prompts, {stats['new_tokens']:,} reply "
+            f"tokens, {engine}")
 
 
 def newer(output: Path, *inputs: Path) -> bool:
@@ -159,20 +218,9 @@ def run(cfg: DemoConfig) -> None:
     d, t, tr, e = cfg.distill, cfg.train, cfg.tree, cfg.eval
     print(f"dtypes: distill {d.dtype}, train {t.dtype}, evaluate {e.dtype} (auto: bfloat16 where it runs natively, "
           "float32 on CPUs without AVX512-BF16 or AMX)", flush=True)
-    paths = stage_paths(cfg)
+    times = {"distill": distill_stage(cfg, py, out)}
+    paths = stage_paths(cfg)  # keyed by the engine the data came from
     data, run_dir, export, tree, report = (paths[k] for k in ("data", "run", "export", "tree", "report"))
-    times = {}
-
-    distilled = _complete(data)
-    if not distilled and (seed := seed_distillation(out, cfg)) is not None:
-        print(f"\n== the first {seed[0]:,} prompts' replies are taken from {seed[1]} (same settings); "
-              f"distilling only the rest", flush=True)
-    times["distill"] = stage("1/4 self-distill", [
-        *py, "distill", f"model.name_or_path={cfg.model}", f"model.dtype={d.dtype}",
-        f"num_prompts={d.num_prompts}", f"max_prompt_tokens={d.max_prompt_tokens}", f"max_turns={d.max_turns}", f"generation.max_new_tokens={d.max_new_tokens}",
-        f"batch_size={d.batch_size}", f"filters.skip_truncated={str(not d.keep_truncated).lower()}",
-        f"filters.trim_loops={str(d.trim_loops).lower()}",
-        f"output={data}"], done=distilled)
 
     method = METHODS[cfg.recipe]
     if not method.adapts_backbone:
@@ -197,7 +245,7 @@ def run(cfg: DemoConfig) -> None:
     record_times(run_dir, times)
     result = json.loads((report / "report.json").read_text())
     print("\n== done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items() if v))
-    print(f"distilled data   {data}\ndraft (native)   {export}\ntree             {tree}\n"
+    print(f"distilled data   {data}  ({data_summary(data)})\ndraft (native)   {export}\ntree             {tree}\n"
           f"report           {report / 'report.md'}  (+ report.json, report.png)\n"
           f"metrics          {RunFolder(run_dir).metrics}")
     for line in headline_lines(result):  # what the heads buy over the best free baseline

@@ -121,7 +121,8 @@ def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[l
         client.chat(conversations[0], max_tokens=WARMUP_TOKENS, stop_token_ids=eos)  # untimed warm-up
         time.sleep(COUNTER_SETTLE_S)  # its counters land before the first phase reads them
         one = measure_phase(client, conversations, cfg.max_tokens, eos)
-        many = measure_phase(client, conversations, cfg.max_tokens, eos, concurrency=cfg.concurrency)
+        many = one if cfg.concurrency == 1 else measure_phase(client, conversations, cfg.max_tokens, eos,
+                                                              concurrency=cfg.concurrency)
         startup = client.server.startup_seconds
     return {"k": k, "startup_s": round(startup, 1), "tokens_per_s": one["tokens_per_s"],
             f"tokens_per_s_c{cfg.concurrency}": many["tokens_per_s"],

@@ -1,0 +1,200 @@
+"""A learning curve users can plan with: tokens per step against the number of distilled conversations.
+
+    python -m benchmarks curve                       # every point: train (resumed), serve, summarise, plot
+    python -m benchmarks curve stage=summary         # only the summary and the plot from what is there
+
+For each preset (``experiments``: the EAGLE-3 draft, ``eagle3``, and the servable Medusa heads, ``served``) and each
+size N (``sizes``), one training on the first N conversations of ``data`` (``scripts/curve_train.sh``: the demo's
+training settings, bf16 where native, resumed from its checkpoints when run again), then:
+
+- **validation**: the training log's walk over the validation prompts (``validation/K1..K3`` of the export's
+  ``validation.json``: what decoding them with a K-chain accepts, computed before decoding);
+- **served**: ``medusa-train choose-k source=validation ks=[1,2,3]`` on the first ``served_prompts`` validation
+  prompts, ``max_tokens`` tokens each, one vLLM server per K: tokens per step as vLLM accepts them.
+
+Writes ``<out>/summary.json`` and ``<out>/summary.md`` (a table, and a least-squares line of tokens per step against
+log2(conversations): what doubling the data buys) and ``docs/results/learning-curve.png``. Every stage is skipped
+when its output exists, so the same command resumes. One heavy job at a time: each stage runs alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULTS = dict(data="outputs/curve/distill-vllm-2800.jsonl", sizes="300,1200,2400", experiments="eagle3,served",
+                ks="1,2,3", served_prompts=16, max_tokens=128, dtype="bfloat16", out="outputs/curve",
+                plot="docs/results/learning-curve.png", stage="all")
+RECIPES = {"eagle3": "eagle3", "served": "medusa1"}  #: the training recipe of each preset
+LABELS = {"eagle3": "EAGLE-3 draft", "served": "Medusa heads (experiment=served)"}
+
+
+def run_folder(out: Path, experiment: str, size: int) -> Path:
+    return out / f"{experiment}-{size}"
+
+
+def train(opts: dict, experiment: str, size: int) -> None:
+    """``scripts/curve_train.sh`` for one point (skipped when its export exists; resumed otherwise)."""
+    log = Path(opts["out"]) / f"{experiment}-{size}.log"
+    print(f"== train {experiment} on {size:,} conversations (log: {log})", flush=True)
+    with open(log, "a") as f:
+        subprocess.run(["bash", "scripts/curve_train.sh", RECIPES[experiment], experiment, str(size)], check=True,
+                       stdout=f, stderr=subprocess.STDOUT, env={**_env(), "DATA": opts["data"], "DTYPE": opts["dtype"]})
+
+
+def serve(opts: dict, experiment: str, size: int) -> None:
+    """choose-k over ``ks`` on the validation prompts (skipped when its JSON exists)."""
+    folder = run_folder(Path(opts["out"]), experiment, size)
+    target = folder / "served.json"
+    if target.is_file():
+        return
+    print(f"== serve {experiment}-{size} at K={opts['ks']} in vLLM", flush=True)
+    subprocess.run([sys.executable, "-m", "medusa_train", "choose-k", f"heads={folder / 'export'}",
+                    f"dtype={opts['dtype']}", f"ks=[{opts['ks']}]", f"limit={opts['served_prompts']}",
+                    f"max_tokens={opts['max_tokens']}", "concurrency=1", "source=validation", f"output={target}"],
+                   check=True, env=_env())
+
+
+def point(opts: dict, experiment: str, size: int) -> dict | None:
+    """One point's figures, or None when its training has not finished."""
+    folder = run_folder(Path(opts["out"]), experiment, size)
+    walked = folder / "export" / "validation.json"
+    if not walked.is_file():
+        return None
+    validation = json.loads(walked.read_text())
+    ks = [int(k) for k in str(opts["ks"]).split(",")]
+    row = {"experiment": experiment, "conversations": size, "step": validation.get("step"),
+           "validation": {k: validation.get(f"validation/K{k}") for k in ks}}
+    served = folder / "served.json"
+    if served.is_file():
+        rows = {r["k"]: r for r in json.loads(served.read_text())["rows"]}
+        row["served"] = {k: rows[k]["tokens_per_step"] for k in ks if k in rows}
+    times = folder / "metrics.jsonl"
+    if times.is_file():
+        records = [json.loads(line) for line in times.read_text().splitlines() if line.strip()]
+        row["train_seconds"] = max((r.get("elapsed_s", 0) for r in records), default=None)
+    return row
+
+
+def slope(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least squares ``y = a + b log2(x)``: ``(a, b)``, b being what doubling the data adds; None under two points."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    xs, ys = [math.log2(x) for x, _ in points], [y for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def summarise(opts: dict) -> dict:
+    rows = [r for e in str(opts["experiments"]).split(",") for n in _sizes(opts) if (r := point(opts, e, n))]
+    lines = {}
+    for e in {r["experiment"] for r in rows}:
+        for kind in ("validation", "served"):
+            for k in [int(k) for k in str(opts["ks"]).split(",")]:
+                pts = [(r["conversations"], r[kind][k]) for r in rows
+                       if r["experiment"] == e and r.get(kind, {}).get(k) is not None]
+                if fit := slope(pts):
+                    lines[f"{e}/{kind}/K{k}"] = {"intercept": round(fit[0], 4), "per_doubling": round(fit[1], 4),
+                                                 "points": len(pts)}
+    summary = {"settings": {k: opts[k] for k in ("data", "sizes", "ks", "served_prompts", "max_tokens", "dtype")},
+               "machine": _machine(), "rows": rows, "lines": lines}
+    out = Path(opts["out"])
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(markdown(summary))
+    print(markdown(summary))
+    return summary
+
+
+def markdown(summary: dict) -> str:
+    ks = [int(k) for k in str(summary["settings"]["ks"]).split(",")]
+    head = "| draft | conversations | " + " | ".join(f"walked K={k}" for k in ks) + " | " + " | ".join(
+        f"served K={k}" for k in ks) + " |"
+    lines = [head, "|---|---:|" + "---:|" * (2 * len(ks))]
+    for r in summary["rows"]:
+        cells = [_fmt(r["validation"].get(k)) for k in ks] + [_fmt(r.get("served", {}).get(k)) for k in ks]
+        lines.append(f"| {LABELS.get(r['experiment'], r['experiment'])} | {r['conversations']:,} | " + " | ".join(cells)
+                     + " |")
+    lines.append("")
+    for name, fit in summary["lines"].items():
+        lines.append(f"- {name}: {fit['intercept']:+.3f} {fit['per_doubling']:+.3f} log2(conversations) "
+                     f"({fit['points']} points): each doubling adds {fit['per_doubling']:.3f} tokens per step")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    ks = [int(k) for k in str(summary["settings"]["ks"]).split(",")]
+    for ax, e in zip(axes, ("eagle3", "served")):
+        rows = [r for r in summary["rows"] if r["experiment"] == e]
+        for k, colour in zip(ks, ("tab:blue", "tab:orange", "tab:green")):
+            for kind, style in (("validation", "--o"), ("served", "-s")):
+                pts = [(r["conversations"], r.get(kind, {}).get(k)) for r in rows]
+                pts = [(x, y) for x, y in pts if y is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=colour, label=f"K={k} {'walked' if kind == 'validation' else 'served (vLLM)'}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(LABELS[e])
+        ax.set_xlabel("distilled conversations")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tokens per step (validation prompts)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"Learning curve, SmolLM2-135M-Instruct, {summary['machine']}", fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(**overrides) -> int:
+    unknown = sorted(set(overrides) - set(DEFAULTS))
+    if unknown:
+        print(f"unknown option(s) {unknown}; known: {sorted(DEFAULTS)}")
+        return 2
+    opts = {**DEFAULTS, **overrides}
+    if not Path(opts["data"]).is_file():
+        print(f"data={opts['data']}: no such file; distill it first (docs/results.md#learning-curve gives the command)")
+        return 2
+    Path(opts["out"]).mkdir(parents=True, exist_ok=True)
+    if opts["stage"] in ("all", "train", "serve"):
+        for size in _sizes(opts):
+            for e in str(opts["experiments"]).split(","):
+                if opts["stage"] in ("all", "train"):
+                    train(opts, e, size)
+                if opts["stage"] in ("all", "serve"):
+                    serve(opts, e, size)
+    summary = summarise(opts)
+    if where := plot(summary, Path(opts["plot"])):
+        print(f"plot: {where}")
+    return 0
+
+
+def _sizes(opts: dict) -> list[int]:
+    return [int(n) for n in str(opts["sizes"]).split(",")]
+
+
+def _fmt(value) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _env() -> dict:
+    import os
+
+    return {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+
+
+def _machine() -> str:
+    from medusa_train.evaluation.choose_k import device_description
+
+    return device_description()
