@@ -10,6 +10,7 @@
     python -m benchmarks eagle3_served  # an EAGLE-3 draft in vLLM: a drafting step's cost, served = simulated
     python -m benchmarks lookup_walk heads=... tree=...  # a lookup chain's expected gain: per position vs walked
     python -m benchmarks gpu_check heads=... prompts=...  # on a GPU: walk beside decoding, build-tree, evaluate
+    python -m benchmarks big_vocab  # a draft's decode step against a plain one on a 262,144-token vocabulary
     python -m benchmarks curve    # the learning curve: tokens per step against distilled conversations, walked and served
     python -m benchmarks peers data=...  # Model Optimizer's Medusa + EAGLE-3 on our split (.venv-peers/bin/python)
 
@@ -25,7 +26,7 @@ import sys
 BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
               "rounding": "bench_rounding", "loop": "bench_loop", "tokenize": "bench_tokenize",
               "eagle3_served": "bench_eagle3_served", "lookup_walk": "bench_lookup_walk",
-              "gpu_check": "bench_gpu_check", "curve": "bench_curve", "peers": "bench_peers"}
+              "gpu_check": "bench_gpu_check", "curve": "bench_curve", "big_vocab": "bench_big_vocab", "peers": "bench_peers"}
 
 
 def main(argv: list[str]) -> int:

@@ -72,10 +72,6 @@ def point(opts: dict, experiment: str, size: int) -> dict | None:
     if served.is_file():
         rows = {r["k"]: r for r in json.loads(served.read_text())["rows"]}
         row["served"] = {k: rows[k]["tokens_per_step"] for k in ks if k in rows}
-    times = folder / "metrics.jsonl"
-    if times.is_file():
-        records = [json.loads(line) for line in times.read_text().splitlines() if line.strip()]
-        row["train_seconds"] = max((r.get("elapsed_s", 0) for r in records), default=None)
     return row
 
 

@@ -1,16 +1,19 @@
 """The GPU check that fits a loan (``scripts/gpu_check.sh`` runs it on the device; any CUDA machine can run it):
 
-    python -m benchmarks gpu_check heads=<export> prompts=<validation prompts .jsonl> out=outputs/gpu-check
+    python -m benchmarks gpu_check heads=<export> trees=<tree64.yaml>,<tree128.yaml> eagle3=<export> \
+        eagle3_tree=<tree.yaml> prompts=<validation prompts .jsonl> out=outputs/gpu-check
 
-1. Figures before decoding, float32 on the GPU: the backbone's greedy continuations of ``parity`` validation prompts
-   (made there), the heads walked along them (the training log's figures: K-chains 1..3 and the built-in tree cut to
-   16 nodes) beside what decoding those prompts accepts with each tree.
-2. build-tree on the GPU in bfloat16 (``nodes=auto``: the verify step timed at every size there, the lookup chain
-   sized by the walk over ``calibration`` validation prompts and checked by the guard's decoding).
-3. evaluate, bfloat16: the tree it chose on ``mtbench`` MT-Bench first turns (our decoder beside HF ``generate`` and
-   prompt lookup, tokens per forward and tokens/s) and on the validation prompts (expected beside measured).
+Trees are fitted here beforehand (``build-tree nodes=64|128 lookup_depth=8``: the walk needs no GPU), so the device
+only decodes, in bfloat16, ``mtbench`` MT-Bench first turns of ``new_tokens`` tokens each:
 
-Writes ``summary.json`` and ``summary.md`` under ``out`` (with each stage's report); prints the summary last.
+1. the heads with the first tree (a hybrid: heads' nodes and a lookup chain) beside HF ``generate`` and HF prompt
+   lookup, the heads alone and the lookup alone (the report's rows), tokens per forward and tokens/s;
+2. the heads with each further tree (``generate`` beside it);
+3. the EAGLE-3 draft with its tree (``generate`` beside it);
+4. with the time left under ``budget_s``: figures before decoding in float32 (the backbone's greedy continuations of
+   ``parity`` validation prompts, made there; the heads walked along them beside what decoding them accepts).
+
+Writes ``summary.json`` and ``summary.md`` under ``out`` (with each stage's report) after every stage, printed too.
 """
 
 from __future__ import annotations
@@ -62,61 +65,56 @@ def save(folder: Path, summary: dict) -> None:
     print(f"gpu_check summary so far: {json.dumps(summary)}", flush=True)
 
 
-def main(heads: str, prompts: str, out: str = "outputs/gpu-check", device: str | None = None, parity_prompts: str = "8",
-         calibration: str = "16", mtbench: str = "8", new_tokens: str = "128", max_nodes: str = "128") -> int:
-    import torch
-
-    from medusa_train.cli.build_tree import build_build_tree_config
-    from medusa_train.cli.build_tree import run as build_tree
+def decode(heads: str, tree: str, folder: Path, device: str, limit: int, new_tokens: int, prompt_lookup: bool) -> dict:
+    """``evaluate`` on MT-Bench first turns in bfloat16: each row's tokens per forward, tokens/s and speedup."""
     from medusa_train.cli.evaluate import build_eval_config
     from medusa_train.cli.evaluate import run as evaluate
-    from medusa_train.data.benchmarks import load_benchmark
+
+    report = evaluate(build_eval_config({
+        "heads": heads, "tree": tree, "bench": {"source": "packaged:mt-bench", "limit": limit, "turns": 1},
+        "generation": {"max_new_tokens": new_tokens}, "model": {"dtype": "bfloat16"}, "device": device,
+        "progress": False, "baselines": {"prompt_lookup": prompt_lookup}, "output_dir": str(folder)}))
+    return {"tree": tree, "rows": {k: {"tokens_per_forward": round(m["tokens_per_forward"], 3),
+                                       "tokens_per_s": round(m["tokens_per_s"], 1), "speedup": round(m["speedup"], 3)}
+                                   for k, m in report["methods"].items()},
+            "expected": report.get("expected"), "mismatches": report["mismatches"]}
+
+
+def main(heads: str, trees: str, eagle3: str | None = None, eagle3_tree: str = "chain", prompts: str | None = None,
+         out: str = "outputs/gpu-check", device: str | None = None, mtbench: str = "8", new_tokens: str = "128",
+         parity_prompts: str = "8", budget_s: str = "420") -> int:
+    import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    texts = [p.turns[0] for p in load_benchmark(prompts)]
     summary: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else device,
-                     "torch": torch.__version__, "heads": heads}
+                     "torch": torch.__version__, "heads": heads, "eagle3": eagle3, "runs": {}}
     started = time.perf_counter()
-    summary["parity"] = parity(heads, texts[:2 * int(parity_prompts)], int(parity_prompts), device, 64, folder)
-    summary["parity_s"] = round(time.perf_counter() - started, 1)
-    save(folder, summary)  # each stage's figures land as soon as they exist: a loan can end mid-run
-    tree = folder / "tree.yaml"
-    fitted = build_tree(build_build_tree_config({
-        "heads": heads, "nodes": "auto", "max_nodes": int(max_nodes), "calibration": prompts,
-        "num_prompts": int(calibration), "exclude_training_data": False, "max_new_tokens": int(new_tokens),
-        "answer_tokens": int(new_tokens), "model": {"dtype": "bfloat16"}, "device": device, "output": str(tree)}))
-    summary["tree"] = {k: fitted.get(k) for k in ("expected_accept_length", "lookup_depth")}
-    summary["tree"]["nodes"] = len(fitted["choices"]) + 1 + fitted["lookup_depth"]
-    summary["tree"].update({k: (fitted.get("auto") or {}).get(k) for k in ("chosen_nodes", "expected_speedup")})
-    summary["tree"]["guard"] = fitted.get("guard")
-    summary["build_tree_s"] = round(time.perf_counter() - started - summary["parity_s"], 1)
-    save(folder, summary)
-    for name, bench in (("mtbench", {"source": "packaged:mt-bench", "limit": int(mtbench), "turns": 1}),
-                        ("validation", {"source": prompts, "limit": int(calibration), "turns": 1, "pick": "first"})):
-        report = evaluate(build_eval_config({
-            "heads": heads, "tree": str(tree), "bench": bench, "generation": {"max_new_tokens": int(new_tokens)},
-            "model": {"dtype": "bfloat16"}, "device": device, "progress": False,
-            "output_dir": str(folder / f"eval-{name}")}))
-        methods = report["methods"]
-        summary[name] = {"rows": {k: {"tokens_per_forward": round(m["tokens_per_forward"], 3),
-                                      "tokens_per_s": round(m["tokens_per_s"], 1), "speedup": round(m["speedup"], 3)}
-                                  for k, m in methods.items()},
-                         "expected": report.get("expected"), "mismatches": report["mismatches"]}
-        save(folder, summary)
+    runs = [(f"heads, {Path(t).stem}", heads, t) for t in trees.split(",")]
+    runs += [(f"EAGLE-3, {Path(eagle3_tree).stem}", eagle3, eagle3_tree)] if eagle3 else []
+    for i, (name, draft, tree) in enumerate(runs):
+        summary["runs"][name] = decode(draft, tree, folder / f"eval-{i}", device, int(mtbench), int(new_tokens),
+                                       prompt_lookup=i == 0)
+        summary["runs"][name]["seconds"] = round(time.perf_counter() - started, 1)
+        save(folder, summary)  # each stage's figures land as soon as they exist: a loan can end mid-run
+    if prompts and time.perf_counter() - started < float(budget_s):
+        from medusa_train.data.benchmarks import load_benchmark
+
+        texts = [p.turns[0] for p in load_benchmark(prompts)]
+        summary["parity"] = parity(heads, texts[:2 * int(parity_prompts)], int(parity_prompts), device, 64, folder)
     summary["total_s"] = round(time.perf_counter() - started, 1)
     save(folder, summary)
-    lines = [f"# GPU check on {summary['device']} (torch {summary['torch']})", "",
-             "## figures before decoding, float32: expected (walk) beside measured (decoding), tokens per step",
-             *(f"- {k}: {r['expected']:.3f} expected, {r['measured']:.3f} measured (gap {r['gap']:+.3f}; "
-               f"{r['texts_equal']}/{r['texts']} texts equal)" for k, r in summary["parity"]["rows"].items()),
-             "", f"## tree chosen here (bfloat16): {summary['tree']}", ""]
-    for name in ("mtbench", "validation"):
-        lines.append(f"## evaluate on {name} (bfloat16): mismatches {summary[name]['mismatches']}, "
-                     f"expected {summary[name]['expected']}")
+    lines = [f"# GPU check on {summary['device']} (torch {summary['torch']}), {mtbench} MT-Bench first turns, "
+             f"{new_tokens} tokens, bfloat16", ""]
+    for name, run in summary["runs"].items():
+        lines.append(f"## {name} ({run['tree']}): mismatches {run['mismatches']}, expected {run['expected']}")
         lines += [f"- {k}: {r['tokens_per_forward']} tokens per forward, {r['tokens_per_s']} tokens/s, "
-                  f"{r['speedup']}x over HF generate" for k, r in summary[name]["rows"].items()]
+                  f"{r['speedup']}x over HF generate" for k, r in run["rows"].items()]
+    if "parity" in summary:
+        lines += ["", "## figures before decoding, float32: expected (walk) beside measured (decoding), tokens per step",
+                  *(f"- {k}: {r['expected']:.3f} expected, {r['measured']:.3f} measured (gap {r['gap']:+.3f}; "
+                    f"{r['texts_equal']}/{r['texts']} texts equal)" for k, r in summary["parity"]["rows"].items())]
     (folder / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -21,7 +21,8 @@ Stages (each skipped when its output exists; ``summary.json`` under ``out`` is w
 
 Each training runs in a process of its own, so its peak RSS is its own. Scoring is left to our commands; they are
 printed at the end. Options: ``data``, ``out``, ``model``, ``limit`` (first N training examples), ``max_steps``
-(cap on every run: smoke), ``max_length`` (512, the demo's), ``stages`` (comma list), ``answer_only`` (true: the
+(cap on every run: smoke), ``max_samples`` (the first N conversations of ``data``, as ``medusa-train train
+data.max_samples=N``), ``max_length`` (512, the demo's), ``stages`` (comma list), ``answer_only`` (true: the
 loss on our assistant-only labels; false: on every real token, the peer's ``answer_only_loss: false``),
 ``compile`` (false: the peer's torch.compile of its EAGLE forward, off on CPU), ``threads``.
 """
@@ -39,7 +40,7 @@ from pathlib import Path
 
 MODEL = "packaged:smollm2-135m-instruct"
 DEFAULTS = {"data": "outputs/demo/distill-1200-5e29b078.jsonl", "out": "outputs/peers", "model": MODEL,
-            "limit": "", "max_steps": "", "max_length": "512", "stages": "data,medusa-peer,medusa-ours,eagle3-peer,"
+            "max_samples": "", "limit": "", "max_steps": "", "max_length": "512", "stages": "data,medusa-peer,medusa-ours,eagle3-peer,"
             "eagle3-ours", "answer_only": "true", "compile": "false", "threads": ""}
 IGNORE = -100
 #: The peer's documented defaults, nvidia-modelopt 0.47.0. Training: the one speculative-training recipe the wheel
@@ -67,8 +68,10 @@ def make_data(opts: dict, target: Path) -> dict:
     from medusa_train.config.train import build_config
     from medusa_train.data.examples import load_examples
 
+    first = [f"data.max_samples={opts['max_samples']}"] if opts["max_samples"] else []  # as train's data.max_samples
     cfg = build_config(compose_config("train", ["+recipe=medusa1", "experiment=demo", f"data.source={opts['data']}",
-                                                f"data.max_length={opts['max_length']}", f"model.name_or_path={opts['model']}"]))
+                                                f"data.max_length={opts['max_length']}", f"model.name_or_path={opts['model']}",
+                                                *first]))
     tokenizer = load_tokenizer(opts["model"])
 
     class OneProcess:  # what load_examples asks of an accelerator, for a single process
