@@ -35,6 +35,10 @@ class ServedConfig:
     sampled_temperature: float = 0.7  #: a sampled pass (seeded): acceptance and speed only; 0 = skip it
     ngram: bool = True  #: also serve the engine's n-gram speculation (no training at all) on the same prompts
     ngram_tokens: int = 4  #: its num_speculative_tokens
+    #: also serve the engine's suffix decoding (no training; vLLM's method suffix needs arctic-inference in the engine's
+    #: environment: bash scripts/suffix_env.sh, else the row is left out and the report says why), its cache of
+    #: earlier replies off (suffix_decoding_max_cached_requests 0): it cannot copy a reply it has already served
+    suffix: bool = True
     plain: bool = True  #: also serve without speculation (the speed and output baseline)
     #: servers you already run, one URL per row (http://host:port), measured instead of started; their counters
     #: include any other traffic they get. plain_url: no speculation; draft_url: this draft (heads or EAGLE-3) as its
@@ -42,10 +46,11 @@ class ServedConfig:
     plain_url: str | None = None
     draft_url: str | None = None
     ngram_url: str | None = None
+    suffix_url: str | None = None  #: vLLM's suffix decoding
     sampled_check_threshold: float = 1e-4  #: a sampled reply token below this probability under the backbone is suspect
 
     def url(self, name: str) -> str | None:
-        """The attached server's URL for row ``name`` (plain | draft | ngram), or ``None`` to start one."""
+        """The attached server's URL for row ``name`` (plain | draft | ngram | suffix), or ``None`` to start one."""
         return getattr(self, f"{name}_url")
 
 
@@ -68,7 +73,7 @@ def check_served(s: ServedConfig, num_heads: int | None) -> list[str]:
     p.need(s.concurrency >= 1, "served.concurrency", s.concurrency, "must be >= 1")
     p.need(s.sampled_temperature >= 0, "served.sampled_temperature", s.sampled_temperature, "must be >= 0")
     p.need(s.ngram_tokens >= 1, "served.ngram_tokens", s.ngram_tokens, "must be >= 1")
-    for name in ("plain", "draft", "ngram"):
+    for name in ("plain", "draft", "ngram", "suffix"):
         url = s.url(name)
         p.need(url is None or url.startswith(("http://", "https://")), f"served.{name}_url", url,
                "must be http://host:port (or null: start a server)")

@@ -34,17 +34,24 @@ WARMUP_TOKENS = 8
 COUNTER_SETTLE_S = 1.0
 
 
+#: vLLM's suffix decoding with its cache of earlier replies off: each reply drafts from its own prompt and text only
+SUFFIX = {"method": "suffix", "suffix_decoding_max_cached_requests": 0}
+
+
 def speculative_configs(export_dir: str | Path | None, num_heads: int, served: ServedConfig,
-                        method: str = "medusa") -> dict[str, dict | None]:
-    """``{row: --speculative-config}``: ``plain`` (none), ``ngram``, ``draft`` (the trained draft's row: the export,
-    served with vLLM's ``method``, its family's; left out when ``export_dir`` is ``None`` and no ``served.draft_url``
-    is given: a draft with no vLLM form still gets the free rows)."""
+                        method: str = "medusa", suffix: bool = True) -> dict[str, dict | None]:
+    """``{row: --speculative-config}``: ``plain`` (none), ``ngram``, ``suffix`` (when ``suffix``: the engine has
+    it), ``draft`` (the trained draft's row: the export, served with vLLM's ``method``, its family's; left out when
+    ``export_dir`` is ``None`` and no ``served.draft_url`` is given: a draft with no vLLM form still gets the free
+    rows)."""
     configs: dict[str, dict | None] = {}
     if served.plain:
         configs["plain"] = None
     if served.ngram:
         configs["ngram"] = {"method": "ngram", "num_speculative_tokens": served.ngram_tokens,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if served.suffix and suffix:
+        configs["suffix"] = dict(SUFFIX)
     if export_dir is not None or served.draft_url:
         model = str(Path(export_dir).resolve()) if export_dir is not None else None
         configs["draft"] = {"method": method, "model": model,
@@ -118,8 +125,12 @@ def serve_and_measure(base_model: str, export_dir: str | Path | None, num_heads:
         ``{"servers": {row: {"speculative_config", "attached", "url", "startup_s", "command", "phases":
         {phase: figures}}}, "settings": ...}``.
     """
-    results = {}
-    for name, spec in speculative_configs(export_dir, num_heads, served, method).items():
+    results, not_served = {}, {}
+    if served.suffix and not served.suffix_url and (why := suffix_problem(server)):
+        not_served["suffix"] = why
+        if progress:
+            print(f"[medusa_train] vLLM suffix: not served: {why}", flush=True)
+    for name, spec in speculative_configs(export_dir, num_heads, served, method, "suffix" not in not_served).items():
         url = served.url(name)
         if url:
             client = attach(url, timeout=server.request_timeout)
@@ -145,10 +156,28 @@ def serve_and_measure(base_model: str, export_dir: str | Path | None, num_heads:
             per_step = f", {g['tokens_per_step']:.3f} tokens per step" if g["tokens_per_step"] else ""
             print(f"[medusa_train] vLLM {name}: {g['tokens_per_s']:.1f} tokens/s at concurrency 1{per_step}",
                   flush=True)
-    return {"servers": results, "settings": {"base_model": base_model, "export": str(export_dir) if export_dir else None,
+    return {"servers": results, "not_served": not_served, "settings": {"base_model": base_model, "export": str(export_dir) if export_dir else None,
                                              "dtype": dtype, "max_tokens": max_tokens, "stop_token_ids": list(eos),
                                              "chat_template": str(chat_template) if chat_template else None,
                                              **asdict(served)}}
+
+
+def suffix_problem(server: ServerConfig) -> str | None:
+    """Why the engine cannot serve suffix decoding (None: it can): vLLM's ``method: suffix`` imports
+    ``arctic_inference.suffix_decoding`` in the engine's environment."""
+    import subprocess
+
+    from medusa_train.engine.server import EngineError, find_engine_python
+
+    try:
+        python = find_engine_python(server.python)
+    except EngineError as err:
+        return str(err)
+    found = subprocess.run([python, "-c", "import arctic_inference.suffix_decoding"], capture_output=True, text=True)
+    if found.returncode == 0:
+        return None
+    return (f"arctic-inference is not installed in the engine's environment ({python}); `bash scripts/suffix_env.sh` "
+            "builds it there against the engine's torch")
 
 
 def _attached_config(row: dict | None, phases: dict) -> dict | None:

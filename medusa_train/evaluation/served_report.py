@@ -15,10 +15,11 @@ from medusa_train.evaluation.compare import compare_outputs, mismatch_detail
 from medusa_train.evaluation.engines import vllm_reason
 from medusa_train.evaluation.sampled_check import against_plain, describe, score_replies
 
-ROWS = {"plain": "vLLM without speculation", "ngram": "vLLM n-gram speculation (prompt lookup; no training)"}
+ROWS = {"plain": "vLLM without speculation", "ngram": "vLLM n-gram speculation (prompt lookup; no training)",
+        "suffix": "vLLM suffix decoding (its prompt and reply so far; no training, no cache of other replies)"}
 #: the trained draft's row (``draft``), by the method vLLM serves it with and what the draft is
 DRAFT_ROW = "vLLM speculation with {draft} (method {method}: a top-1 chain of K steps)"
-FREE_ROWS = ("plain", "ngram")
+FREE_ROWS = ("plain", "ngram", "suffix")
 
 
 def add_served(report: dict, raw: dict, model, inputs: list[torch.Tensor]) -> None:
@@ -39,6 +40,7 @@ def add_served(report: dict, raw: dict, model, inputs: list[torch.Tensor]) -> No
         "draft_not_served": None if "draft" in servers else vllm_reason(model.config)
         or "no draft server was started or attached",
         "attached": [name for name, s in servers.items() if s.get("attached")],
+        "not_served": raw.get("not_served") or {},  # a free row the engine cannot serve here, and why
         "tokens_per_step": "(completion tokens - replies) / decode steps (vllm:inter_token_latency_seconds_count)",
         "vllm_acceptance_length": "1 + accepted / drafts: per drafted step (vLLM counts only steps with a draft)",
     }
@@ -120,3 +122,5 @@ def print_served(report: dict) -> None:
             if phase.get("check"):
                 parts.append(f"T={phase['temperature']}: {phase['check']['summary']}")
         print(f"served {name}{' (attached)' if row['attached'] else ''}: " + "; ".join(parts))
+    for name, why in ((report.get("served") or {}).get("not_served") or {}).items():
+        print(f"served {name}: not served: {why}")

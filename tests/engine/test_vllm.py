@@ -33,7 +33,7 @@ def _served_eval(heads, out, urls, prompts=PROMPTS, max_tokens=MAX_TOKENS, **ser
         "bench": {"limit": prompts, "turns": 1}, "generation": {"max_new_tokens": max_tokens}, "warmup": False,
         "progress": False, "output_dir": str(out), "baselines": {"prompt_lookup_num_tokens": 5, "prompt_lookup_ngram_size": 2},
         "served": {"concurrency": 3, "sampled_temperature": 0.7, "plain_url": urls["plain"],
-                   "ngram_url": urls["ngram"], **served}}))
+                   "ngram_url": urls["ngram"], "suffix": False, **served}}))
 
 
 def test_every_served_row_counts_tokens_per_decode_step_and_the_heads_agree_with_the_engine(
@@ -192,3 +192,28 @@ def test_heads_with_their_own_output_layers_load_and_propose(model_folder, tmp_p
     assert reply.completion_tokens > 0 and reply.text
     assert counted.drafts > 0 and counted.draft_tokens == 2 * counted.drafts
     assert len(counted.per_position) == 2
+
+
+def test_suffix_decoding_is_a_free_served_row_where_the_engine_has_it_and_else_the_report_says_why(
+        model_folder, free_servers, tmp_path):
+    """vLLM's suffix decoding (arctic-inference in the engine's environment: ``scripts/suffix_env.sh``) is served beside
+    the other free rows with its cache of other replies off, greedy replies the plain server's; without the package
+    the row is left out and the report names the script that builds it."""
+    from medusa_train import MedusaModel, load_backbone
+    from medusa_train.config.engine import ServerConfig
+    from medusa_train.evaluation.served import suffix_problem
+
+    backbone, _ = load_backbone(model_folder, dtype="float32")
+    folder = MedusaModel.from_backbone(backbone, num_heads=2).save_pretrained(tmp_path / "heads")
+    del backbone
+    missing = suffix_problem(ServerConfig())
+    report = _served_eval(str(folder), tmp_path / "report", free_servers, prompts=2, max_tokens=32, concurrency=1,
+                          sampled_temperature=0, ngram=False, suffix=True)
+    served = report["served"]
+    if missing:
+        assert "suffix" not in served["rows"] and "scripts/suffix_env.sh" in served["not_served"]["suffix"]
+        return
+    row = served["rows"]["suffix"]
+    assert row["speculative_config"] == {"method": "suffix", "suffix_decoding_max_cached_requests": 0}
+    assert row["outputs"]["unexplained"] == 0 and row["tokens_per_step"] >= 1.0, row
+    assert "no cache of other replies" in row["decodes_with"]

@@ -67,7 +67,7 @@ def test_the_engine_serves_the_draft_and_accepts_what_our_chain_accepts(fitted, 
         "bench": {"limit": PROMPTS, "turns": 1}, "generation": {"max_new_tokens": MAX_TOKENS}, "warmup": False,
         "progress": False, "output_dir": str(tmp_path / "report"),
         "baselines": {"prompt_lookup": False},  # the free rows are test_vllm.py's claim
-        "served": {"concurrency": 1, "sampled_temperature": 0, "ngram": False, "plain_url": free_servers["plain"]}}))
+        "served": {"concurrency": 1, "sampled_temperature": 0, "ngram": False, "suffix": False, "plain_url": free_servers["plain"]}}))
     row = report["served"]["rows"]["draft"]
     assert list(report["served"]["rows"]) == ["plain", "draft"] and "EAGLE-3" in row["decodes_with"]
     assert row["speculative_config"]["method"] == "eagle3" and row["speculative_config"]["model"] == str(export)
@@ -109,7 +109,7 @@ def test_the_logged_one_token_figure_is_what_the_engine_serves_at_k1(fitted, pac
         "heads": str(export), "engine": "vllm", "tree": "chain", "model": {"dtype": "float32"},
         "bench": {"limit": 8, "turns": 1}, "generation": {"max_new_tokens": 64}, "warmup": False,
         "progress": False, "output_dir": str(tmp_path / "report"), "baselines": {"prompt_lookup": False},
-        "served": {"concurrency": 1, "sampled_temperature": 0, "ngram": False, "num_speculative_tokens": 1,
+        "served": {"concurrency": 1, "sampled_temperature": 0, "ngram": False, "suffix": False, "num_speculative_tokens": 1,
                    "plain_url": free_servers["plain"]}}))
     row = report["served"]["rows"]["draft"]
     assert row["speculative_config"]["num_speculative_tokens"] == 1
