@@ -154,11 +154,11 @@ def plot(summary: dict, path: Path) -> Path | None:
 
 
 def main(**overrides) -> int:
-    unknown = sorted(set(overrides) - set(DEFAULTS))
-    if unknown:
-        print(f"unknown option(s) {unknown}; known: {sorted(DEFAULTS)}")
+    from benchmarks.bench_options import bench_options
+
+    opts = bench_options(DEFAULTS, overrides)
+    if opts is None:
         return 2
-    opts = {**DEFAULTS, **overrides}
     if not Path(opts["data"]).is_file():
         print(f"data={opts['data']}: no such file; distill it first (docs/results.md#learning-curve gives the command)")
         return 2

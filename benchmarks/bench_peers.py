@@ -285,11 +285,11 @@ def score_commands(out: Path, summary: dict) -> list[str]:
 
 
 def main(**overrides) -> int:
-    unknown = sorted(set(overrides) - set(DEFAULTS))
-    if unknown:
-        print(f"unknown option(s) {unknown}; known: {sorted(DEFAULTS)}")
+    from benchmarks.bench_options import bench_options
+
+    opts = bench_options(DEFAULTS, overrides)
+    if opts is None:
         return 2
-    opts = {**DEFAULTS, **overrides}
     try:
         import modelopt.torch.speculative  # noqa: F401
     except ImportError:
