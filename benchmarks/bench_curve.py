@@ -130,7 +130,7 @@ def plot(summary: dict, path: Path) -> Path | None:
     except ImportError:
         print("matplotlib is not installed: no plot")
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True, sharex=True)
     ks = [int(k) for k in str(summary["settings"]["ks"]).split(",")]
     for ax, e in zip(axes, ("eagle3", "served")):
         rows = [r for r in summary["rows"] if r["experiment"] == e]
@@ -141,6 +141,9 @@ def plot(summary: dict, path: Path) -> Path | None:
                 if pts:
                     ax.plot(*zip(*pts), style, color=colour, label=f"K={k} {'walked' if kind == 'validation' else 'served (vLLM)'}")
         ax.set_xscale("log", base=2)
+        sizes = [int(n) for n in str(summary["settings"]["sizes"]).split(",")]
+        ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+        ax.minorticks_off()
         ax.set_title(LABELS[e])
         ax.set_xlabel("distilled conversations")
         ax.grid(alpha=0.3)
