@@ -148,7 +148,7 @@ def plot(summary: dict, path: Path) -> Path | None:
         ax.set_xlabel("distilled conversations")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("tokens per step (validation prompts)")
-    axes[1].legend(fontsize=8)
+    axes[0].legend(fontsize=8)
     fig.suptitle(f"Learning curve, SmolLM2-135M-Instruct, {summary['machine']}", fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
