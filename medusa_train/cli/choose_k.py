@@ -21,10 +21,13 @@ def build_choose_k_config(raw) -> ChooseKConfig:
 
 
 def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
-    """The checks that need the heads folder."""
+    """The checks that need the heads folder (or files: the prompts' source)."""
     from medusa_train.model.load import check_heads, read_exported_heads
+    from medusa_train.tree.calibrate import bench_source_problem
 
     p = Problems()
+    problem = bench_source_problem(c.source)
+    p.need(problem is None, "source", c.source, problem)
     num_heads, base = check_heads(c.heads, p)
     if num_heads is not None and not (c.model or base):
         p.append(f"model: required; the heads' config.json ({c.heads}) names no base model: pass model=<base model>")

@@ -35,10 +35,6 @@ def check_choose_k_config(c: ChooseKConfig) -> list[str]:
         p.append("heads: required; pass heads=<folder of heads>")
     parse_dtype(p, c, "dtype")  # stored canonical: the export folder, vLLM's --dtype and the serve line use it
     p.need(c.limit >= 1, "limit", c.limit, "must be >= 1")
-    from medusa_train.tree.calibrate import bench_source_problem
-
-    problem = bench_source_problem(c.source)
-    p.need(problem is None, "source", c.source, problem)
     p.need(c.max_tokens >= 1, "max_tokens", c.max_tokens, "must be >= 1")
     p.need(c.concurrency >= 1, "concurrency", c.concurrency, "must be >= 1")
     p.extend(check_server(c.server))

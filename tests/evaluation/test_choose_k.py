@@ -143,7 +143,7 @@ def test_every_bad_key_is_named():
     with pytest.raises(ConfigError) as err:
         build_choose_k_config(compose_config("choose_k", overrides))
     keys = [p.split("=")[0].split(":")[0] for p in err.value.problems]
-    assert keys == ["colour", "heads", "dtype", "limit", "source", "max_tokens", "concurrency", "server.port", "ks"], keys
+    assert keys == ["colour", "heads", "dtype", "limit", "max_tokens", "concurrency", "server.port", "source", "ks"], keys
     with pytest.raises(ConfigError, match="ks=\\[-1, 'x'\\]: must list whole numbers"):
         build_choose_k_config(compose_config("choose_k", ["heads=nowhere", "ks=[-1,x]"]))
 
