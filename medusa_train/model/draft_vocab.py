@@ -51,8 +51,9 @@ AUTO_SMALLEST = 64
 #: the chance that a trained draft's first guess is accepted when the backbone's token is one it can name, assumed
 #: when sizing its vocabulary before training: the choice weighs what coverage buys (this times the coverage) against
 #: what a bigger output layer costs each step. Our drafts at the demo's data budget reach about 0.3, drafts trained
-#: on 100x the data 0.7-0.8; over 0.3-0.8 the choice moves by at most one size on SmolLM2 (49,152 tokens) and on a
-#: 262,144-token vocabulary (docs/results.md#eagle-3-drafts-for-big-vocabularies)
+#: on 100x the data 0.7-0.8; over 0.3-0.8 the choice moved by one size on the demo's data (SmolLM2, 49,152 tokens:
+#: 4,096 at 0.3, 8,192 at 0.6 and 0.8); on a 262,144-token vocabulary the whole one loses at any acceptance
+#: (docs/results.md#eagle-3-drafts-for-big-vocabularies)
 IN_VOCAB_ACCEPTANCE = 0.6
 
 
