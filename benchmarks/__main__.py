@@ -13,6 +13,7 @@
     python -m benchmarks big_vocab  # a draft's decode step against a plain one on a 262,144-token vocabulary
     python -m benchmarks curve    # the learning curve: tokens per step against distilled conversations, walked and served
     python -m benchmarks peers data=...  # Model Optimizer's Medusa + EAGLE-3 on our split (.venv-peers/bin/python)
+    python -m benchmarks peers_score  # the peer table: the peers' drafts and ours walked, served and decoded alike
 
 Extra ``key=value`` arguments are passed to the chosen benchmark. vLLM's num_speculative_tokens is chosen by the
 installed command, ``medusa-train choose-k heads=...`` (one server per K, the fastest kept in serving.json).
@@ -26,7 +27,8 @@ import sys
 BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
               "rounding": "bench_rounding", "loop": "bench_loop", "tokenize": "bench_tokenize",
               "eagle3_served": "bench_eagle3_served", "lookup_walk": "bench_lookup_walk",
-              "gpu_check": "bench_gpu_check", "curve": "bench_curve", "big_vocab": "bench_big_vocab", "peers": "bench_peers"}
+              "gpu_check": "bench_gpu_check", "curve": "bench_curve", "big_vocab": "bench_big_vocab", "peers": "bench_peers",
+              "peers_score": "bench_peers_score"}
 
 
 def main(argv: list[str]) -> int:

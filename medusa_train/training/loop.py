@@ -212,6 +212,7 @@ def train_loop(run: Run, micro_step: Callable[[dict, float], LossResult], evalua
                dynamic_ncols=True)
     window: list[LossResult] = []
     tokens, started = 0, time.perf_counter()
+    first_step, loop_started = run.step, started
     while run.step < run.total_steps:
         # whole accumulation groups only; a checkpoint stores how far into the epoch we were
         batches = epoch_batches(run, run.epoch)[run.micro_in_epoch:run.data.steps_per_epoch * accum]
@@ -251,12 +252,29 @@ def train_loop(run: Run, micro_step: Callable[[dict, float], LossResult], evalua
         else:
             run.epoch, run.micro_in_epoch = run.epoch + 1, 0
     bar.close()
+    if run.step > first_step:
+        seconds = time.perf_counter() - loop_started
+        say(acc, f"trained steps {first_step + 1}-{run.step} in {seconds:.1f} s ({seconds / 60:.1f} min); "
+                 f"{peak_memory(acc.device)}")
     check_ranks_agree(run)
     if run.data.evals and (not cfg.trainer.eval_every or run.step % cfg.trainer.eval_every):
         last_eval = evaluate()
     if not cfg.trainer.save_every or run.step % cfg.trainer.save_every:
         save_checkpoint(run)
     return last_eval or {}
+
+
+def peak_memory(device: torch.device) -> str:
+    """This process's peak memory so far: resident set (``ru_maxrss``: KiB on Linux, bytes on macOS) and, on CUDA,
+    the most the caching allocator held for tensors."""
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
+    line = f"peak memory {rss:.2f} GiB resident"
+    if device.type == "cuda":
+        line += f", {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB CUDA ({device})"
+    return line
 
 
 def optimizer_step(run: Run) -> None:

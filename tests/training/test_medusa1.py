@@ -121,6 +121,13 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tiny_setup, 
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     step = resumed_at(resumed.stdout)
     assert step >= 10
+    # each run says which steps it trained, in how long, at what peak memory (the peer table reads this line)
+    from benchmarks.bench_peers_score import TRAINED
+
+    for out, first in ((reference.stdout, 1), (resumed.stdout, step + 1)):
+        (steps_from, steps_to, seconds, gib), = TRAINED.findall(out)
+        assert (int(steps_from), int(steps_to)) == (first, 60) and float(seconds) > 0
+        assert 0.2 < float(gib) < 64  # a process holding torch and a backbone: hundreds of MiB, in GiB
     after = read_metrics(crashed)
     assert after[:len(before)] == before  # nothing earlier lost
     ref = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "ref") if m["split"] == "train"}
