@@ -177,6 +177,11 @@ def train_run(name: str, opts: dict, folder: Path) -> dict:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         model.eagle_module.rotary_emb = LlamaRotaryEmbedding(config=model.eagle_module.config)
+        # modelopt 0.47 caches each training-time-test step's attention mask by step alone (plugins/hf_eagle.py lines
+        # 431-437), built for the first batch's length: its own pipeline pads every batch to training_seq_len, and a
+        # batch of another length fails ("size of tensor a (400) must match ... b (204)"). Keyed by length here (the
+        # same masks, _compute_ttt_attention_mask's, for each length; only the last length's kept).
+        model._get_ttt_attention_mask = ttt_masks_by_length(model)
     rows = torch.load(folder.parent / "data" / "train.pt")
     data = Examples(rows, int(opts["limit"]) if opts["limit"] else None)
     steps = steps_for(len(data), h)
@@ -205,6 +210,21 @@ def train_run(name: str, opts: dict, folder: Path) -> dict:
             "last_loss": losses[-1] if losses else None, "written": written,
             "draft_params": sum(p.numel() for n, p in model.named_parameters()
                                 if n.startswith(("medusa_heads.", "eagle_module.")))}
+
+
+def ttt_masks_by_length(model):
+    """The peer's training-time-test mask for ``(batch, length, step)``, cached for the last length seen."""
+    cache: dict = {}
+
+    def mask(batch_size: int, seq_length: int, ttt_step: int):
+        if cache.get("length") != seq_length:
+            cache.clear()
+            cache["length"] = seq_length
+        if ttt_step not in cache:
+            cache[ttt_step] = model._compute_ttt_attention_mask(batch_size, seq_length, ttt_step)
+        return cache[ttt_step]
+
+    return mask
 
 
 # ---------------------------------------------------------------------------------------------- writing the drafts
