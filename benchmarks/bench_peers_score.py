@@ -2,7 +2,7 @@
 the same commands on the same prompts. Runs in the project's environment (``.venv``), after the peers' trainings:
 
     python -m benchmarks peers_score
-    python -m benchmarks peers_score drafts=eagle3-peer=outputs/peers/c1200/eagle3-peer,eagle3-ours=outputs/curve/eagle3-1200
+    python -m benchmarks peers_score drafts=theirs=outputs/peers/c1200/eagle3-peer,ours=outputs/curve/eagle3-1200
 
 Each draft is a run folder holding ``export/`` (a peer run of ``benchmarks/bench_peers.py``, or one of our training
 runs); per draft, each stage skipped when its file exists in the run folder:
@@ -30,8 +30,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEFAULTS = {"drafts": "eagle3-peer=outputs/peers/c1200/eagle3-peer,eagle3-ours=outputs/curve/eagle3-1200,"
-                      "medusa-peer=outputs/peers/c1200/medusa-peer,medusa-ours=outputs/curve/served-1200",
+#: label=run folder: Model Optimizer's runs (``bench_peers``: ``-peer`` at its defaults, ``-ours`` at our step budget)
+#: and ours at the same 1,200 conversations (the learning curve's points)
+DEFAULTS = {"drafts": "modelopt-eagle3-defaults=outputs/peers/c1200/eagle3-peer,"
+                      "modelopt-eagle3-our-budget=outputs/peers/c1200/eagle3-ours,"
+                      "medusa-train-eagle3=outputs/curve/eagle3-1200,"
+                      "modelopt-medusa-defaults=outputs/peers/c1200/medusa-peer,"
+                      "modelopt-medusa-our-budget=outputs/peers/c1200/medusa-ours,"
+                      "medusa-train-medusa-served=outputs/curve/served-1200",
             "data": "outputs/curve/distill-vllm-2800.jsonl", "model": "packaged:smollm2-135m-instruct",
             "ks": "1,2,3", "prompts": "16", "max_tokens": "128", "dtype": "bfloat16", "out": "outputs/peers/c1200",
             "stages": "walk,served,served-mtbench,decode", "threads": ""}
