@@ -42,7 +42,7 @@ def train(opts: dict, experiment: str, size: int) -> None:
     print(f"== train {experiment} on {size:,} conversations (log: {log})", flush=True)
     with open(log, "a") as f:
         subprocess.run(["bash", "scripts/curve_train.sh", RECIPES[experiment], experiment, str(size)], check=True,
-                       stdout=f, stderr=subprocess.STDOUT, env={**_env(), "DATA": opts["data"], "DTYPE": opts["dtype"]})
+                       stdout=f, stderr=subprocess.STDOUT, env={**offline_env(), "DATA": opts["data"], "DTYPE": opts["dtype"]})
 
 
 def serve(opts: dict, experiment: str, size: int) -> None:
@@ -52,10 +52,16 @@ def serve(opts: dict, experiment: str, size: int) -> None:
     if target.is_file():
         return
     print(f"== serve {experiment}-{size} at K={opts['ks']} in vLLM", flush=True)
-    subprocess.run([sys.executable, "-m", "medusa_train", "choose-k", f"heads={folder / 'export'}",
-                    f"dtype={opts['dtype']}", f"ks=[{opts['ks']}]", f"limit={opts['served_prompts']}",
-                    f"max_tokens={opts['max_tokens']}", "concurrency=1", "source=validation", f"output={target}"],
-                   check=True, env=_env())
+    choose_k(folder / "export", "validation", target, opts["ks"], opts["served_prompts"], opts["max_tokens"],
+             opts["dtype"])
+
+
+def choose_k(export: Path, source: str, target: Path, ks: str, prompts, max_tokens, dtype: str) -> None:
+    """``medusa-train choose-k`` of ``export`` at each of ``ks`` (comma list) on the first ``prompts`` of ``source``,
+    one vLLM server per K at concurrency 1, its result written to ``target``."""
+    subprocess.run([sys.executable, "-m", "medusa_train", "choose-k", f"heads={export}", f"dtype={dtype}",
+                    f"ks=[{ks}]", f"limit={prompts}", f"max_tokens={max_tokens}", "concurrency=1",
+                    f"source={source}", f"output={target}"], check=True, env=offline_env())
 
 
 def point(opts: dict, experiment: str, size: int) -> dict | None:
@@ -187,7 +193,7 @@ def _fmt(value) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
-def _env() -> dict:
+def offline_env() -> dict:
     import os
 
     return {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}

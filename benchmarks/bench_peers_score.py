@@ -24,11 +24,12 @@ Then ``score.json`` and ``score.md`` under ``out``: one row per draft with the p
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.bench_curve import choose_k, offline_env
 
 #: label=run folder: Model Optimizer's runs (``bench_peers``: ``-peer`` at its defaults, ``-ours`` at our step budget)
 #: and ours at the same 1,200 conversations (the learning curve's points)
@@ -43,10 +44,6 @@ DEFAULTS = {"drafts": "modelopt-eagle3-defaults=outputs/peers/c1200/eagle3-peer,
             "stages": "walk,served,served-mtbench,decode", "threads": ""}
 #: the experiment of ours whose validation settings a family's draft is walked with
 EXPERIMENTS = {"eagle3": ("eagle3", "eagle3"), "medusa": ("medusa1", "served")}
-
-
-def _env() -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 def drafts_of(opts: dict) -> dict[str, Path]:
@@ -84,12 +81,10 @@ def walk(opts: dict, folder: Path) -> dict:
             "walked_with": f"+recipe={recipe} experiment={experiment}'s data.validation, {opts['dtype']}"}
 
 
-def choose_k(opts: dict, folder: Path, source: str, target: Path, depth: int) -> None:
-    ks = ",".join(map(str, ks_of(opts, depth)))
-    subprocess.run([sys.executable, "-m", "medusa_train", "choose-k", f"heads={folder / 'export'}",
-                    f"dtype={opts['dtype']}", f"ks=[{ks}]", f"limit={opts['prompts']}",
-                    f"max_tokens={opts['max_tokens']}", "concurrency=1", f"source={source}", f"output={target}"],
-                   check=True, env=_env())
+def serve(opts: dict, folder: Path, source: str, target: Path, depth: int) -> None:
+    """vLLM's tokens per step for the draft at each K it reaches (the learning curve's served figures)."""
+    choose_k(folder / "export", source, target, ",".join(map(str, ks_of(opts, depth))), opts["prompts"],
+             opts["max_tokens"], opts["dtype"])
 
 
 def chain_tree(out: Path, k: int) -> Path:
@@ -106,7 +101,7 @@ def decode(opts: dict, folder: Path, out: Path, k: int) -> Path:
         subprocess.run([sys.executable, "-m", "medusa_train", "evaluate", f"heads={folder / 'export'}",
                         f"tree={chain_tree(out, k)}", f"model.dtype={opts['dtype']}", f"bench.limit={opts['prompts']}",
                         "bench.turns=1", f"generation.max_new_tokens={opts['max_tokens']}",
-                        "baselines.prompt_lookup=false", f"output_dir={target}"], check=True, env=_env())
+                        "baselines.prompt_lookup=false", f"output_dir={target}"], check=True, env=offline_env())
     return target / "report.json"
 
 
@@ -191,10 +186,10 @@ def main(**overrides) -> int:
         depth = json.loads((folder / "walk.json").read_text())["depth"] if (folder / "walk.json").is_file() else 3
         if "served" in stages and not (folder / "served.json").is_file():
             print(f"== serve {label} on the validation prompts in vLLM", flush=True)
-            choose_k(opts, folder, "validation", folder / "served.json", depth)
+            serve(opts, folder, "validation", folder / "served.json", depth)
         if "served-mtbench" in stages and not (folder / "served-mtbench.json").is_file():
             print(f"== serve {label} on MT-Bench in vLLM", flush=True)
-            choose_k(opts, folder, "packaged:mt-bench", folder / "served-mtbench.json", depth)
+            serve(opts, folder, "packaged:mt-bench", folder / "served-mtbench.json", depth)
         if "decode" in stages:
             print(f"== decode {label} on MT-Bench with our decoder", flush=True)
             decode(opts, folder, out, max(ks_of(opts, depth)))
