@@ -35,6 +35,7 @@ from medusa_train.training.run_folder import RunFolder
 from medusa_train.training.setup import TrainData
 from medusa_train.training.shard import clip_gradients
 from medusa_train.training.targets import HeadTargets, inputs_and_targets
+from medusa_train.training.usage import trained_line
 
 R = TypeVar("R")
 
@@ -216,8 +217,7 @@ def train_loop(run: Run, micro_step: Callable[[dict, float], LossResult], evalua
     while run.step < run.total_steps:
         # whole accumulation groups only; a checkpoint stores how far into the epoch we were
         batches = epoch_batches(run, run.epoch)[run.micro_in_epoch:run.data.steps_per_epoch * accum]
-        # own generator: a DataLoader iterator otherwise draws from the global RNG, so a resumed run
-        # (one extra iterator) would see different dropout masks from an uninterrupted one
+        # own generator: a DataLoader iterator otherwise draws from the global RNG (a resumed run: other dropout masks)
         loader = DataLoader(run.data.train, batch_sampler=batches, collate_fn=run.data.collator,
                             generator=torch.Generator())
         for batch in loader:
@@ -253,28 +253,13 @@ def train_loop(run: Run, micro_step: Callable[[dict, float], LossResult], evalua
             run.epoch, run.micro_in_epoch = run.epoch + 1, 0
     bar.close()
     if run.step > first_step:
-        seconds = time.perf_counter() - loop_started
-        say(acc, f"trained steps {first_step + 1}-{run.step} in {seconds:.1f} s ({seconds / 60:.1f} min); "
-                 f"{peak_memory(acc.device)}")
+        say(acc, trained_line(first_step + 1, run.step, time.perf_counter() - loop_started, acc.device))
     check_ranks_agree(run)
     if run.data.evals and (not cfg.trainer.eval_every or run.step % cfg.trainer.eval_every):
         last_eval = evaluate()
     if not cfg.trainer.save_every or run.step % cfg.trainer.save_every:
         save_checkpoint(run)
     return last_eval or {}
-
-
-def peak_memory(device: torch.device) -> str:
-    """This process's peak memory so far: resident set (``ru_maxrss``: KiB on Linux, bytes on macOS) and, on CUDA,
-    the most the caching allocator held for tensors."""
-    import resource
-    import sys
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
-    line = f"peak memory {rss:.2f} GiB resident"
-    if device.type == "cuda":
-        line += f", {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB CUDA ({device})"
-    return line
 
 
 def optimizer_step(run: Run) -> None:
