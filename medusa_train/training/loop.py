@@ -253,7 +253,7 @@ def train_loop(run: Run, micro_step: Callable[[dict, float], LossResult], evalua
             run.epoch, run.micro_in_epoch = run.epoch + 1, 0
     bar.close()
     if run.step > first_step:
-        say(acc, trained_line(first_step + 1, run.step, time.perf_counter() - loop_started, acc.device))
+        say(acc, trained_line(first_step + 1, run.step, time.perf_counter() - loop_started))
     check_ranks_agree(run)
     if run.data.evals and (not cfg.trainer.eval_every or run.step % cfg.trainer.eval_every):
         last_eval = evaluate()
