@@ -5,7 +5,7 @@ config root (``configs/commands/``), so an option such as ``heads=`` or ``tree=`
 there and never collides with training's groups. ``build`` parses and checks the composed config
 (``config.check.parse_config``): a ``ConfigError`` prints every problem with its key and exits 2
 before anything heavy loads (one the run finds later, e.g. a data source with no usable conversation, exits 2
-the same way). A serving engine that fails (``engine.EngineError``) exits 3 with its
+the same way); so does a ``FileProblem``, a file that cannot be used, in one line naming it. A serving engine that fails (``engine.EngineError``) exits 3 with its
 message and log, not a traceback.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from medusa_train.config.check import ConfigError
+from medusa_train.config.check import ConfigError, FileProblem
 from medusa_train.config.compose import register_defaults
 from medusa_train.config.paths import COMMANDS_DIR
 from medusa_train.engine.client import EngineError
@@ -50,13 +50,13 @@ def run_command(config_name: str, build: Callable[[Any], Any], run: Callable[[An
     def _main(raw) -> None:
         try:
             cfg = build(raw)
-        except ConfigError as err:
+        except (ConfigError, FileProblem) as err:
             print(err, file=sys.stderr)
             sys.exit(2)
         try:
             run(cfg)
             report_gpu_memory(config_name)
-        except ConfigError as err:  # found once the data is read (e.g. data.source holds no usable conversation)
+        except (ConfigError, FileProblem) as err:  # found once the data is read (e.g. a source with no conversation)
             print(err, file=sys.stderr)
             sys.exit(2)
         except EngineError as err:  # a server stopped answering or never started: say so, no traceback

@@ -21,6 +21,11 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
+class FileProblem(ValueError):
+    """A file a command reads or writes is unusable (corrupt, not ours, missing a key, read-only): one line naming the
+    file (and key), said before the work it would spoil; ``cli/entry.py`` prints it and exits 2, no traceback."""
+
+
 class Problems(list):
     """Problems found so far; ``need(ok, key, value, rule)`` adds ``"key=value: rule"`` when ``ok`` is false."""
 

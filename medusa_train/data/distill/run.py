@@ -23,10 +23,12 @@ from medusa_train.data.benchmarks import benchmark_prompt_texts
 from medusa_train.data.distill.prompts import Selection, plan_batches, select_prompts
 from medusa_train.data.distill.turns import distill_batch
 from medusa_train.data.distill.writer import (
+    WRITTEN_BY,
     JsonlAppender,
     check_ids,
     check_same_settings,
     default_output,
+    ownership_problem,
     sidecar,
     write_json,
 )
@@ -65,7 +67,7 @@ class DistillStats:
         return self.run_new_tokens / self.run_seconds if self.run_seconds else 0.0
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "tokens_per_s": round(self.tokens_per_s, 2)}
+        return {"written_by": WRITTEN_BY, **dataclasses.asdict(self), "tokens_per_s": round(self.tokens_per_s, 2)}
 
     def summary(self) -> str:
         def reasons(counts: dict) -> str:
@@ -101,6 +103,8 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
     cfg.output = str(cfg.output or default_output(cfg))
     output = Path(cfg.output)
     stats_path = sidecar(output, ".stats.json")
+    if problem := ownership_problem(output):  # before any byte of it changes
+        raise ConfigError([problem])
     with contextlib.ExitStack() as stack:
         records_file = stack.enter_context(JsonlAppender(output))
         records_file.lock()  # the skipped file and the stats go with it
@@ -133,7 +137,7 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
             check_ids(appender.lines, selection.known_ids, appender.path)
         resumed = len(records_file.lines) + len(skipped_file.lines)
         done = {r["id"] for r in records_file.lines} | {r["id"] for r in skipped_file.lines}
-        write_json(stats_path, {"complete": False, "record_settings": record_settings(cfg)})
+        write_json(stats_path, {"written_by": WRITTEN_BY, "complete": False, "record_settings": record_settings(cfg)})
 
         if not eos_ids:
             raise ValueError("neither the model's generation config nor the tokenizer names an eos token")

@@ -2,8 +2,10 @@
 
 ``X.jsonl`` holds the records and ``X.skipped.jsonl`` the skips, one ``id`` per line, appended and
 fsynced one conversation at a time; a line torn by a kill is dropped when the file is opened again.
-``X.stats.json`` is written first with the record settings and rewritten with the counts at the end;
-resuming an output made with other record settings, or from another source, is refused.
+``X.stats.json`` is written first with the record settings and rewritten with the counts at the end; it is
+also the proof that the other two are ours (``ownership_problem``): an existing output is continued, and a torn line
+cut, only when its stats file says medusa-train distill wrote it, checked before any byte changes. Resuming an output
+made with other record settings, or from another source, is refused; a refused run removes the empty files it made.
 """
 
 from __future__ import annotations
@@ -18,14 +20,21 @@ from medusa_train.config.check import ConfigError
 from medusa_train.config.distill import DistillConfig, record_settings
 
 
+WRITTEN_BY = "medusa-train distill"  #: the stats file's mark: the output beside it is ours
+
+
 class JsonlAppender:
-    """An append-only jsonl with one ``id`` per line; a torn last line (from a kill) is dropped on open."""
+    """An append-only jsonl with one ``id`` per line; a torn last line (from a kill) is dropped on open.
+
+    Opened only on a path that is ours or new (``ownership_problem``); a file it created and left empty is removed
+    when the run fails (``__exit__``), so a refusal leaves nothing behind."""
 
     def __init__(self, path: Path):
         self.path = path
         self.lines: list[dict] = []
         self.dropped_torn_line = False
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.created = not path.exists()
         self.file = open(path, "ab")  # O_APPEND: every write lands at the end
 
     def lock(self) -> None:
@@ -69,8 +78,10 @@ class JsonlAppender:
     def __enter__(self) -> JsonlAppender:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_) -> None:
         self.close()
+        if exc_type is not None and self.created and self.path.stat().st_size == 0:
+            self.path.unlink()  # made by this run, which failed before writing a line: nothing of it is kept
 
 
 def default_output(cfg: DistillConfig) -> Path:
@@ -84,6 +95,32 @@ def default_output(cfg: DistillConfig) -> Path:
 def sidecar(output: Path, suffix: str) -> Path:
     """``X.jsonl`` -> ``X<suffix>`` (``.skipped.jsonl``, ``.stats.json``)."""
     return output.with_name(output.name.removesuffix(".jsonl") + suffix)
+
+
+def written_by_distill(stats_path: Path) -> bool:
+    """Whether ``stats_path`` is a stats file medusa-train distill wrote (its mark, or the record settings every
+    version wrote)."""
+    try:
+        stats = json.loads(stats_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(stats, dict) and (stats.get("written_by") == WRITTEN_BY
+                                        or isinstance(stats.get("record_settings"), dict))
+
+
+def ownership_problem(output: Path) -> str | None:
+    """Why distill must not write ``output`` and its sidecars (``None``: it may): one of them holds something and the
+    stats file does not say distill wrote them. Checked before anything is opened, truncated or written."""
+    stats = sidecar(output, ".stats.json")
+    if written_by_distill(stats):
+        return None
+    held = [p for p in (output, sidecar(output, ".skipped.jsonl"), stats)
+            if p.exists() and (not p.is_file() or p.stat().st_size > 0)]
+    if not held:
+        return None
+    names = ", ".join(p.name for p in held)
+    return (f"output={output}: {names} {'exists' if len(held) == 1 else 'exist'} and {stats.name} does not say "
+            "medusa-train distill wrote it; nothing was changed: choose another output= (or move the file away)")
 
 
 def check_same_settings(stats_path: Path, cfg: DistillConfig) -> None:
