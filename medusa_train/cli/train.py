@@ -9,34 +9,42 @@ from medusa_train.config.train import TrainConfig, build_config
 
 
 def build(raw) -> TrainConfig:
-    """The checked config; a run in ``trainer.output_dir`` with other settings is a config problem too (it would
-    be resumed and mixed with this one), and so is an ``export`` folder there holding files we did not write
-    (the export at the end would be refused), reported before anything loads."""
-    from medusa_train.config.check import ConfigError
+    """The checked config (the run folder is checked in ``run``, under its lock)."""
+    return build_config(raw)
+
+
+def folder_problems(cfg: TrainConfig) -> list[str]:
+    """What the run folder forbids, found before anything loads: a checkpoint there of another run (it would be
+    resumed and mixed with this one: ``resume.resume_problems``), and an ``export`` folder holding files we did not
+    write (the export at the end would be refused)."""
     from medusa_train.training.resume import resume_problems
     from medusa_train.training.run_folder import RunFolder
 
-    cfg = build_config(raw)
     problems = resume_problems(cfg)
     if cfg.trainer.export and (problem := RunFolder.of(cfg).export_problem()):
         problems.append(problem)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
+    return problems
 
 
 def run(cfg: TrainConfig) -> dict:
-    """setup -> train -> export (``export/run.py``) -> cleanup of the recipe ``cfg.method`` names; the last
-    eval record."""
-    from medusa_train.export.run import save_run_export
+    """Under the run folder's lock (one run per folder): its checks, then setup -> train -> export
+    (``export/run.py``) -> cleanup of the recipe ``cfg.method`` names; the last eval record."""
+    import os
 
-    recipe = METHODS[cfg.method].recipe_class()(cfg)
-    recipe.setup()
-    try:
-        metrics = recipe.train()
-        save_run_export(recipe.trained())
-    finally:
-        recipe.cleanup()
+    from medusa_train.config.check import ConfigError
+    from medusa_train.export.run import save_run_export
+    from medusa_train.training.run_folder import RunFolder
+
+    with RunFolder.of(cfg).lock(holder=int(os.environ.get("RANK", "0")) == 0):  # the main process holds it
+        if problems := folder_problems(cfg):
+            raise ConfigError(problems)
+        recipe = METHODS[cfg.method].recipe_class()(cfg)
+        recipe.setup()
+        try:
+            metrics = recipe.train()
+            save_run_export(recipe.trained())
+        finally:
+            recipe.cleanup()
     return metrics
 
 

@@ -52,6 +52,9 @@ class TrainerConfig:
     epochs: int = 1  #: passes over the training set (ignored when max_steps is set)
     max_steps: int | None = None  #: optimizer steps; overrides epochs
     resume: str = "auto"  #: auto (latest checkpoint in output_dir) | never | path to a checkpoint
+    #: continue the checkpoint with this run's settings where they differ (otherwise refused, naming the keys); the
+    #: new settings take effect and metrics.jsonl records which changed
+    resume_new_settings: bool = False
     save_every: int = 200  #: optimizer steps between checkpoints (0 = only at the end)
     keep_last: int = 2  #: checkpoints kept
     eval_every: int = 200  #: optimizer steps between evals (0 = only at start and end)

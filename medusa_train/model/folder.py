@@ -37,10 +37,13 @@ from medusa_train.model.layouts import (
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 SERVING_NAME = "serving.json"  #: written into a vllm export by ``medusa-train choose-k`` (the measured K)
 TRAINING_CONFIG_NAME = "training_config.json"  #: a run's export: the training config that made it
+VALIDATION_FILE = "validation.json"  #: a run's export: the last validation walk's figures (training/validation.py)
+#: a run's record in its export, carried by a conversion of the folder (``export.write.export_folder``)
+RECORD_NAMES = (TRAINING_CONFIG_NAME, VALIDATION_FILE)
 #: Every name a writer of ours puts in a heads folder (a run's export: also the Medusa-2 backbone's files).
 OUR_NAMES = frozenset({CONFIG_NAME, WEIGHTS_NAME, VLLM_WEIGHTS_NAME, MEDUSA_V1_WEIGHTS_NAME, MEDUSA_V1_PT_NAME,
-                       CHAT_TEMPLATE_NAME, SERVING_NAME, TRAINING_CONFIG_NAME, BACKBONE_INFO, ADAPTER_DIR,
-                       MERGED_DIR})
+                       CHAT_TEMPLATE_NAME, SERVING_NAME, TRAINING_CONFIG_NAME, VALIDATION_FILE, BACKBONE_INFO,
+                       ADAPTER_DIR, MERGED_DIR})
 KEPT_NAMES = (SERVING_NAME,)  #: written by another tool into our folder: carried over when it is replaced
 
 

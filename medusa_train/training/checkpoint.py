@@ -9,6 +9,11 @@ Parameters sharded over the processes (Medusa-2's LoRA under FSDP, ``shard.py``)
 from every process, and so is their optimizer state (``full_state``): a sharded run's checkpoint has the
 same files and names as an unsharded one's. On resume every process reads the (small) trainable weights and
 optimizer state and keeps its own shard of each (``load_checkpoint``).
+
+Nothing read back runs code: weights are safetensors, the data position and the RNG states JSON (``rng.json``), and
+the optimizer and schedule state (tensors, numbers, strings) ``torch.load(weights_only=True)``. A checkpoint written
+before ``rng.json`` holds ``rng.pt``, read the same way with NumPy's array types allowed. A file that cannot be read
+is named in one line (``FileProblem``).
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa_train.backbone import assets
+from medusa_train.config.check import FileProblem
 from medusa_train.training.run_folder import RunFolder
 from medusa_train.training.shard import full, is_sharded
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+WEIGHTS_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE = "trainable.safetensors", "optimizer.pt", "rng.json", "state.json"
+LEGACY_RNG_FILE = "rng.pt"  #: what checkpoints held before rng.json
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -53,6 +61,26 @@ def rng_state() -> dict:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
+def rng_to_json(state: dict) -> dict:
+    """One process's ``rng_state()`` as plain JSON values (lists of ints)."""
+    version, key, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    return {"python": [version, list(key), gauss], "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss),
+                                                             float(cached)],
+            "torch": state["torch"].tolist(),
+            "cuda": None if state.get("cuda") is None else [s.tolist() for s in state["cuda"]]}
+
+
+def rng_from_json(saved: dict) -> dict:
+    """``rng_to_json``'s inverse: a state ``set_rng_state`` takes."""
+    version, key, gauss = saved["python"]
+    name, keys, pos, has_gauss, cached = saved["numpy"]
+    return {"python": (version, tuple(key), gauss),
+            "numpy": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
+            "torch": torch.tensor(saved["torch"], dtype=torch.uint8),
+            "cuda": None if saved.get("cuda") is None else [torch.tensor(s, dtype=torch.uint8) for s in saved["cuda"]]}
+
+
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -69,11 +97,11 @@ def save_checkpoint(output_dir: str | Path, step: int, trainable: dict[str, torc
     save for ``optimizer`` (default its ``state_dict()``; gathered whole when it is sharded: ``full_state``)."""
     final = checkpoints_dir(output_dir) / f"step-{step:07d}"
     tmp = assets.atomic_dir(final)
-    save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+    save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / WEIGHTS_FILE))
     optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
-    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    torch.save(rng_by_rank, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **position}, indent=2) + "\n")
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / OPTIMIZER_FILE)
+    (tmp / RNG_FILE).write_text(json.dumps([rng_to_json(r) for r in rng_by_rank]) + "\n")
+    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **position}, indent=2) + "\n")
     if config is not None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     assets.replace_dir(tmp, final)
@@ -127,7 +155,7 @@ def load_checkpoint(path: str | Path, parameters: dict[str, torch.nn.Parameter],
     the whole tensors saved.
     """
     path = Path(path)
-    tensors = load_file(str(path / "trainable.safetensors"))
+    tensors = _read(path / WEIGHTS_FILE, lambda f: load_file(str(f)))
     missing, unexpected = sorted(set(parameters) - set(tensors)), sorted(set(tensors) - set(parameters))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match this run's trainable parameters "
@@ -136,7 +164,8 @@ def load_checkpoint(path: str | Path, parameters: dict[str, torch.nn.Parameter],
     with torch.no_grad():
         for name, param in parameters.items():
             param.copy_(_shard_like(tensors[name], param) if is_sharded(param) else tensors[name])
-    states = torch.load(path / "optimizer.pt", map_location=onto(parameter_device(optimizer)), weights_only=False)
+    device = parameter_device(optimizer)
+    states = _read(path / OPTIMIZER_FILE, lambda f: torch.load(f, map_location=onto(device), weights_only=True))
     ordered = [p for group in optimizer.param_groups for p in group["params"]]  # the state dict's indices
     for index, values in states["optimizer"]["state"].items():
         param = ordered[index] if index < len(ordered) else None
@@ -144,7 +173,45 @@ def load_checkpoint(path: str | Path, parameters: dict[str, torch.nn.Parameter],
             for key, value in values.items():
                 if isinstance(value, torch.Tensor) and value.shape == param.shape:  # (AdamW's step is a scalar)
                     values[key] = _shard_like(value, param)
+    settings = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
+    base_lrs = list(scheduler.base_lrs)
     optimizer.load_state_dict(states["optimizer"])
     scheduler.load_state_dict(states["scheduler"])
-    rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)  # RNG states are CPU byte tensors
-    return json.loads((path / "state.json").read_text()), rng
+    # this run's hyperparameters and schedule (equal to the stored ones unless trainer.resume_new_settings), and the
+    # learning rate they give at the checkpoint's step
+    scheduler.base_lrs = base_lrs
+    for group, own, base, factor in zip(optimizer.param_groups, settings, base_lrs, scheduler.lr_lambdas, strict=True):
+        group.update(own)
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return read_state(path), read_rng(path)
+
+
+def _read(file: Path, read):
+    """``read(file)``, or a ``FileProblem`` naming ``file`` when it is missing or cannot be read."""
+    try:
+        return read(file)
+    except Exception as err:  # safetensors, pickle (weights_only refusals included), JSON and OS errors alike
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FileProblem(f"{file}: cannot be read ({reason[:300]}); resume from another checkpoint "
+                          "(trainer.resume=<its folder>) or start afresh in another trainer.output_dir") from err
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's ``state.json`` (its step and data position)."""
+    state = _read(Path(path) / STATE_FILE, lambda f: json.loads(f.read_text()))
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise FileProblem(f"{Path(path) / STATE_FILE}: holds no step; resume from another checkpoint "
+                          "(trainer.resume=<its folder>) or start afresh in another trainer.output_dir")
+    return state
+
+
+def read_rng(path: Path) -> list[dict]:
+    """Every process's RNG states saved in the checkpoint ``path`` (``rng.json``, or an older one's ``rng.pt``)."""
+    path = Path(path)
+    if (path / RNG_FILE).is_file() or not (path / LEGACY_RNG_FILE).is_file():
+        return [rng_from_json(r) for r in _read(path / RNG_FILE, lambda f: json.loads(f.read_text()))]
+    core = np._core if hasattr(np, "_core") else np.core  # NumPy 2 / 1
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allowed):  # NumPy's state is an array of uint32; nothing else is allowed
+        return _read(path / LEGACY_RNG_FILE, lambda f: torch.load(f, map_location="cpu", weights_only=True))

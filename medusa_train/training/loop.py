@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from medusa_train.backbone.processes import say
 from medusa_train.config.train import TrainConfig, to_dict
 from medusa_train.data.tokenize import IGNORE_INDEX
-from medusa_train.training import checkpoint, run_folder
+from medusa_train.training import checkpoint, resume, run_folder
 from medusa_train.training.losses import LossResult, head_weights, medusa_loss_backward
 from medusa_train.training.one_backward import OneBackward
 from medusa_train.training.run_folder import RunFolder
@@ -99,20 +99,19 @@ def start_run(cfg: TrainConfig, accelerator, model, data: TrainData, param_group
     parameters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     run = Run(cfg, accelerator, model, parameters, optimizer, cosine_schedule(optimizer, warmup, total, o.min_lr_ratio),
               data, metrics, total, wrap(model, accelerator, sharded), sharded=sharded)
-    resume = cfg.trainer.resume
-    path = None if resume == "never" else (checkpoint.latest_checkpoint(run.output_dir) if resume == "auto"
-                                           else Path(resume))
-    if path is not None:
-        state, rng = checkpoint.load_checkpoint(path, run.parameters, optimizer, run.scheduler)
-        saved_by = state.get("num_processes", accelerator.num_processes)
-        if saved_by != accelerator.num_processes:  # its data position counts batches per process
-            raise ValueError(f"{path} was written by {saved_by} process(es), this run has "
-                             f"{accelerator.num_processes}: resume with --num_processes {saved_by}, or start afresh "
-                             "with trainer.resume=never (or another trainer.output_dir)")
+    restored = resume.restore(cfg, run.parameters, optimizer, run.scheduler, data.digest, total,
+                              accelerator.num_processes)
+    if restored is None:
+        run_folder.set_aside_metrics(run.output_dir, accelerator.is_main_process)  # a fresh start: a fresh record
+    else:
+        path, state, rng = restored
         run.step, run.epoch, run.micro_in_epoch = state["step"], state["epoch"], state["micro_in_epoch"]
         if accelerator.process_index < len(rng):
             checkpoint.set_rng_state(rng[accelerator.process_index])
         say(accelerator, f"resumed from {path} at step {run.step} (epoch {run.epoch}, batch {run.micro_in_epoch})")
+        if cfg.trainer.resume_new_settings:  # the record says so
+            metrics.write({"step": run.step, "split": "resume", "checkpoint": str(path),
+                           "changed": resume.changed_settings(cfg, path)})
         if accelerator.num_processes > 1:
             print(f"[medusa_train] rank {accelerator.process_index} resumed at step {run.step}", flush=True)
     n_train = sum(p.numel() for p in run.parameters.values())
@@ -370,7 +369,7 @@ def save_checkpoint(run: Run) -> None:
     if acc.is_main_process:
         path = checkpoint.save_checkpoint(run.output_dir, run.step, weights, run.optimizer, run.scheduler,
                                           {"epoch": run.epoch, "micro_in_epoch": run.micro_in_epoch,
-                                           "num_processes": acc.num_processes}, rng,
+                                           "num_processes": acc.num_processes, "data": run.data.digest}, rng,
                                           run.cfg.trainer.keep_last, config=to_dict(run.cfg),
                                           optimizer_state=optimizer_state)
         say(acc, f"checkpoint: {path}")

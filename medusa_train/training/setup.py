@@ -126,6 +126,23 @@ class TrainData:
     eval_sampler: object
     batches_per_rank: int
     steps_per_epoch: int
+    digest: str = ""  #: of the examples' token ids and labels (``examples_digest``): a checkpoint keeps it
+
+
+def examples_digest(train: list[dict], evals: list[dict]) -> str:
+    """A digest of the tokenised examples (train, then eval: ids and labels in order): a resumed run must see the
+    same ones (``resume.py``), whatever changed in the data file or its reading."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for split in (train, evals):
+        digest.update(str(len(split)).encode())
+        for example in split:
+            for key in ("input_ids", "labels"):
+                digest.update(np.asarray(example[key], dtype=np.int64).tobytes() + b"|")
+    return digest.hexdigest()[:24]
 
 
 def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict], evals: list[dict],
@@ -137,6 +154,7 @@ def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict
 
     d = cfg.data
     collator = MedusaCollator(tokenizer.pad_token_id)
+    digest = examples_digest(train, evals)  # of the examples themselves, before any states are captured
     if d.cache_hidden_states:
         states_fn = states_fn or (lambda ids, mask: model(ids, attention_mask=mask).hidden_states)
         from medusa_train.data.capture.run import capture_hidden_states
@@ -156,6 +174,6 @@ def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict
     if steps < 1:
         raise ValueError(f"{per_rank} batches per process make no full optimizer step with "
                          f"optim.grad_accum_steps={cfg.optim.grad_accum_steps}; lower it")
-    return TrainData(train, evals, collator, train_sampler, eval_sampler, per_rank, steps)
+    return TrainData(train, evals, collator, train_sampler, eval_sampler, per_rank, steps, digest)
 
 

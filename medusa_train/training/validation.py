@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa_train.backbone.processes import say
-from medusa_train.data.validation import Continuations, continuations, validation_prompts, validation_source
+from medusa_train.data.validation import (
+    Continuations,
+    continuations,
+    held_out_line,
+    validation_prompts,
+    validation_source,
+)
 from medusa_train.model.walk import fixed_tree_choices, walk_figures, walk_line
 
 
@@ -68,6 +74,10 @@ def prepare(cfg, accelerator, tokenizer, backbone, captured, has_layers: bool = 
         return None
     source = validation_source(cfg.data)
     prompts = validation_prompts(source, v.size, v.seed)
+    if not prompts:  # a walk of nothing would log 1.000 tokens per step: say there is none instead
+        say(accelerator, f"validation: none ({held_out_line(source, prompts, v.size, v.seed)}); no walk is logged, "
+                         "and the export records none: give a larger source or data.validation.source=")
+        return None
     whole = backbone
     if not has_layers:
         from medusa_train.backbone.load import load_backbone_for
@@ -76,6 +86,10 @@ def prepare(cfg, accelerator, tokenizer, backbone, captured, has_layers: bool = 
     whole.eval()
     texts = continuations(whole, tokenizer, prompts, v.max_new_tokens, v.max_prompt_tokens)
     say(accelerator, f"validation: continuations of {source}'s validation prompts: {texts.summary()}")
+    if not texts.sequences:
+        say(accelerator, f"validation: none (every prompt is longer than data.validation.max_prompt_tokens="
+                         f"{v.max_prompt_tokens}); no walk is logged, and the export records none")
+        return None
     states, reader = None, None
     if not adapts:
         reader = captured.states(whole)

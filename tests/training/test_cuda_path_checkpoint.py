@@ -63,7 +63,7 @@ def test_optimizer_state_written_on_cuda_0_resumes_onto_this_process_device(tmp_
                                           {"epoch": 0, "micro_in_epoch": 2}, [checkpoint.rng_state()], keep_last=1)
     if not torch.cuda.is_available():  # the file really is a cuda:0 one: unmapped, it cannot be read here
         with pytest.raises(RuntimeError, match="CUDA"):
-            torch.load(path / "optimizer.pt", weights_only=False)
+            torch.load(path / "optimizer.pt", weights_only=True)
 
     fresh, fresh_optimizer, fresh_scheduler = _trained(seed=1)
     state, rng = checkpoint.load_checkpoint(path, fresh, fresh_optimizer, fresh_scheduler)

@@ -74,7 +74,7 @@ def test_sharded_medusa2_on_two_processes_trains_what_one_process_trains(runs):
     for step in ("step-0000004", "step-0000008"):
         assert_same_tensors(load_file(root / "one/checkpoints" / step / "trainable.safetensors"),
                             load_file(root / "two/checkpoints" / step / "trainable.safetensors"), 1e-6)
-        moments = [torch.load(root / run / "checkpoints" / step / "optimizer.pt", weights_only=False)["optimizer"]
+        moments = [torch.load(root / run / "checkpoints" / step / "optimizer.pt", weights_only=True)["optimizer"]
                    for run in ("one", "two")]
         assert moments[0]["state"].keys() == moments[1]["state"].keys()
         for index, state in moments[0]["state"].items():

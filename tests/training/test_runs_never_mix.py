@@ -49,8 +49,12 @@ def test_a_second_run_with_other_settings_is_refused_and_the_same_one_resumes(tm
     assert read_metrics(out)[:len(records)] == records
     assert checkpoint.latest_checkpoint(out).name == "step-0000006"
 
-    # resuming on purpose: an explicit checkpoint with other settings is the user's call
-    cfg = compose_config(train_overrides(model_dir, data, out, **{"optim.lr": 0.05, "trainer.resume": str(latest)}))
+    # an explicit checkpoint with another lr is refused too (issue 57: it kept the old schedule); on purpose it is not
+    cfg = compose_config(train_overrides(model_dir, data, out, **{"optim.lr": 0.05, "trainer.resume": str(latest),
+                                                                "data.max_samples": 40}))
+    [lr, how] = resume_problems(cfg)
+    assert lr.startswith("optim.lr=0.05: ") and "trainer.resume_new_settings=true" in how
+    cfg.trainer.resume_new_settings = True
     assert resume_problems(cfg) == []
 
 
