@@ -102,9 +102,15 @@ def _hub_error(name: str, err: Exception) -> OSError:
 
 
 def backbone_reference(backbone: PreTrainedModel) -> str | None:
-    """The name or folder ``backbone`` was loaded from (what a draft trained on it records), if it knows one."""
+    """The name or folder ``backbone`` was loaded from (what a draft trained on it records), if it knows one: a local
+    folder or file as an absolute, resolved path; a hub id or ``packaged:`` name as it is."""
     name = getattr(backbone, "name_or_path", None) or getattr(backbone.config, "_name_or_path", None)
-    return str(name) if name else None
+    if not name:
+        return None
+    local = Path(str(name)).expanduser()
+    if not assets.is_packaged(str(name)) and local.exists():
+        return str(local.resolve())  # a folder or file here: absolute, so the draft loads from anywhere, never a hub id
+    return str(name)
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

@@ -15,8 +15,8 @@ import torch
 from medusa_train.config.build_tree import BuildTreeConfig, check_build_tree_config
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.model.load import check_heads, load_heads
-from medusa_train.tree.calibrate import CONVERSATION_SOURCES
-from medusa_train.tree.size import fit_and_write
+from medusa_train.tree.calibrate import CONVERSATION_SOURCES, tree_output_problem
+from medusa_train.tree.size import fit_and_write, tree_output
 
 
 def build_build_tree_config(raw) -> BuildTreeConfig:
@@ -26,9 +26,12 @@ def build_build_tree_config(raw) -> BuildTreeConfig:
 
 
 def check_build_tree_inputs(c: BuildTreeConfig) -> list[str]:
-    """The checks that need the heads folder or the calibration file."""
+    """The checks that need the heads folder, the calibration file or the output (a file build-tree did not write is
+    never replaced; a place that cannot be written is said before the work)."""
     p = Problems()
     check_heads(c.heads, p)
+    if c.heads and (problem := tree_output_problem(tree_output(c))):
+        p.append(problem)
     p.need(c.calibration in CONVERSATION_SOURCES or Path(c.calibration).expanduser().is_file(), "calibration",
            c.calibration, f"must be one of {', '.join(CONVERSATION_SOURCES)} or an existing .jsonl of prompts")
     return p

@@ -20,7 +20,7 @@ from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.evaluate import EvalConfig, check_eval_config, default_output_dir
 from medusa_train.evaluation.drift import measure_drift
 from medusa_train.evaluation.evaluate import evaluate, resolve_tree
-from medusa_train.evaluation.report import headline_lines
+from medusa_train.evaluation.report import headline_lines, report_output_problem
 from medusa_train.evaluation.served import served_runner
 from medusa_train.evaluation.served_report import print_served
 from medusa_train.model.load import check_heads, load_heads, read_exported_heads
@@ -59,6 +59,7 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
            f"adapter needs a Medusa-2 export (no {BACKBONE_INFO} in heads=)")
     p.need(c.drift.original != "auto" or adapted, "drift.original", c.drift.original,
            f"auto needs a Medusa-2 export (no {BACKBONE_INFO} in heads=); name the original model instead")
+    p.extend(filter(None, [report_output_problem(c.output_dir or default_output_dir(c.heads))]))
     problem = bench_source_problem(c.bench.source)
     p.need(problem is None, "bench.source", c.bench.source, problem)
     p.need(c.bench.pick in BENCH_PICKS, "bench.pick", c.bench.pick, f"must be one of {', '.join(BENCH_PICKS)}")

@@ -18,16 +18,50 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+WRITTEN_BY = "medusa-train evaluate"  #: report.json's mark: the report files beside it are ours
+REPORT_NAMES = ("report.json", "report.md", "report.png")
+
+
+def _ours(report_json: Path) -> bool:
+    try:
+        body = json.loads(report_json.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(body, dict) and (body.get("written_by") == WRITTEN_BY or ("methods" in body and "files" in body))
+
+
+def report_output_problem(output_dir: str | os.PathLike, option: str = "output_dir") -> str | None:
+    """Why the report must not be written into ``output_dir`` (``None``: it may): report files there that evaluate
+    did not write (no ``report.json`` of ours beside them), a file in its place, or a folder that cannot be written.
+    Checked before any work."""
+    out = Path(output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        return f"{option}={out}: is a file, not a folder; choose another {option}="
+    present = [name for name in REPORT_NAMES if (out / name).exists()]
+    if present and not _ours(out / "report.json"):
+        return (f"{option}={out}: holds {', '.join(present)}, which evaluate did not write; nothing was changed: "
+                f"choose another {option}= (or move them away)")
+    folder = next(p for p in (out, *out.parents) if p.exists())
+    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+        return f"{option}={out}: {folder} cannot be written; choose another {option}="
+    return None
+
+
 def write_report(report: dict, output_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write the report files into ``output_dir`` (created if needed).
+    """Write the report files into ``output_dir`` (created if needed; refused, naming the files, when it holds report
+    files evaluate did not write: ``report_output_problem``).
 
     Returns:
         ``{"json": path, "markdown": path, "png": path}`` (no ``png`` without matplotlib).
     """
+    from medusa_train.config.check import FileProblem
+
     out = Path(output_dir)
+    if problem := report_output_problem(out):
+        raise FileProblem(problem)
     out.mkdir(parents=True, exist_ok=True)
     files = {"json": out / "report.json", "markdown": out / "report.md", "png": out / "report.png"}
-    body = {k: v for k, v in report.items() if k != "files"}
+    body = {"written_by": WRITTEN_BY, **{k: v for k, v in report.items() if k != "files"}}
     body["files"] = {k: str(v) for k, v in files.items()}
     if not plot_report(report, files["png"]):
         del files["png"], body["files"]["png"]

@@ -45,7 +45,8 @@ def save_run_export(run: TrainedRun) -> Path | None:
                 write_validation(tmp, run.validation)
 
             replace_folder(target, fill, OPTION)
-            loop.say(run.accelerator, f"exported {run.model.config.draft_name} to {target}")
+            loop.say(run.accelerator, f"exported {run.model.config.draft_name} to {target} (its backbone, as recorded: "
+                                      f"{run.model.config.base_model_name_or_path})")
     run.accelerator.wait_for_everyone()
     return target
 

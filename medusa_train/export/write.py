@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from medusa_train.model.family import LAYOUTS, family_of, layout_problem
-from medusa_train.model.folder import check_output
+from medusa_train.model.folder import RECORD_NAMES, check_output
 from medusa_train.model.layouts import read_config_json
 
 
@@ -33,7 +33,8 @@ def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: s
     Args:
         heads: Folder to read (heads or draft).
         output: Folder to write; an existing one is replaced whole if it is a folder of ours (its ``serving.json``
-            kept), and refused, naming ``output=``, if it holds anything else.
+            kept), and refused, naming ``output=``, if it holds anything else. The source's record of the run that
+            trained it (``training_config.json``, ``validation.json``) is written with it, also in place.
         format: One of the layouts its family writes (``Family.layouts``).
         lm_head_pt: ``medusa_v1`` only: also write ``medusa_lm_head.pt``.
         max_paths: ``vllm`` Medusa heads: written to ``config.json`` for vLLM.
@@ -51,5 +52,10 @@ def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: s
     family, _ = family_of(read_config_json(heads))
     if format not in family.layouts:
         raise ValueError(f"format={format}: {heads} holds {layout_problem(family, None, format)}")
-    return family.convert_folder(heads, output, format, lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk,
-                                 model=model, dtype=dtype)
+    record = {name: (Path(heads) / name).read_bytes() for name in RECORD_NAMES if (Path(heads) / name).is_file()}
+    written = family.convert_folder(heads, output, format, lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk,
+                                    model=model, dtype=dtype)
+    for name, content in record.items():  # the run's record goes with its draft (in place too: read before)
+        if not (written / name).exists():
+            (written / name).write_bytes(content)
+    return written

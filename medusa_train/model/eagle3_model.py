@@ -25,7 +25,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from medusa_train.backbone.load import backbone_reference
-from medusa_train.model.eagle3 import Eagle3Config, Eagle3Draft
+from medusa_train.config.check import FileProblem
+from medusa_train.model.eagle3 import D2T_KEY, Eagle3Config, Eagle3Draft
 from medusa_train.model.layouts import WEIGHTS_NAME, check_tensors, read_config_json, resolve_base_model
 
 
@@ -302,14 +303,27 @@ class Eagle3Model(nn.Module):
         if "medusa_train" not in raw:  # another tool's draft: the backbone's depth is the backbone's
             config.num_target_layers = backbone.config.get_text_config(decoder=True).num_hidden_layers
         d2t = tensors.get("d2t")
+        required_tensors(config, tensors, directory)  # before the model is built: a missing d2t would map to 0..N
         token_map = None if d2t is None else d2t.long() + torch.arange(len(d2t))
         model = cls(backbone, config, token_map)
-        expected = {k: tuple(v.shape) for k, v in model.draft.state_dict().items()}
-        if d2t is None:
-            expected.pop("d2t")
-        check_tensors(tensors, expected, str(directory))
+        check_tensors(tensors, required_tensors(config, tensors, directory), str(directory / WEIGHTS_NAME))
         model.draft.load_state_dict(tensors, strict=False)
         return model
+
+
+def required_tensors(config: Eagle3Config, tensors: dict, directory) -> dict[str, tuple[int, ...]]:
+    """Every tensor a draft of ``config`` must hold, with its shape: ``d2t`` may be left out only when the draft scores
+    the whole vocabulary (a smaller draft vocabulary without it would propose token ids 0..N-1: refused here, naming
+    the file and key)."""
+    with torch.device("meta"):  # the shapes its config implies, without allocating them
+        expected = {k: tuple(v.shape) for k, v in Eagle3Draft(config).state_dict().items()}
+    if D2T_KEY not in tensors:
+        if config.draft_vocab_size != config.vocab_size:
+            raise FileProblem(f"{Path(directory) / WEIGHTS_NAME}: no {D2T_KEY}, the map of its {config.draft_vocab_size:,}"
+                              f"-token draft vocabulary to the backbone's {config.vocab_size:,} tokens; export the "
+                              "draft again")
+        expected.pop(D2T_KEY)
+    return expected
 
 
 def _check_compatible(backbone: PreTrainedModel, config: Eagle3Config) -> None:
@@ -346,16 +360,12 @@ def export_eagle3_folder(draft: str | os.PathLike, output: str | os.PathLike, fo
     its config and written anew, with the chat template it carries (``export.write.export_folder`` asks the family)."""
     from safetensors.torch import load_file
 
-    from medusa_train.model.eagle3 import D2T_KEY, Eagle3Draft
     from medusa_train.model.folder import read_chat_template, write_heads_folder
 
     config = read_config_json(draft)
     tensors = load_file(str(Path(draft) / WEIGHTS_NAME))
-    with torch.device("meta"):  # the shapes its config implies, without allocating them
-        expected = {k: tuple(v.shape) for k, v in Eagle3Draft(Eagle3Config.from_dict(config)).state_dict().items()}
-    if D2T_KEY not in tensors:
-        expected.pop(D2T_KEY)
-    check_tensors(tensors, expected, str(draft))
+    check_tensors(tensors, required_tensors(Eagle3Config.from_dict(config), tensors, draft),
+                  str(Path(draft) / WEIGHTS_NAME))
     return write_heads_folder(output, {WEIGHTS_NAME: tensors}, config, chat_template=read_chat_template(draft),
                               option="output")
 

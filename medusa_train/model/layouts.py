@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from medusa_train.config.check import FileProblem
 from medusa_train.model.config import MedusaConfig
 
 WEIGHTS_NAME = "model.safetensors"
@@ -150,12 +151,19 @@ def read_config_json(directory: str | os.PathLike) -> dict:
 
     Raises:
         FileNotFoundError: no ``config.json``.
+        FileProblem: it is not a JSON object (a ``ValueError``).
     """
     directory = Path(directory)
     config_path = directory / CONFIG_NAME
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: is {directory} a folder of exported heads?")
-    return json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, OSError) as err:  # not JSON, not UTF-8, unreadable
+        raise FileProblem(f"{config_path}: cannot be read as JSON ({err}); export the draft again") from err
+    if not isinstance(config, dict):
+        raise FileProblem(f"{config_path}: holds {type(config).__name__}, not a JSON object; export the draft again")
+    return config
 
 
 def read_heads(directory: str | os.PathLike, raw: dict | None = None) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:

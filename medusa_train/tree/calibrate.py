@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from medusa_train.config.check import FileProblem
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
 from medusa_train.data.validation import VALIDATION, greedy_replies, prompt_fits, validation_prompts
 from medusa_train.model.walk import (  # noqa: F401 - the walk, for build-tree's callers
@@ -199,7 +200,7 @@ def tree_yaml(choices: Sequence[Sequence[int]], rank_accuracies: Sequence[Sequen
               comments: Sequence[str] = (), extra: dict | None = None) -> str:
     """A tree YAML (``choices:``, ``expected_accept_length:``, ``rank_accuracies:``, then ``extra``'s keys)
     opening with ``comments``."""
-    lines = [f"# {c}" for c in comments]
+    lines = [TREE_MARK] + [f"# {c}" for c in comments]
     rows = [", ".join(str(list(c)) for c in choices[i: i + 8])
             for i in range(0, len(choices), 8)]
     lines += ["choices: [", *(f"  {row}," for row in rows), "]"] if choices else ["choices: []"]
@@ -215,6 +216,31 @@ def tree_yaml(choices: Sequence[Sequence[int]], rank_accuracies: Sequence[Sequen
     return text
 
 
+TREE_MARK = "# a tree written by medusa-train build-tree"  #: the first line of every tree it writes: the file is ours
+LEGACY_MARK = "# medusa-train build-tree heads="  #: the first line of the trees it wrote before ``TREE_MARK``
+
+
+def tree_output_problem(path: str | os.PathLike, option: str = "output") -> str | None:
+    """Why a tree must not be written to ``path`` (``None``: it may): a file there that build-tree did not write (its
+    first line is not ``TREE_MARK``), a folder, or a place that cannot be written. Checked before any work."""
+    path = Path(path).expanduser()
+    change = f"choose another {option}= (or move the file away)"
+    if path.is_dir():
+        return f"{option}={path}: is a folder; name a .yaml file"
+    if path.exists():
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                first = f.readline().rstrip("\n")
+        except OSError as err:
+            return f"{option}={path}: cannot be read ({err.strerror or err}); {change}"
+        if first != TREE_MARK and not first.startswith(LEGACY_MARK):
+            return f"{option}={path}: exists and build-tree did not write it; nothing was changed: {change}"
+    folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+        return f"{option}={path}: {folder} cannot be written; choose another {option}="
+    return None
+
+
 def write_tree(path: str | os.PathLike, rank_accuracies: Sequence[Sequence[float]], nodes: int, expected: float,
                comments: Sequence[str] = (), extra: dict | None = None) -> tuple[Path, list[list[int]]]:
     """Build the ``nodes``-node tree for ``rank_accuracies`` and write it as YAML (temp file, then rename), with
@@ -222,9 +248,14 @@ def write_tree(path: str | os.PathLike, rank_accuracies: Sequence[Sequence[float
 
     Returns:
         ``(path, choices)``.
+
+    Raises:
+        FileProblem: ``path`` is a file build-tree did not write, or cannot be written (``tree_output_problem``).
     """
-    choices = build_tree(rank_accuracies, nodes)
     path = Path(path)
+    if problem := tree_output_problem(path):
+        raise FileProblem(problem)
+    choices = build_tree(rank_accuracies, nodes)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(tree_yaml(choices, rank_accuracies, expected, comments, extra))

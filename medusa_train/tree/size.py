@@ -66,13 +66,17 @@ def calibrate(cfg: BuildTreeConfig, model, tokenizer) -> tuple[list[str], list, 
     return prompts, sequences, ranks, accuracies, counts
 
 
+def tree_output(cfg: BuildTreeConfig) -> str:
+    """Where the tree goes: ``output``, by default ``outputs/trees/<heads name>-n<nodes>.yaml``."""
+    return cfg.output or str(Path("outputs") / "trees" / f"{heads_name(cfg.heads)}-n{cfg.nodes}.yaml")
+
+
 def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
     """Measure ``model``'s heads, build and write the tree; print where it went and (last) the expected
     accepted length."""
     prompts, sequences, ranks, accuracies, counts = calibrate(cfg, model, tokenizer)
     split = LookupSplit(cfg, accuracies, ranks, sequences)
-    name = heads_name(cfg.heads)
-    output = cfg.output or str(Path("outputs") / "trees" / f"{name}-n{cfg.nodes}.yaml")
+    output = tree_output(cfg)
     command = (f"medusa-train build-tree heads={cfg.heads} nodes={cfg.nodes} calibration={cfg.calibration} "
                f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "
                f"model.dtype={cfg.model.dtype}"

@@ -259,6 +259,17 @@ def test_run_writes_report_files_and_prints_headline_last(heads_dir, tmp_path, c
     assert report["mismatches"] == 0 and len(report["per_prompt"]) == 4
     assert f"{report['mean_accepted_length']:.2f}" in lines[-2]
     assert "| writing |" in (tmp_path / "out" / "report.md").read_text()
+    assert report["written_by"] == "medusa-train evaluate"  # its mark: the next run into out/ may replace them
+
+
+def test_report_files_evaluate_did_not_write_are_refused_before_any_work(heads_dir, tmp_path):
+    """Issue 57: an output_dir holding someone's report.md is refused at the config check, the file kept."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("# my notes\n")
+    with pytest.raises(ConfigError, match=r"holds report\.md, which evaluate did not write; nothing was changed"):
+        build_eval_config({"heads": str(heads_dir), "output_dir": str(mine)})
+    assert (mine / "report.md").read_text() == "# my notes\n"
 
 
 def test_config_errors_are_reported_together(tmp_path):

@@ -211,3 +211,17 @@ def test_a_second_training_into_a_folder_in_use_is_refused(tmp_path):
     assert "Traceback" not in second.stderr and not (out / "checkpoints").exists()
     again = _train(model_dir, data, out)
     assert again.returncode == 0, again.stderr[-3000:]
+
+
+@pytest.mark.integration
+def test_a_validation_set_of_no_prompts_is_said_to_be_none_not_walked(tmp_path):
+    """Five distinct prompts give no validation prompt (at most a tenth of the source): no "K=1 1.000" is logged or
+    recorded; the log says there is none."""
+    from helpers.training import make_chat_jsonl
+
+    model_dir, data = make_model_dir(tmp_path / "model"), make_chat_jsonl(tmp_path / "chat.jsonl")
+    run = _train(model_dir, data, tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "validation: none (0 prompts of" in run.stdout and "K=1" not in run.stdout
+    assert not (tmp_path / "run" / "export" / "validation.json").exists()
+    assert not any(k.startswith("validation/") for r in read_metrics(tmp_path / "run") for k in r)

@@ -19,7 +19,6 @@ from pathlib import Path
 from medusa_train.config.check import ConfigError
 from medusa_train.config.distill import DistillConfig, record_settings
 
-
 WRITTEN_BY = "medusa-train distill"  #: the stats file's mark: the output beside it is ours
 
 
