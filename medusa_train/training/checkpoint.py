@@ -10,10 +10,11 @@ from every process, and so is their optimizer state (``full_state``): a sharded 
 same files and names as an unsharded one's. On resume every process reads the (small) trainable weights and
 optimizer state and keeps its own shard of each (``load_checkpoint``).
 
-Nothing read back runs code: weights are safetensors, the data position and the RNG states JSON (``rng.json``), and
-the optimizer and schedule state (tensors, numbers, strings) ``torch.load(weights_only=True)``. A checkpoint written
-before ``rng.json`` holds ``rng.pt``, read the same way with NumPy's array types allowed. A file that cannot be read
-is named in one line (``FileProblem``).
+No pickles: weights are safetensors, the data position and the RNG states JSON (``rng.json``), and the optimizer's
+state safetensors (``optimizer.safetensors``: its tensors, with its hyperparameters, its other values and the schedule
+as JSON in the file's metadata). A checkpoint written before these holds ``optimizer.pt`` and ``rng.pt``, read with
+``torch.load(weights_only=True)`` (NumPy's array types allowed for the RNG): nothing read back runs code. A file that
+cannot be read is named in one line (``FileProblem``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from medusa_train.training.run_folder import RunFolder
 from medusa_train.training.shard import full, is_sharded
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-WEIGHTS_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE = "trainable.safetensors", "optimizer.pt", "rng.json", "state.json"
-LEGACY_RNG_FILE = "rng.pt"  #: what checkpoints held before rng.json
+WEIGHTS_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE = ("trainable.safetensors", "optimizer.safetensors", "rng.json",
+                                                       "state.json")
+LEGACY_OPTIMIZER_FILE, LEGACY_RNG_FILE = "optimizer.pt", "rng.pt"  #: what checkpoints held before (pickles)
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -99,7 +101,7 @@ def save_checkpoint(output_dir: str | Path, step: int, trainable: dict[str, torc
     tmp = assets.atomic_dir(final)
     save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / WEIGHTS_FILE))
     optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
-    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / OPTIMIZER_FILE)
+    save_optimizer(tmp / OPTIMIZER_FILE, optimizer_state, scheduler.state_dict())
     (tmp / RNG_FILE).write_text(json.dumps([rng_to_json(r) for r in rng_by_rank]) + "\n")
     (tmp / STATE_FILE).write_text(json.dumps({"step": step, **position}, indent=2) + "\n")
     if config is not None:
@@ -164,8 +166,7 @@ def load_checkpoint(path: str | Path, parameters: dict[str, torch.nn.Parameter],
     with torch.no_grad():
         for name, param in parameters.items():
             param.copy_(_shard_like(tensors[name], param) if is_sharded(param) else tensors[name])
-    device = parameter_device(optimizer)
-    states = _read(path / OPTIMIZER_FILE, lambda f: torch.load(f, map_location=onto(device), weights_only=True))
+    states = read_optimizer(path, parameter_device(optimizer))
     ordered = [p for group in optimizer.param_groups for p in group["params"]]  # the state dict's indices
     for index, values in states["optimizer"]["state"].items():
         param = ordered[index] if index < len(ordered) else None
@@ -197,6 +198,26 @@ def _read(file: Path, read):
                           "(trainer.resume=<its folder>) or start afresh in another trainer.output_dir") from err
 
 
+def read_json(file: Path):
+    """A JSON file of a checkpoint (``FileProblem`` naming it when it cannot be read)."""
+    return _read(Path(file), lambda f: json.loads(f.read_text()))
+
+
+def check_readable(path: Path) -> None:
+    """Raise ``FileProblem`` naming the first file of the checkpoint ``path`` that cannot be read: its JSON files
+    whole, its safetensors files' headers (cheap: before anything loads, the tensors themselves when they are read)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    read_state(path)
+    for name in (RNG_FILE, "config.json"):
+        if (path / name).is_file() or name == RNG_FILE and not (path / LEGACY_RNG_FILE).is_file():
+            read_json(path / name)
+    for name in (WEIGHTS_FILE, OPTIMIZER_FILE):
+        if name == WEIGHTS_FILE or not (path / LEGACY_OPTIMIZER_FILE).is_file():
+            _read(path / name, lambda f: safe_open(str(f), framework="pt").keys())
+
+
 def read_state(path: Path) -> dict:
     """A checkpoint's ``state.json`` (its step and data position)."""
     state = _read(Path(path) / STATE_FILE, lambda f: json.loads(f.read_text()))
@@ -204,6 +225,51 @@ def read_state(path: Path) -> dict:
         raise FileProblem(f"{Path(path) / STATE_FILE}: holds no step; resume from another checkpoint "
                           "(trainer.resume=<its folder>) or start afresh in another trainer.output_dir")
     return state
+
+
+def save_optimizer(file: Path, optimizer_state: dict, scheduler_state: dict) -> None:
+    """An optimizer's and its schedule's state dicts as one safetensors file: the state's tensors by
+    ``state.<index>.<name>``, everything else (hyperparameters, other values, which tensors were on the CPU) as JSON
+    in its metadata."""
+    tensors, values, on_cpu = {}, {}, []
+    for index, entries in optimizer_state["state"].items():
+        for name, value in entries.items():
+            key = f"state.{index}.{name}"
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value.detach().contiguous().cpu()
+                if value.device.type == "cpu":  # (AdamW's step counters): they stay there
+                    on_cpu.append(key)
+            else:
+                values[key] = value
+    save_file(tensors, str(file), metadata={"param_groups": json.dumps(optimizer_state["param_groups"]),
+                                            "scheduler": json.dumps(scheduler_state), "values": json.dumps(values),
+                                            "on_cpu": json.dumps(on_cpu)})
+
+
+def read_optimizer(path: Path, device: torch.device) -> dict:
+    """``{"optimizer": state dict, "scheduler": state dict}`` of the checkpoint ``path``, tensors on ``device`` but
+    those saved from the CPU; an older checkpoint's ``optimizer.pt`` read with ``weights_only=True``."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path / OPTIMIZER_FILE).is_file() and (path / LEGACY_OPTIMIZER_FILE).is_file():
+        return _read(path / LEGACY_OPTIMIZER_FILE,
+                     lambda f: torch.load(f, map_location=onto(device), weights_only=True))
+
+    def read(file: Path) -> dict:
+        with safe_open(str(file), framework="pt") as f:
+            meta = {k: json.loads(v) for k, v in f.metadata().items()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        state: dict[int, dict] = {}
+        for key, value in [*tensors.items(), *meta["values"].items()]:
+            _, index, name = key.split(".", 2)
+            if isinstance(value, torch.Tensor) and key not in meta["on_cpu"]:
+                value = value.to(device)
+            state.setdefault(int(index), {})[name] = value
+        return {"optimizer": {"state": dict(sorted(state.items())), "param_groups": meta["param_groups"]},
+                "scheduler": meta["scheduler"]}
+
+    return _read(path / OPTIMIZER_FILE, read)
 
 
 def read_rng(path: Path) -> list[dict]:

@@ -60,7 +60,7 @@ def _may_change(key: str) -> bool:
 def stored_config(path: Path) -> dict | None:
     """The training config a checkpoint was written with, or ``None`` when it holds none."""
     file = Path(path) / CONFIG_FILE
-    return json.loads(file.read_text()) if file.is_file() else None
+    return checkpoint.read_json(file) if file.is_file() else None
 
 
 def differences(stored: dict, current: dict) -> list[tuple[str, object, object]]:
@@ -101,6 +101,7 @@ def resume_problems(cfg: TrainConfig, data_digest: str | None = None, total_step
     path = checkpoint_to_resume(cfg)
     if path is None:
         return []
+    checkpoint.check_readable(path)  # a corrupt file named now, before anything loads
     how = (f"start fresh with another trainer.output_dir (or move {folder} away), or continue that checkpoint with "
            f"this run's settings on purpose: trainer.resume={path} trainer.resume_new_settings=true")
     stored = stored_config(path)

@@ -1,6 +1,6 @@
 """Resume puts the optimizer state on this process's device, whichever device the saving process had.
 
-On CPU the property is shown with a checkpoint as a GPU machine writes it: ``torch.save`` tags each
+On CPU the property is shown with a checkpoint of the older layout (``optimizer.pt``) as a GPU machine writes it: ``torch.save`` tags each
 storage with its device, and a storage tagged ``cuda:0`` (the tag is all that differs from a CPU save)
 cannot be read unmapped where there is no ``cuda:0``; ``load_checkpoint`` reads it onto the device of the
 parameters. The ``gpu`` case saves from real ``cuda:0`` tensors.
@@ -57,10 +57,14 @@ def _state_tensors(optimizer, moments_only=False):
 
 
 def test_optimizer_state_written_on_cuda_0_resumes_onto_this_process_device(tmp_path):
+    """A checkpoint of the layout before optimizer.safetensors (whose tensors carry no device: ``read_optimizer``
+    places them by its ``on_cpu`` list, the ``gpu`` case below)."""
     params, optimizer, scheduler = _trained()
+    path = checkpoint.save_checkpoint(tmp_path, 2, params, optimizer, scheduler,
+                                      {"epoch": 0, "micro_in_epoch": 2}, [checkpoint.rng_state()], keep_last=1)
+    (path / "optimizer.safetensors").unlink()
     with saved_as("cuda:0"):
-        path = checkpoint.save_checkpoint(tmp_path, 2, params, optimizer, scheduler,
-                                          {"epoch": 0, "micro_in_epoch": 2}, [checkpoint.rng_state()], keep_last=1)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, path / "optimizer.pt")
     if not torch.cuda.is_available():  # the file really is a cuda:0 one: unmapped, it cannot be read here
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(path / "optimizer.pt", weights_only=True)

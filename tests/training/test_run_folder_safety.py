@@ -59,8 +59,7 @@ class _Payload:
 def test_a_crafted_pickle_in_a_checkpoint_does_not_run(tmp_path, name):
     path = _saved(tmp_path / "run")
     marker = tmp_path / "ran"
-    if name == "rng.pt":  # a checkpoint of the layout before rng.json
-        (path / "rng.json").unlink()
+    (path / {"rng.pt": "rng.json", "optimizer.pt": "optimizer.safetensors"}[name]).unlink()  # the layout before
     with open(path / name, "wb") as f:
         pickle.dump({"optimizer": _Payload(marker), "scheduler": {}}, f)
     with pytest.raises(FileProblem, match=f"{name}: cannot be read"):
@@ -88,14 +87,34 @@ def test_rng_states_round_trip_through_json_and_an_older_rng_pt_still_reads(tmp_
     assert saved["torch"].dtype == torch.uint8
 
 
-@pytest.mark.parametrize("name,content", [("trainable.safetensors", b"\x00garbage"), ("optimizer.pt", b"garbage"),
+def test_optimizer_state_round_trips_without_pickles_and_an_older_optimizer_pt_still_reads(tmp_path):
+    params, optimizer, scheduler = _optimizer()
+    path = _saved(tmp_path / "run")
+    with open(path / "optimizer.safetensors", "rb") as f:
+        assert f.read(8) and b"pickle" not in f.read()
+    for layout in ("safetensors", "pt"):
+        if layout == "pt":  # what checkpoints held before
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                       path / "optimizer.pt")
+            (path / "optimizer.safetensors").unlink()
+        fresh, fresh_optimizer, fresh_scheduler = _optimizer(seed=1)
+        checkpoint.load_checkpoint(path, fresh, fresh_optimizer, fresh_scheduler)
+        torch.testing.assert_close(fresh["w"], params["w"], rtol=0, atol=0)
+        for (a, b) in zip(fresh_optimizer.state.values(), optimizer.state.values(), strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            assert a["step"].device.type == "cpu"
+        assert fresh_scheduler.state_dict() == scheduler.state_dict()
+
+
+@pytest.mark.parametrize("name,content", [("trainable.safetensors", b"\x00garbage"), ("optimizer.safetensors", b"garbage"),
                                           ("state.json", b"{not json"), ("rng.json", b"")])
 def test_a_corrupt_checkpoint_file_is_named_in_one_line(tmp_path, name, content):
     path = _saved(tmp_path / "run")
     (path / name).write_bytes(content)
-    with pytest.raises(FileProblem) as err:
-        checkpoint.load_checkpoint(path, *_optimizer(seed=1))
-    assert str(err.value).startswith(f"{path / name}: cannot be read") and "\n" not in str(err.value)
+    for read in (lambda: checkpoint.load_checkpoint(path, *_optimizer(seed=1)), lambda: checkpoint.check_readable(path)):
+        with pytest.raises(FileProblem) as err:
+            read()
+        assert str(err.value).startswith(f"{path / name}: cannot be read") and "\n" not in str(err.value)
 
 
 # ------------------------------------------------------------------------------------ one run per folder
@@ -211,6 +230,13 @@ def test_a_second_training_into_a_folder_in_use_is_refused(tmp_path):
     assert "Traceback" not in second.stderr and not (out / "checkpoints").exists()
     again = _train(model_dir, data, out)
     assert again.returncode == 0, again.stderr[-3000:]
+
+    # a corrupt checkpoint is named in one line before anything loads
+    weights = out / "checkpoints" / "step-0000004" / "trainable.safetensors"
+    weights.write_bytes(b"\x00" * 16)
+    corrupt = _train(model_dir, data, out, steps=6)
+    assert corrupt.returncode == 2 and corrupt.stderr.strip().splitlines()[-1].startswith(f"{weights}: cannot be read")
+    assert "Traceback" not in corrupt.stderr and "trainable parameters" not in corrupt.stdout
 
 
 @pytest.mark.integration
