@@ -39,6 +39,12 @@ def calibrate(cfg: BuildTreeConfig, model, tokenizer) -> tuple[list[str], list, 
     prompts passed over when ``exclude_training_data``) and the heads' ranks on them.
 
     Returns ``(prompts, sequences, ranks, rank accuracies, positions per head)``."""
+    from medusa_train.training.run_folder import read_training_config
+
+    if cfg.exclude_training_data and read_training_config(cfg.heads) is None:
+        print(f"note: {cfg.heads} carries no training_config.json (the record of the run that trained it), so its "
+              "training prompts are unknown and cannot be left out of calibration: if they are among the calibration "
+              "prompts, the expected figures come out high. Converted with medusa-train export, a draft keeps it.")
     if cfg.calibration == VALIDATION:
         source, v, predates = heads_validation(cfg.heads)
         prompts = validation_prompts(source, v.size or 64, v.seed)
