@@ -64,8 +64,8 @@ def test_a_changed_draft_setting_is_not_resumed_into(tiny_setup, tmp_path):
     run(eagle3_config(tiny_setup, tmp_path / "run", **{"trainer.max_steps": 2, "data.max_samples": 16}))
     overrides = train_overrides(*tiny_setup, tmp_path / "run", **{**DRAFT, "trainer.max_steps": 4,
                                                                   "data.max_samples": 16, "eagle3.ttt_steps": 2})
-    with pytest.raises(ConfigError, match="eagle3.ttt_steps"):
-        build(compose_raw("train", ["+recipe=eagle3", "debug=smoke", *overrides]))
+    with pytest.raises(ConfigError, match="eagle3.ttt_steps"):  # checked under the run folder's lock, before loading
+        run(build(compose_raw("train", ["+recipe=eagle3", "debug=smoke", *overrides])))
 
 
 def test_by_default_the_draft_vocabulary_is_chosen_from_the_data_and_the_step_cost(tiny_setup, tmp_path, capsys):

@@ -59,12 +59,13 @@ class _Payload:
 def test_a_crafted_pickle_in_a_checkpoint_does_not_run(tmp_path, name):
     path = _saved(tmp_path / "run")
     marker = tmp_path / "ran"
-    (path / {"rng.pt": "rng.json", "optimizer.pt": "optimizer.safetensors"}[name]).unlink()  # the layout before
+    (path / {"rng.pt": "rng.json", "optimizer.pt": "optimizer.safetensors"}[name]).unlink(missing_ok=True)  # older
     with open(path / name, "wb") as f:
         pickle.dump({"optimizer": _Payload(marker), "scheduler": {}}, f)
-    with pytest.raises(FileProblem, match=f"{name}: cannot be read"):
+    with pytest.raises(Exception) as err:
         checkpoint.load_checkpoint(path, *_optimizer(seed=1))
-    assert not marker.exists()
+    assert not marker.exists()  # the command in the pickle never ran
+    assert isinstance(err.value, FileProblem) and f"{name}: cannot be read" in str(err.value)
     assert "weights_only=False" not in "".join(p.read_text() for p in (ROOT / "medusa_train").rglob("*.py"))
 
 
