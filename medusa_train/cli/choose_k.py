@@ -22,6 +22,7 @@ def build_choose_k_config(raw) -> ChooseKConfig:
 
 def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
     """The checks that need the heads folder (or files: the prompts' source)."""
+    from medusa_train.evaluation.choose_k import record_output_problem
     from medusa_train.model.load import check_heads, read_exported_heads
     from medusa_train.tree.calibrate import bench_source_problem
 
@@ -36,6 +37,8 @@ def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
     p.extend(check_ks(c.ks, None if chains else num_heads))
     if num_heads is not None and (reason := served_problem(c.heads)):
         p.append(f"heads={c.heads}: vLLM cannot serve these heads: {reason}")
+    if c.output and (problem := record_output_problem(c.output)):
+        p.append(problem)
     return p
 
 

@@ -341,6 +341,12 @@ def seed_distillation(out: Path, cfg: DemoConfig) -> tuple[int, Path] | None:
         source = distill_path(out, cfg, n)
         if not _complete(source):
             continue
+        from medusa_train.data.distill.writer import WRITTEN_BY, write_json
+
+        settings = json.loads(source.with_suffix(".stats.json").read_text()).get("record_settings", {})
+        write_json(target.with_suffix(".stats.json"),  # first: the mark that the copies are distill's own output
+                   {"written_by": WRITTEN_BY, "complete": False, "record_settings": settings,
+                    "seeded_from": str(source)})
         for suffix in (".skipped.jsonl", ".jsonl"):  # records last: their file is what marks the seed
             if source.with_suffix(suffix).exists():
                 partial = target.with_suffix(suffix + ".partial")

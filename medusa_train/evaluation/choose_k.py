@@ -52,10 +52,34 @@ def serving_record(rows: Sequence[dict], settings: dict, base_model: str, export
             "base_model": base_model, "export": str(export), "device": device}
 
 
+def record_output_problem(path: str | os.PathLike, option: str = "output") -> str | None:
+    """Why a serving record must not be written to ``path`` (``None``: it may): a file there that is not one
+    (``serving_record``'s keys), a folder, or a place that cannot be written. Checked before any server starts."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return f"{option}={path}: is a folder; name a .json file"
+    if path.exists():
+        try:
+            ours = {"rows", "recommended_num_speculative_tokens"} <= set(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            ours = False
+        if not ours:
+            return (f"{option}={path}: exists and is not a record choose-k wrote; nothing was changed: choose "
+                    f"another {option}= (or move the file away)")
+    folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+        return f"{option}={path}: {folder} cannot be written; choose another {option}="
+    return None
+
+
 def write_json(path: str | os.PathLike, record: dict) -> Path:
     """Write ``record`` to ``path`` through a temporary file in the same folder and ``os.replace``: a crash never
-    leaves a half file."""
+    leaves a half file; a file there that is not a serving record is never replaced (``record_output_problem``)."""
+    from medusa_train.config.check import FileProblem
+
     path = Path(path)
+    if problem := record_output_problem(path):
+        raise FileProblem(problem)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -101,7 +101,6 @@ def resume_problems(cfg: TrainConfig, data_digest: str | None = None, total_step
     path = checkpoint_to_resume(cfg)
     if path is None:
         return []
-    checkpoint.check_readable(path)  # a corrupt file named now, before anything loads
     how = (f"start fresh with another trainer.output_dir (or move {folder} away), or continue that checkpoint with "
            f"this run's settings on purpose: trainer.resume={path} trainer.resume_new_settings=true")
     stored = stored_config(path)
@@ -111,6 +110,8 @@ def resume_problems(cfg: TrainConfig, data_digest: str | None = None, total_step
     problems = [] if t.resume_new_settings else [
         f"{key}={_show(now)}: the run in trainer.output_dir={t.output_dir} ({path.name}) was trained "
         f"with {key}={_show(then)}" for key, then, now in differences(stored, to_dict(cfg))]
+    if not problems:
+        checkpoint.check_readable(path)  # a corrupt file named now, before anything loads
     state = checkpoint.read_state(path)
     if total_steps is not None and total_steps < state["step"]:
         problems.append(f"trainer.max_steps={t.max_steps}: this run has {total_steps} steps in all, fewer than the "

@@ -200,7 +200,8 @@ def tree_yaml(choices: Sequence[Sequence[int]], rank_accuracies: Sequence[Sequen
               comments: Sequence[str] = (), extra: dict | None = None) -> str:
     """A tree YAML (``choices:``, ``expected_accept_length:``, ``rank_accuracies:``, then ``extra``'s keys)
     opening with ``comments``."""
-    lines = [TREE_MARK] + [f"# {c}" for c in comments]
+    marked = bool(comments) and f"# {comments[0]}".startswith(TREE_MARK)  # build-tree's command line marks it
+    lines = ([] if marked else [TREE_MARK]) + [f"# {c}" for c in comments]
     rows = [", ".join(str(list(c)) for c in choices[i: i + 8])
             for i in range(0, len(choices), 8)]
     lines += ["choices: [", *(f"  {row}," for row in rows), "]"] if choices else ["choices: []"]
@@ -216,13 +217,12 @@ def tree_yaml(choices: Sequence[Sequence[int]], rank_accuracies: Sequence[Sequen
     return text
 
 
-TREE_MARK = "# a tree written by medusa-train build-tree"  #: the first line of every tree it writes: the file is ours
-LEGACY_MARK = "# medusa-train build-tree heads="  #: the first line of the trees it wrote before ``TREE_MARK``
+TREE_MARK = "# medusa-train build-tree"  #: how every tree it writes begins (its command line): the file is ours
 
 
 def tree_output_problem(path: str | os.PathLike, option: str = "output") -> str | None:
-    """Why a tree must not be written to ``path`` (``None``: it may): a file there that build-tree did not write (its
-    first line is not ``TREE_MARK``), a folder, or a place that cannot be written. Checked before any work."""
+    """Why a tree must not be written to ``path`` (``None``: it may): a file there that build-tree did not write (it
+    does not begin with ``TREE_MARK``), a folder, or a place that cannot be written. Checked before any work."""
     path = Path(path).expanduser()
     change = f"choose another {option}= (or move the file away)"
     if path.is_dir():
@@ -233,7 +233,7 @@ def tree_output_problem(path: str | os.PathLike, option: str = "output") -> str 
                 first = f.readline().rstrip("\n")
         except OSError as err:
             return f"{option}={path}: cannot be read ({err.strerror or err}); {change}"
-        if first != TREE_MARK and not first.startswith(LEGACY_MARK):
+        if not first.startswith(TREE_MARK):
             return f"{option}={path}: exists and build-tree did not write it; nothing was changed: {change}"
     folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
     if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):

@@ -94,11 +94,25 @@ def test_when_no_k_beats_serving_without_speculation_none_is_recommended(heads):
 
 
 def test_serving_json_is_replaced_whole_or_not_at_all(tmp_path):
-    path = write_json(tmp_path / SERVING_NAME, {"recommended_num_speculative_tokens": 2})
+    path = write_json(tmp_path / SERVING_NAME, {"recommended_num_speculative_tokens": 2, "rows": []})
     with pytest.raises(TypeError):
         write_json(path, {"rows": [object()]})  # fails half-way through the JSON
-    assert json.loads(path.read_text()) == {"recommended_num_speculative_tokens": 2}
+    assert json.loads(path.read_text()) == {"recommended_num_speculative_tokens": 2, "rows": []}
     assert os.listdir(tmp_path) == [SERVING_NAME]
+
+
+def test_an_output_file_choose_k_did_not_write_is_refused_before_any_server_starts(heads, tmp_path):
+    """Issue 57: ``output=`` naming someone's file is a config problem; the file is kept."""
+    _, export = heads
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    with pytest.raises(ConfigError) as err:
+        build_choose_k_config(compose_config("choose_k", [f"heads={export}", f"output={notes}"]))
+    assert err.value.problems == [f"output={notes}: exists and is not a record choose-k wrote; nothing was changed: "
+                                  "choose another output= (or move the file away)"]
+    with pytest.raises(ValueError, match="is not a record choose-k wrote"):
+        write_json(notes, {"rows": []})
+    assert notes.read_text() == '{"mine": true}'
 
 
 def test_ks_default_to_every_k_from_no_speculation_to_every_head():
