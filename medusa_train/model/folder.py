@@ -77,9 +77,12 @@ def output_problem(directory: str | os.PathLike, option: str | None = None) -> s
     """
     directory = Path(directory)
     foreign = foreign_entries(directory)
-    if not foreign:
-        return None
     change = f"choose another {option}=" if option else "write to another folder"
+    if not foreign:  # replaced through a temporary folder beside it: its parent must take one
+        parent = next(p for p in directory.absolute().parents if p.exists())
+        if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+            return f"{directory}: {parent} cannot be written; {change}"
+        return None
     if not directory.is_dir():
         return f"{directory} is a file, not a folder: {change}"
     listed = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")

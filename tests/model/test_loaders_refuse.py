@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from medusa_train.backbone.load import load_backbone
 from medusa_train.config.check import FileProblem
 from medusa_train.config.model import EvalModelConfig
+from medusa_train.data.distill.writer import ownership_problem
 from medusa_train.evaluation.report import report_output_problem
 from medusa_train.export.write import export_folder
 from medusa_train.model.eagle3_model import Eagle3Model
@@ -99,6 +100,10 @@ def test_a_place_that_cannot_be_written_is_said_before_any_work(tmp_path):
     assert tree_output_problem(tmp_path / "a-file" / "t.yaml") == (
         f"output={tmp_path / 'a-file' / 't.yaml'}: {tmp_path / 'a-file'} cannot be written; choose another output=")
     assert "cannot be written" in report_output_problem(tmp_path / "a-file" / "eval")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'a-file'} cannot be written; choose another output="):
+        export_folder(_eagle3(tmp_path)[1], tmp_path / "a-file" / "export", "vllm")
+    assert ownership_problem(tmp_path / "a-file" / "d.jsonl") == (
+        f"output={tmp_path / 'a-file' / 'd.jsonl'}: {tmp_path / 'a-file'} cannot be written; choose another output=")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")

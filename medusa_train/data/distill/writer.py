@@ -111,6 +111,9 @@ def ownership_problem(output: Path) -> str | None:
     """Why distill must not write ``output`` and its sidecars (``None``: it may): one of them holds something and the
     stats file does not say distill wrote them. Checked before anything is opened, truncated or written."""
     stats = sidecar(output, ".stats.json")
+    folder = next(p for p in (output.parent, *output.parent.parents) if p.exists())
+    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+        return f"output={output}: {folder} cannot be written; choose another output="
     if written_by_distill(stats):
         return None
     held = [p for p in (output, sidecar(output, ".skipped.jsonl"), stats)
