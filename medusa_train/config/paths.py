@@ -7,6 +7,7 @@ training config and finds the built-in trees wherever it runs.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -27,3 +28,11 @@ def heads_name(heads: str) -> str:
     ``<run>/export`` (``outputs/eval/<name>``, ``outputs/trees/<name>-n<nodes>.yaml``)."""
     path = Path(heads).expanduser().resolve()
     return path.parent.name if path.name == "export" and path.parent.name else path.name
+
+
+def unwritable(folder: str | os.PathLike) -> Path | None:
+    """Where writing into ``folder`` (made if absent) would fail: its nearest existing folder or parent when that
+    cannot be written, or is a file; ``None`` when the write can start. Commands check it before any work."""
+    folder = Path(folder).expanduser().absolute()
+    nearest = next(p for p in (folder, *folder.parents) if p.exists())
+    return None if nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK) else nearest

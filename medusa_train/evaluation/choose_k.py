@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from medusa_train.config.choose_k import ChooseKConfig
+from medusa_train.config.paths import unwritable
 from medusa_train.model.folder import CHAT_TEMPLATE_NAME, SERVING_NAME
 
 
@@ -66,10 +67,8 @@ def record_output_problem(path: str | os.PathLike, option: str = "output") -> st
         if not ours:
             return (f"{option}={path}: exists and is not a record choose-k wrote; nothing was changed: choose "
                     f"another {option}= (or move the file away)")
-    folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
-    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
-        return f"{option}={path}: {folder} cannot be written; choose another {option}="
-    return None
+    blocked = unwritable(path.parent)
+    return f"{option}={path}: {blocked} cannot be written; choose another {option}=" if blocked else None
 
 
 def write_json(path: str | os.PathLike, record: dict) -> Path:

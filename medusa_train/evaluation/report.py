@@ -11,6 +11,8 @@ import os
 import warnings
 from pathlib import Path
 
+from medusa_train.config.paths import unwritable
+
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -41,10 +43,8 @@ def report_output_problem(output_dir: str | os.PathLike, option: str = "output_d
     if present and not _ours(out / "report.json"):
         return (f"{option}={out}: holds {', '.join(present)}, which evaluate did not write; nothing was changed: "
                 f"choose another {option}= (or move them away)")
-    folder = next(p for p in (out, *out.parents) if p.exists())
-    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
-        return f"{option}={out}: {folder} cannot be written; choose another {option}="
-    return None
+    blocked = unwritable(out)
+    return f"{option}={out}: {blocked} cannot be written; choose another {option}=" if blocked else None
 
 
 def write_report(report: dict, output_dir: str | os.PathLike) -> dict[str, Path]:

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from medusa_train.backbone import assets
 from medusa_train.backbone.chat_template import resolve_chat_template
 from medusa_train.backbone.merge import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR
+from medusa_train.config.paths import unwritable
 from medusa_train.model.layouts import (
     CONFIG_NAME,
     MEDUSA_V1_PT_NAME,
@@ -79,10 +80,8 @@ def output_problem(directory: str | os.PathLike, option: str | None = None) -> s
     foreign = foreign_entries(directory)
     change = f"choose another {option}=" if option else "write to another folder"
     if not foreign:  # replaced through a temporary folder beside it: its parent must take one
-        parent = next(p for p in directory.absolute().parents if p.exists())
-        if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
-            return f"{directory}: {parent} cannot be written; {change}"
-        return None
+        blocked = unwritable(directory.absolute().parent)
+        return f"{directory}: {blocked} cannot be written; {change}" if blocked else None
     if not directory.is_dir():
         return f"{directory} is a file, not a folder: {change}"
     listed = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")

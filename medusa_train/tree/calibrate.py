@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from medusa_train.config.check import FileProblem
+from medusa_train.config.paths import unwritable
 from medusa_train.data.benchmarks import benchmark_prompt_texts, load_benchmark, normalise_prompt
 from medusa_train.data.validation import VALIDATION, greedy_replies, prompt_fits, validation_prompts
 from medusa_train.model.walk import (  # noqa: F401 - the walk, for build-tree's callers
@@ -235,10 +236,8 @@ def tree_output_problem(path: str | os.PathLike, option: str = "output") -> str 
             return f"{option}={path}: cannot be read ({err.strerror or err}); {change}"
         if not first.startswith(TREE_MARK):
             return f"{option}={path}: exists and build-tree did not write it; nothing was changed: {change}"
-    folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
-    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
-        return f"{option}={path}: {folder} cannot be written; choose another {option}="
-    return None
+    blocked = unwritable(path.parent)
+    return f"{option}={path}: {blocked} cannot be written; choose another {option}=" if blocked else None
 
 
 def write_tree(path: str | os.PathLike, rank_accuracies: Sequence[Sequence[float]], nodes: int, expected: float,

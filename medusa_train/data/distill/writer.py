@@ -18,6 +18,7 @@ from pathlib import Path
 
 from medusa_train.config.check import ConfigError
 from medusa_train.config.distill import DistillConfig, record_settings
+from medusa_train.config.paths import unwritable
 
 WRITTEN_BY = "medusa-train distill"  #: the stats file's mark: the output beside it is ours
 
@@ -111,9 +112,8 @@ def ownership_problem(output: Path) -> str | None:
     """Why distill must not write ``output`` and its sidecars (``None``: it may): one of them holds something and the
     stats file does not say distill wrote them. Checked before anything is opened, truncated or written."""
     stats = sidecar(output, ".stats.json")
-    folder = next(p for p in (output.parent, *output.parent.parents) if p.exists())
-    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
-        return f"output={output}: {folder} cannot be written; choose another output="
+    if blocked := unwritable(output.parent):
+        return f"output={output}: {blocked} cannot be written; choose another output="
     if written_by_distill(stats):
         return None
     held = [p for p in (output, sidecar(output, ".skipped.jsonl"), stats)
