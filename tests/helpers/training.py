@@ -49,6 +49,21 @@ def train_overrides(model_dir: Path, data: Path, output_dir: Path, **extra) -> l
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def train_command(model_dir: Path, data: Path, output_dir: Path, *extra: str, **values):
+    """``train.py +recipe=medusa1 debug=smoke`` with ``train_overrides`` (``values`` among them) and ``extra`` last,
+    run to its end in a process of its own, one thread: the ``CompletedProcess``."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    cmd = [sys.executable, "train.py", "+recipe=medusa1", "debug=smoke",
+           *train_overrides(model_dir, data, output_dir, **values), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=600)
+
+
 def compose_config(overrides: list[str], recipe: str = "medusa1"):
     """The real training config (configs/train.yaml + recipe + the smoke trainer), validated, with
     ``overrides`` applied last: what ``train.py +recipe=<recipe> debug=smoke <overrides>`` would run."""

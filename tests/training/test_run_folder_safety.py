@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 import torch
 from helpers import ROOT
-from helpers.training import WORDS, compose_config, make_model_dir, read_metrics, train_overrides
+from helpers.training import (
+    WORDS,
+    compose_config,
+    make_model_dir,
+    read_metrics,
+    train_command,
+    train_overrides,
+)
 
 from medusa_train.config.check import FileProblem
 from medusa_train.training import checkpoint
@@ -161,12 +168,9 @@ def _counting_chat(path, n=60, seed=0, change=None):
 
 
 def _train(model_dir, data, out, *extra, steps=4):
-    overrides = train_overrides(model_dir, data, out, **{"trainer.max_steps": steps, "trainer.save_every": 2,
-                                                        "trainer.eval_every": 2, "data.validation.size": 2,
-                                                        "data.validation.max_new_tokens": 8})
-    return subprocess.run([sys.executable, "train.py", "+recipe=medusa1", "debug=smoke", *overrides, *extra],
-                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=600)
+    return train_command(model_dir, data, out, *extra, **{"trainer.max_steps": steps, "trainer.save_every": 2,
+                                                         "trainer.eval_every": 2, "data.validation.size": 2,
+                                                         "data.validation.max_new_tokens": 8})
 
 
 @pytest.mark.integration

@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from helpers import ROOT
-from helpers.training import compose_config, make_chat_jsonl, make_model_dir, read_metrics, train_overrides
+from helpers.training import (
+    compose_config,
+    make_chat_jsonl,
+    make_model_dir,
+    read_metrics,
+    train_command,
+    train_overrides,
+)
 
 from medusa_train.training import checkpoint
 from medusa_train.training.resume import differences, resume_problems
 
 
 def _train(model_dir, data, out, *extra):
-    cmd = [sys.executable, "train.py", "+recipe=medusa1", "debug=smoke",
-           *train_overrides(model_dir, data, out, **{"trainer.max_steps": 4, "trainer.save_every": 2,
-                                                     "trainer.eval_every": 0, "data.max_samples": 40}), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=600)
+    return train_command(model_dir, data, out, *extra, **{"trainer.max_steps": 4, "trainer.save_every": 2,
+                                                         "trainer.eval_every": 0, "data.max_samples": 40})
 
 
 @pytest.mark.integration
