@@ -57,7 +57,7 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
-        if self.accelerator.trackers:
+        if self.accelerator.trackers and record.get("split") != "resume":  # a record of settings, not figures
             split = record.get("split", "train")
             self.accelerator.log({f"{split}/{k}": v for k, v in record.items() if k not in ("step", "split")},
                                  step=record["step"])
