@@ -87,7 +87,8 @@ def checkpoint_to_resume(cfg: TrainConfig) -> Path | None:
 
 def resume_problems(cfg: TrainConfig, data_digest: str | None = None, total_steps: int | None = None) -> list[str]:
     """Why this run must not continue the checkpoint it would resume (empty when it may: none, or one written with
-    these settings and, where known, these examples (``data_digest``) and no more steps than ``total_steps``).
+    these settings and, where known, these examples (``data_digest``) and no fewer steps in all than its step
+    (``total_steps``, else ``trainer.max_steps`` when set)).
 
     ``trainer.resume=never`` into a folder that holds checkpoints is refused too: its checkpoints would sit beside
     the old run's, and the next ``auto`` would continue whichever step is higher."""
@@ -113,6 +114,7 @@ def resume_problems(cfg: TrainConfig, data_digest: str | None = None, total_step
     if not problems:
         checkpoint.check_readable(path)  # a corrupt file named now, before anything loads
     state = checkpoint.read_state(path)
+    total_steps = t.max_steps if total_steps is None else total_steps  # known before the data when max_steps is set
     if total_steps is not None and total_steps < state["step"]:
         problems.append(f"trainer.max_steps={t.max_steps}: this run has {total_steps} steps in all, fewer than the "
                         f"{state['step']} of {path}; raise it, or resume an earlier checkpoint (trainer.resume=<its "
