@@ -22,9 +22,9 @@ import json
 from pathlib import Path
 
 from medusa_train.backbone.merge import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR, merge_backbone
-from medusa_train.model.folder import replace_folder, write_heads_files
+from medusa_train.model.folder import VALIDATION_FILE, replace_folder, write_heads_files
 from medusa_train.training import loop
-from medusa_train.training.run_folder import OPTION, VALIDATION_FILE, RunFolder, TrainedRun
+from medusa_train.training.run_folder import OPTION, RunFolder, TrainedRun
 
 
 def save_run_export(run: TrainedRun) -> Path | None:

@@ -210,17 +210,20 @@ def check_readable(path: Path) -> None:
 
     path = Path(path)
     read_state(path)
-    for name in (RNG_FILE, "config.json"):
-        if (path / name).is_file() or name == RNG_FILE and not (path / LEGACY_RNG_FILE).is_file():
+    legacy = {RNG_FILE: LEGACY_RNG_FILE, OPTIMIZER_FILE: LEGACY_OPTIMIZER_FILE}  # stands in for it in older ones
+    for name in (RNG_FILE, "config.json", WEIGHTS_FILE, OPTIMIZER_FILE):
+        older = legacy.get(name)
+        if not (path / name).is_file() and (name == "config.json" or older and (path / older).is_file()):
+            continue  # no stored settings (resume.py says so), or the older layout's file instead
+        if name.endswith(".json"):
             read_json(path / name)
-    for name in (WEIGHTS_FILE, OPTIMIZER_FILE):
-        if name == WEIGHTS_FILE or not (path / LEGACY_OPTIMIZER_FILE).is_file():
+        else:
             _read(path / name, lambda f: safe_open(str(f), framework="pt").keys())
 
 
 def read_state(path: Path) -> dict:
     """A checkpoint's ``state.json`` (its step and data position)."""
-    state = _read(Path(path) / STATE_FILE, lambda f: json.loads(f.read_text()))
+    state = read_json(Path(path) / STATE_FILE)
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise FileProblem(f"{Path(path) / STATE_FILE}: holds no step; resume from another checkpoint "
                           "(trainer.resume=<its folder>) or start afresh in another trainer.output_dir")
@@ -276,7 +279,7 @@ def read_rng(path: Path) -> list[dict]:
     """Every process's RNG states saved in the checkpoint ``path`` (``rng.json``, or an older one's ``rng.pt``)."""
     path = Path(path)
     if (path / RNG_FILE).is_file() or not (path / LEGACY_RNG_FILE).is_file():
-        return [rng_from_json(r) for r in _read(path / RNG_FILE, lambda f: json.loads(f.read_text()))]
+        return [rng_from_json(r) for r in read_json(path / RNG_FILE)]
     core = np._core if hasattr(np, "_core") else np.core  # NumPy 2 / 1
     allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     with torch.serialization.safe_globals(allowed):  # NumPy's state is an array of uint32; nothing else is allowed

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from medusa_train.backbone.chat_template import resolve_chat_template, tokenizer_template
 from medusa_train.config.check import FileProblem
-from medusa_train.model.folder import TRAINING_CONFIG_NAME, VALIDATION_FILE, output_problem  # noqa: F401
+from medusa_train.model.folder import TRAINING_CONFIG_NAME, output_problem
 
 OPTION = "trainer.output_dir"  #: the key that names a run's folder, for messages
 LOCK_NAME = ".lock"
