@@ -15,5 +15,6 @@ config_packages = [CONFIGS, *(f"{CONFIGS}.{name}" for name in find_namespace_pac
 setup(
     packages=[*find_packages(include=["medusa_train", "medusa_train.*"]), *config_packages],
     package_dir={CONFIGS: "configs"},
-    package_data={name: ["*.yaml"] for name in config_packages},
+    package_data={**{name: ["*.yaml"] for name in config_packages},
+                  "medusa_train.backbone": ["kernels/*.cpp"]},  # the row kernel, compiled where it runs
 )

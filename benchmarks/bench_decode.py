@@ -39,6 +39,7 @@ import torch
 from benchmarks.bench_options import bench_options
 from benchmarks.steps import DecodeStepParts
 from medusa_train import MedusaModel, load_backbone
+from medusa_train.backbone.rows import linear_path, use_row_kernel
 from medusa_train.decoding import MedusaTree
 from medusa_train.tree.cost import median_times
 from medusa_train.tree.fit import assumed_rank_accuracies, expected_accept_length
@@ -95,6 +96,8 @@ def main(**overrides) -> int:
         return 2
     backbone, _ = load_backbone(opts["model"], dtype=opts["dtype"])
     backbone.to(device)
+    _, linear_note = use_row_kernel(backbone)
+    print(linear_note)
     model = MedusaModel.from_backbone(backbone, num_heads=num_heads, share_lm_head=opts["share_lm_head"] == "true",
                                       next_token_input=opts["reads"] != "plain",
                                       path_input=opts["reads"] in ("path", "prefix"),
@@ -133,7 +136,8 @@ def main(**overrides) -> int:
     output = Path(opts["output"] or f"outputs/bench/decode-{opts['dtype']}-{opts['reads']}{draft}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in opts.items() if k != "output"} | {"device": str(device),
-                                                                  "threads": torch.get_num_threads()}
+                                                                  "threads": torch.get_num_threads(),
+                                                                  "linear_layers": linear_path(backbone)}
     output.write_text(json.dumps({"settings": settings, "plain_ms": plain * 1e3,
                                   "plain_explicit_mask_ms": plain_explicit * 1e3, "trees": rows}, indent=1) + "\n")
     print(f"\nwrote {output}" + (f" and {plot(rows, plain, settings, output.with_suffix('.png'))}"

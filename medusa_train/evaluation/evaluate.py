@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
+from medusa_train.backbone.rows import linear_path
 from medusa_train.config.evaluate import BaselinesConfig, DecodeConfig
 from medusa_train.config.paths import TREE_DIR
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
@@ -262,6 +263,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         "draft": model.config.draft_name,
         "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
         "device": str(model.lm_head.weight.device), "torch_threads": torch.get_num_threads(),
+        "linear_layers": linear_path(model.backbone),
         "warmup": warmup, "cpu_load_average_at_start": round(load_at_start, 2),
         "plain_decoding": f"HF transformers {_transformers_version()} generate, greedy"
                           if gen.temperature == 0 else f"HF transformers {_transformers_version()} generate, sampled",

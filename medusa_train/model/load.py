@@ -115,6 +115,7 @@ def load_heads(heads_dir: str | os.PathLike | ExportedHeads, model: EvalModelCon
         ``(MedusaModel, tokenizer)`` in eval mode.
     """
     from medusa_train.backbone.load import load_backbone
+    from medusa_train.backbone.rows import use_row_kernel
 
     model = model or EvalModelConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -128,6 +129,7 @@ def load_heads(heads_dir: str | os.PathLike | ExportedHeads, model: EvalModelCon
     backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
                                         attn_implementation=model.attn_implementation)
     backbone.to(device)
+    use_row_kernel(backbone)  # a CPU float32 backbone's decoding steps: medusa_train/backbone/rows.py
     medusa = load_draft(heads, backbone)
     for part in medusa.draft_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)

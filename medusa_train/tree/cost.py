@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from medusa_train.backbone.rows import linear_path
 from medusa_train.decoding.acceptance import greedy_accept
 from medusa_train.decoding.generate import compact_cache, propose, verify_tree
 from medusa_train.decoding.tree import MedusaTree
@@ -162,7 +163,8 @@ def measure_cost_curve(model, trees: dict[int, MedusaTree], context: int = 256, 
     # speedup by 10-20% (generate 56 ms per token against a 48 ms plain step in one curve, 43 against 48 in another)
     seconds = median_times([steps.plain_step, lambda: steps.generate_per_token(generate_tokens)]
                            + [steps.verify_step(trees[n]) for n in sizes], repeats, warmup, steps.device)
-    return CostCurve(device=_device_name(steps.device), dtype=str(steps.dtype).removeprefix("torch."),
+    linears = "" if steps.device.type == "cuda" else f", {linear_path(model.backbone)}"
+    return CostCurve(device=_device_name(steps.device) + linears, dtype=str(steps.dtype).removeprefix("torch."),
                      threads=torch.get_num_threads(), context=context, repeats=repeats, plain_ms=seconds[0] * 1e3,
                      generate_ms=seconds[1] * 1e3, verify_ms={n: s * 1e3 for n, s in zip(sizes, seconds[2:])})
 

@@ -1,0 +1,113 @@
+// medusa-train's CPU float32 linear for a few rows (a decoding step: 1 token, or a verify over 2-16 tree nodes).
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] with w in nn.Linear's own (out, in) layout: nothing is repacked or copied.
+// Every (m, n) is summed the same way whatever the number of rows and threads (one vector accumulator over k in
+// order, a fixed horizontal sum, then the tail in order), so a row's output is bitwise the same in a 1-token
+// step and in an N-token verify: what greedy parity in float32 rests on.
+//
+// Why: a library GEMM at 2-16 rows packs the weights on every call and then computes, instead of streaming them
+// once; a step that reads the same weights as a 1-token step costs 1.8x one (docs/results.md, "Step cost").
+// Here each weight vector is loaded once and used by every row (NR weight rows x MB input rows in registers).
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <algorithm>
+
+#if defined(__AVX512F__)
+#define VW 16
+#ifndef NR
+#define NR 4  // weight rows and input rows a block holds in registers: 4 x 6 accumulators + 4 weight vectors
+#endif        // + 1 input vector of the 32 registers
+#ifndef MBMAX
+#define MBMAX 6
+#endif
+typedef __m512 vec;
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) {
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
+#ifndef NR
+#define NR 3  // 3 x 4 accumulators + 3 weight vectors + 1 input vector of the 16 registers (4 x 2 measured slower
+#endif        // from 4 rows on)
+#ifndef MBMAX
+#define MBMAX 4
+#endif
+typedef __m256 vec;
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+#error "the row kernel needs AVX2 with FMA, or AVX-512"
+#endif
+
+template <int MB>
+static inline void block(const float* X, const float* W, float* Y, int64_t m0, int64_t n0, int64_t nr, int64_t K,
+                         int64_t KV, int64_t N) {
+  vec acc[NR][MB];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MB; ++i) acc[r][i] = vzero();
+  const float* w[NR];
+  for (int r = 0; r < NR; ++r) w[r] = W + (n0 + (r < nr ? r : 0)) * K;
+  for (int64_t k = 0; k < KV; k += VW) {
+    vec wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = vload(w[r] + k);
+    for (int i = 0; i < MB; ++i) {
+      vec xv = vload(X + (m0 + i) * K + k);
+      for (int r = 0; r < NR; ++r) acc[r][i] = vfma(wv[r], xv, acc[r][i]);
+    }
+  }
+  for (int r = 0; r < nr; ++r)
+    for (int i = 0; i < MB; ++i) {
+      float s = vsum(acc[r][i]);
+      for (int64_t k = KV; k < K; ++k) s += w[r][k] * X[(m0 + i) * K + k];
+      Y[(m0 + i) * N + n0 + r] = s;
+    }
+}
+
+template <int MB>
+static inline void rows_from(const float* X, const float* W, float* Y, int64_t m0, int64_t n0, int64_t nr,
+                             int64_t K, int64_t KV, int64_t N, int64_t left) {
+  if constexpr (MB > 0) {
+    if (left == MB) return block<MB>(X, W, Y, m0, n0, nr, K, KV, N);
+    rows_from<MB - 1>(X, W, Y, m0, n0, nr, K, KV, N, left);
+  }
+}
+
+torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear: x (M, K), w (N, K)");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "rows_linear: float32 only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rows_linear: CPU tensors only");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto y = torch::empty({M, N}, xc.options());
+  const float* X = xc.data_ptr<float>();
+  const float* W = wc.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const int64_t KV = K - K % VW;
+  const int64_t blocks = (N + NR - 1) / NR;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * NR, nr = std::min<int64_t>(NR, N - n0);
+      int64_t m0 = 0;
+      for (; m0 + MBMAX <= M; m0 += MBMAX) block<MBMAX>(X, W, Y, m0, n0, nr, K, KV, N);
+      rows_from<MBMAX - 1>(X, W, Y, m0, n0, nr, K, KV, N, M - m0);
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("rows_linear", &rows_linear, "y = x @ w.T for a few float32 rows"); }

@@ -1,0 +1,141 @@
+"""The row kernel: a backbone's float32 linear layers on a CPU, for the 1-64 rows of a decoding step.
+
+A decoding step on a CPU is memory-bound: a 1-token step and a verify over a few tree nodes read the same
+weights. A library GEMM does not treat them alike: at 2-16 rows it packs the weights on each call and computes
+afterwards, so a 2-token verify in float32 costs 1.8x a 1-token step on an AVX2 CPU (``docs/results.md``, "Step
+cost"). ``kernels/rows.cpp`` streams each weight once and uses it for every row, in ``nn.Linear``'s own layout
+(nothing is copied), and sums each output the same way whatever the number of rows, so a row's output is
+bitwise the same in a 1-token step and in an N-token verify.
+
+``use_row_kernel(model)`` switches every plain ``nn.Linear`` of a model to it. A switched layer uses the kernel
+only where it applies (no autograd, float32 CPU tensors, at most ``MAX_ROWS`` rows) and ``F.linear`` everywhere
+else: training, prefill, bfloat16 and CUDA are untouched. Every decoder on the machine gets it at once (HF
+``generate``, prompt lookup and ours run the same backbone), so a speedup still divides by the best plain
+decoding there. The kernel is compiled for this CPU on first use (AVX-512 or AVX2 with FMA; ~30 s, cached by
+torch in ``~/.cache/torch_extensions``); without a compiler, or on another CPU, layers stay as they are and one
+line says why. ``MEDUSA_TRAIN_ROW_KERNEL=0`` turns it off (a benchmark's "before").
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 64  #: the most rows (tokens in a step) the kernel takes; more go to ``F.linear`` (a prefill)
+ENV_SWITCH = "MEDUSA_TRAIN_ROW_KERNEL"  #: ``0`` / ``off``: never switch layers
+SOURCE = Path(__file__).with_name("kernels") / "rows.cpp"
+
+# the instruction sets the kernel is written for, by torch's name for the CPU's capability, and their flags
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+
+
+def switched_off() -> bool:
+    """True when ``MEDUSA_TRAIN_ROW_KERNEL`` says not to use the kernel."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no")
+
+
+def cpu_isa() -> str | None:
+    """The instruction set the kernel is built for on this CPU (``AVX512`` / ``AVX2``), or None.
+
+    Follows torch's own choice (``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 CPU gives the AVX2 kernel, as it
+    gives torch's AVX2 kernels: how an AVX2 machine's code paths are measured on a newer one)."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    for isa in ISA_FLAGS:
+        if capability.startswith(isa):
+            return isa
+    return None
+
+
+@functools.cache
+def row_kernel():
+    """The compiled kernel module for this CPU, or a string saying why there is none (built once a process)."""
+    if switched_off():
+        return f"off ({ENV_SWITCH}={os.environ[ENV_SWITCH]})"
+    isa = cpu_isa()
+    if isa is None:
+        return f"not built: this CPU's capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2 or AVX-512"
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
+
+        # named by its instruction set and source: a cache shared between machines never hands one the other's build
+        return load(name=f"medusa_train_rows_{isa.lower()}_{_source_digest()}", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa]], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as err:  # no compiler, no ninja, a read-only cache: the layers stay on F.linear
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return f"not built ({type(err).__name__}: {first[:200]})"
+
+
+def _ninja_on_path() -> None:
+    """torch builds with the ``ninja`` command: where only the pip package has it (a venv used without being
+    activated), its folder goes on this process's PATH."""
+    import shutil
+
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _source_digest() -> str:
+    import hashlib
+
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+
+
+class RowLinear(torch.nn.Linear):
+    """An ``nn.Linear`` that runs a decoding step's few float32 CPU rows through the row kernel.
+
+    The same parameters and state dict as the layer it was; ``use_row_kernel`` switches a layer's class to it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (0 < rows <= MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+                and w.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            y = row_kernel().rows_linear(x.reshape(rows, x.shape[-1]), w)
+            if self.bias is not None:
+                y += self.bias
+            return y.reshape(*x.shape[:-1], w.shape[0])
+        return F.linear(x, w, self.bias)
+
+
+def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
+    """Switch ``model``'s plain ``nn.Linear`` layers to ``RowLinear`` when it sits on a CPU in float32.
+
+    Returns ``(layers switched, what was done)``; 0 layers where the model is elsewhere or in another dtype,
+    the kernel is switched off, or it could not be built (the reason is in the message). Quantized and adapter
+    layers (subclasses of ``nn.Linear``) are left alone."""
+    params = list(model.parameters())
+    if not params or any(p.device.type != "cpu" for p in params):
+        return 0, "row kernel: not used (the model is not on a CPU)"
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
+    if not layers:
+        return 0, "row kernel: not used (no float32 linear layers)"
+    kernel = row_kernel()
+    if isinstance(kernel, str):
+        return 0, f"row kernel: {kernel}; float32 steps use torch's GEMM"
+    for layer in layers:
+        layer.__class__ = RowLinear
+    return len(layers), f"row kernel: {len(layers)} float32 linear layers ({cpu_isa()})"
+
+
+def without_row_kernel(model: torch.nn.Module) -> int:
+    """Switch ``RowLinear`` layers back to ``nn.Linear`` (a benchmark's "before" on the same model)."""
+    layers = [m for m in model.modules() if type(m) is RowLinear]
+    for layer in layers:
+        layer.__class__ = torch.nn.Linear
+    return len(layers)
+
+
+def linear_path(model: torch.nn.Module) -> str:
+    """What a decoding step's float32 linear layers run on, for a report: the row kernel or torch's GEMM."""
+    switched = sum(type(m) is RowLinear for m in model.modules())
+    return f"row kernel ({cpu_isa()}, {switched} layers)" if switched else "torch GEMM"

@@ -1,0 +1,133 @@
+"""The row kernel (``medusa_train/backbone/rows.py``): a decoding step's float32 CPU linears.
+
+What it must hold: the product of ``F.linear`` to float32 accuracy on any shape (tails of K, N and rows
+included); each row's output bitwise the same whatever rows sit beside it (a 1-token step and an N-token verify
+agree); every other call (autograd, bfloat16, a prefill's many rows) exactly ``F.linear``'s; greedy decoding
+unchanged; a model's weights and state dict untouched.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.backbones import make_tiny_backbone
+from helpers.decoding import hf_greedy, install_oracle_heads, prompts
+
+from medusa_train import MedusaModel
+from medusa_train.backbone.rows import (
+    MAX_ROWS,
+    RowLinear,
+    cpu_isa,
+    linear_path,
+    row_kernel,
+    use_row_kernel,
+    without_row_kernel,
+)
+from medusa_train.decoding import MedusaTree, medusa_generate
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(cpu_isa() is None or shutil.which("c++") is None,
+                       reason="the row kernel is built for AVX2/AVX-512 CPUs with a C++ compiler"),
+]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = row_kernel()
+    assert not isinstance(built, str), built  # a compiler is here: the kernel must build
+    return built
+
+
+SHAPES = [(1536, 576), (49, 64), (7, 13), (33, 100), (5, 3), (1, 17)]  # (N out, K in): K and N tails too
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_the_product_to_float32_accuracy(kernel, n, k):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(MAX_ROWS, k, generator=g)
+    exact = (x.double() @ w.double().T)
+    for rows in (1, 2, 3, 5, 7, 16, MAX_ROWS):
+        got = kernel.rows_linear(x[:rows], w)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), exact[:rows], rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_a_rows_output_is_bitwise_the_same_beside_any_other_rows(kernel, n, k):
+    g = torch.Generator().manual_seed(k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(MAX_ROWS, k, generator=g)
+    together = kernel.rows_linear(x, w)
+    for start, rows in [(0, 1), (5, 1), (0, 2), (3, 4), (9, 7), (16, 16), (1, MAX_ROWS - 1)]:
+        alone = kernel.rows_linear(x[start:start + rows], w)
+        assert torch.equal(alone, together[start:start + rows]), (start, rows)
+    torch.set_num_threads(2)  # and whatever the number of threads
+    try:
+        assert torch.equal(kernel.rows_linear(x, w), together)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_other_calls_are_exactly_torchs(kernel):
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(24, 40, bias=True)
+    reference = torch.nn.Linear(24, 40, bias=True)
+    reference.load_state_dict(layer.state_dict())
+    layer.__class__ = RowLinear
+    many = torch.randn(MAX_ROWS + 1, 24, generator=g)  # a prefill's rows
+    with torch.no_grad():
+        assert torch.equal(layer(many), reference(many))
+        half = torch.randn(3, 24, generator=g).bfloat16()
+        assert torch.equal(layer.bfloat16()(half), reference.bfloat16()(half))
+        layer.float(), reference.float()
+        few = torch.randn(2, 5, 24, generator=g)  # a step's rows, batched dims kept; bias added
+        torch.testing.assert_close(layer(few), reference(few), rtol=1e-5, atol=1e-5)
+        assert layer(few).shape == (2, 5, 40)
+    x = torch.randn(3, 24, generator=g, requires_grad=True)  # autograd: torch's path, gradients included
+    layer(x).sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    reference(x).sum().backward()
+    assert torch.equal(grad, x.grad) and torch.equal(layer.weight.grad, reference.weight.grad)
+
+
+def test_switching_keeps_the_models_weights_and_state_dict(kernel):
+    model = make_tiny_backbone("llama", seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    count, note = use_row_kernel(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert count == len(linears) > 0 and all(type(m) is RowLinear for m in linears)
+    assert f"{count} float32 linear layers" in note and linear_path(model).startswith("row kernel")
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert without_row_kernel(model) == count and linear_path(model) == "torch GEMM"
+    assert use_row_kernel(model.bfloat16())[0] == 0  # nothing to do in bfloat16
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
+def test_greedy_decoding_with_the_kernel_is_plain_greedy(kernel, arch):
+    """Every decoder row runs the same switched backbone: ours stays token-identical to HF ``generate``, and
+    HF ``generate`` gives what it gave before the switch."""
+    backbone = make_tiny_backbone(arch, seed=4)
+    references = [hf_greedy(backbone, ids, 24, eos_token_id=1) for ids in prompts(3, seed=9)]
+    assert use_row_kernel(backbone)[0] > 0
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    for ids, reference in zip(prompts(3, seed=9), references):
+        assert hf_greedy(backbone, ids, 24, eos_token_id=1).tolist() == reference.tolist()
+        install_oracle_heads(model, reference)  # long accepted paths: 2-16 node verifies through the kernel
+        out = medusa_generate(model, ids, MedusaTree.from_name("default"), max_new_tokens=24, eos_token_id=1)
+        assert out.sequences.tolist() == reference.tolist()
+        assert max(out.accept_lengths) >= 3
+
+
+def test_a_switched_off_kernel_switches_nothing(monkeypatch):
+    monkeypatch.setenv("MEDUSA_TRAIN_ROW_KERNEL", "0")
+    row_kernel.cache_clear()
+    try:
+        count, note = use_row_kernel(make_tiny_backbone("llama"))
+        assert count == 0 and "MEDUSA_TRAIN_ROW_KERNEL=0" in note
+    finally:
+        row_kernel.cache_clear()
