@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.backbones import make_tiny_backbone
 from helpers.decoding import hf_greedy, install_oracle_heads, prompts
 
