@@ -1,7 +1,8 @@
 """Speed and memory benchmarks (never asserted in tests; figures go in docs/results.md), from the repository root:
 
     python -m benchmarks loss     # peak memory + time: naive vs head-by-head vs chunked loss
-    python -m benchmarks decode   # verify-step cost vs plain decoding for several tree sizes
+    python -m benchmarks decode   # verify-step cost vs plain decoding for several tree sizes, against the memory limit
+    python -m benchmarks flex     # tree attention through FlexAttention beside SDPA's masked path
     python -m benchmarks train    # tokens/s per epoch, cached vs uncached hidden states
     python -m benchmarks vocab data=...  # what a draft vocabulary (heads.draft_vocab_size) costs the heads
     python -m benchmarks rounding  # how often a multi-token bf16 pass picks another greedy token
@@ -24,7 +25,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "train": "bench_train", "vocab": "bench_vocab",
+BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "flex": "bench_flex", "train": "bench_train", "vocab": "bench_vocab",
               "rounding": "bench_rounding", "loop": "bench_loop", "tokenize": "bench_tokenize",
               "eagle3_served": "bench_eagle3_served", "lookup_walk": "bench_lookup_walk",
               "gpu_check": "bench_gpu_check", "curve": "bench_curve", "big_vocab": "bench_big_vocab", "peers": "bench_peers",

@@ -11,6 +11,12 @@ their listed, most-likely-first order) it times, at the same context length:
   alone (the heads' candidates, the backbone pass, the LM head + argmax over the nodes), the rest
   being acceptance, cache compaction, the mask and host syncs.
 
+Each step is timed twice where the backbone is a float32 CPU one, taking turns: with torch's GEMM and with the
+row kernel (``medusa_train/backbone/rows.py``; ``linears=gemm|rows|both``), and set against the memory limit of a
+step: the weight bytes a step reads over the bandwidth measured here (a 1 GiB buffer summed on a CPU, copied on
+a GPU). ``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2`` runs an AVX2 CPU's
+code paths (torch's, MKL's, oneDNN's and the kernel's) on a newer CPU: its instructions, not its memory.
+
 ``relative cost`` = verify / plain is the accept length at which Medusa breaks even; the expected
 speedup is ``accept_length / relative cost``, with the accept length either given (``accept_length=``)
 or the tree's expected value under the assumed head accuracies of ``default`` (heads at
@@ -18,7 +24,7 @@ initialisation are used here: only cost is measured).
 
 Options (``key=value``): model, dtype (bfloat16), device (cuda if available, else cpu), context (256),
 repeats (20), warmup (3), num_heads (4), sizes (``1,chain,16,32,64``), threads, accept_length, seed,
-reads (``plain``; ``next_token`` or ``path``: heads that read the next token or their tree path, whose
+linears (``both``), reads (``plain``; ``next_token`` or ``path``: heads that read the next token or their tree path, whose
 candidates cost one head call per tree depth; ``prefix``: path heads reading through a prefix attention
 layer, which also runs over each step's accepted tokens), share_lm_head (false), draft_vocab (K: heads
 scoring a K-token draft vocabulary, ``heads.draft_vocab_size=K``; the first K token ids stand in for the
@@ -31,6 +37,7 @@ written, default ``outputs/bench/decode-<dtype>-<reads>.json``; a PNG plot of th
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -39,14 +46,14 @@ import torch
 from benchmarks.bench_options import bench_options
 from benchmarks.steps import DecodeStepParts
 from medusa_train import MedusaModel, load_backbone
-from medusa_train.backbone.rows import linear_path, use_row_kernel
+from medusa_train.backbone.rows import linear_path, use_row_kernel, without_row_kernel
 from medusa_train.decoding import MedusaTree
-from medusa_train.tree.cost import median_times
+from medusa_train.tree.cost import device_name, median_times
 from medusa_train.tree.fit import assumed_rank_accuracies, expected_accept_length
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,
-                reads="plain", share_lm_head="false", draft_vocab=None, output=None)
+                reads="plain", share_lm_head="false", draft_vocab=None, linears="both", output=None)
 
 
 def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]:
@@ -64,24 +71,52 @@ def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]
     return trees
 
 
+LINEAR_NAMES = {"gemm": "torch's GEMM", "rows": "the row kernel (medusa_train/backbone/rows.py)"}
 PARTS = ("verify", "candidates", "forward", "lm_head")  #: what each tree's step is timed as, whole and by part
 
 
 def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
-            seed: int) -> tuple[float, float, list]:
-    """Median seconds at ``context`` cached tokens: a plain step (the model's own mask path, as in
+            seed: int, linears: list[str]) -> dict[str, tuple[float, float, list]]:
+    """Median seconds at ``context`` cached tokens, for each linear path in ``linears`` (``gemm``: torch's;
+    ``rows``: the row kernel), all taking turns in every round: a plain step (the model's own mask path, as in
     ``generate``), the same step given an explicit 4D mask, and for each tree its verify step and, alone,
     the parts of it: the heads' candidates, the backbone's pass over the nodes, the LM head (+ argmax)
-    over the nodes: ``(plain, plain_explicit, [(name, tree, {part: seconds})])``."""
+    over the nodes: ``{path: (plain, plain_explicit, [(name, tree, {part: seconds})])}``."""
     steps = DecodeStepParts(model, context, seed)
-    timed = [steps.plain_step, lambda: steps.plain_step(explicit_mask=True)]
-    for _, tree in trees:
-        timed += [steps.verify_step(tree), steps.candidates_step(tree), steps.forward_step(tree),
-                  steps.lm_head_step(tree.num_nodes)]
+    timed = []
+    for path in linears:
+        switch = functools.partial(without_row_kernel if path == "gemm" else use_row_kernel, model.backbone)
+        own = [steps.plain_step, lambda: steps.plain_step(explicit_mask=True)]
+        for _, tree in trees:
+            own += [steps.verify_step(tree), steps.candidates_step(tree), steps.forward_step(tree),
+                    steps.lm_head_step(tree.num_nodes)]
+        timed += [lambda fn=fn, switch=switch: (switch(), fn())[1] for fn in own]
     seconds = median_times(timed, repeats, warmup, steps.device)
-    n = len(PARTS)
-    return seconds[0], seconds[1], [(name, tree, dict(zip(PARTS, seconds[2 + n * i: 2 + n * (i + 1)])))
-                                    for i, (name, tree) in enumerate(trees)]
+    n, per_path = len(PARTS), len(timed) // len(linears)
+    results = {}
+    for i, path in enumerate(linears):
+        own = seconds[i * per_path:(i + 1) * per_path]
+        results[path] = (own[0], own[1], [(name, tree, dict(zip(PARTS, own[2 + n * j: 2 + n * (j + 1)])))
+                                          for j, (name, tree) in enumerate(trees)])
+    return results
+
+
+def weight_bytes_per_step(backbone) -> int:
+    """Bytes of weights one decoding step reads: every parameter once, except the input embedding table (one
+    row of it; read whole only where it is also the LM head)."""
+    embedding, head = backbone.get_input_embeddings().weight, backbone.get_output_embeddings().weight
+    tensors = {p.data_ptr(): p for p in backbone.parameters() if p is not embedding} | {head.data_ptr(): head}
+    return sum(p.numel() * p.element_size() for p in tensors.values())
+
+
+def read_bandwidth(device: torch.device, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second this device reads from memory: the median of summing a ``gib`` GiB float32 buffer (on a
+    CPU larger than its last-level cache) or, on CUDA, of copying one (bytes read + written, as a copy rate)."""
+    buffer = torch.ones(int(gib * 2**30) // 4, device=device)
+    copy = torch.empty_like(buffer) if device.type == "cuda" else None
+    fn = (lambda: copy.copy_(buffer)) if copy is not None else (lambda: buffer.sum())
+    seconds = median_times([fn], repeats, 1, device)[0]
+    return buffer.numel() * 4 * (2 if copy is not None else 1) / seconds
 
 
 def main(**overrides) -> int:
@@ -96,8 +131,7 @@ def main(**overrides) -> int:
         return 2
     backbone, _ = load_backbone(opts["model"], dtype=opts["dtype"])
     backbone.to(device)
-    _, linear_note = use_row_kernel(backbone)
-    print(linear_note)
+    print(use_row_kernel(backbone)[1])
     model = MedusaModel.from_backbone(backbone, num_heads=num_heads, share_lm_head=opts["share_lm_head"] == "true",
                                       next_token_input=opts["reads"] != "plain",
                                       path_input=opts["reads"] in ("path", "prefix"),
@@ -105,42 +139,60 @@ def main(**overrides) -> int:
                                       token_map=torch.arange(int(opts["draft_vocab"])) if opts["draft_vocab"] else None)
     model.eval()
     trees = trees_to_measure(opts["sizes"], num_heads)
-    plain, plain_explicit, results = measure(model, trees, context, int(opts["repeats"]), int(opts["warmup"]), int(opts["seed"]))
+    linears = {"both": ["gemm", "rows"], "gemm": ["gemm"], "rows": ["rows"]}.get(opts["linears"])
+    if linears is None:
+        print(f"linears={opts['linears']}: must be both, gemm or rows")
+        return 2
+    if linear_path(backbone) == "torch GEMM":
+        linears = ["gemm"]  # not a float32 CPU backbone, or no kernel here (said above)
+    limit_bytes = weight_bytes_per_step(backbone)
+    bandwidth = read_bandwidth(device)
+    limit_ms = limit_bytes / bandwidth * 1e3
+    measured = measure(model, trees, context, int(opts["repeats"]), int(opts["warmup"]), int(opts["seed"]), linears)
 
     accuracies = assumed_rank_accuracies()
     given = opts["accept_length"]
     source = f"given ({given})" if given is not None else "expected under the assumed head accuracies"
-    print(f"\nDecode cost: {opts['model']}, {opts['dtype']}, {device}, threads={torch.get_num_threads()}, "
-          f"context={context}, {num_heads} heads reading {opts['reads']}"
-          f"{', shared LM head' if opts['share_lm_head'] == 'true' else ''}, scoring "
-          f"{model.config.head_vocab_size} tokens, median of {opts['repeats']}. "
-          f"Plain step: {plain * 1e3:.2f} ms ({plain_explicit * 1e3:.2f} ms when given an explicit 4D mask). "
-          f"Accept length: {source}.\n")
-    print("| tree | nodes | verify step (ms) | heads' candidates | backbone pass | LM head + argmax | the rest "
-          "(acceptance, cache, mask, host) | relative cost (= break-even accept length) | accept length | "
-          "expected speedup |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    rows = []
-    for name, tree, part in results:
-        ms = {k: v * 1e3 for k, v in part.items()}
-        rest = ms["verify"] - ms["candidates"] - ms["forward"] - ms["lm_head"]
-        relative = part["verify"] / plain
-        accept = float(given) if given is not None else expected_accept_length(tree.choices, accuracies)
-        print(f"| {name} | {tree.num_nodes} | {ms['verify']:.2f} | {ms['candidates']:.2f} | {ms['forward']:.2f} | "
-              f"{ms['lm_head']:.2f} | {rest:.2f} | {relative:.2f} | {accept:.2f} | {accept / relative:.2f}x |")
-        rows.append({"tree": name, "nodes": tree.num_nodes, "verify_ms": ms["verify"],
-                     "candidates_ms": ms["candidates"], "forward_ms": ms["forward"], "lm_head_ms": ms["lm_head"],
-                     "rest_ms": rest, "relative_cost": relative,
-                     "accept_length": accept, "expected_speedup": accept / relative})
+    machine = device_name(device)
+    print(f"\nDecode cost: {opts['model']}, {opts['dtype']}, {machine}, context={context}, {num_heads} heads "
+          f"reading {opts['reads']}{', shared LM head' if opts['share_lm_head'] == 'true' else ''}, scoring "
+          f"{model.config.head_vocab_size} tokens, median of {opts['repeats']}. Memory limit of a step: "
+          f"{limit_bytes / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s {'copied' if device.type == 'cuda' else 'read'}"
+          f" = {limit_ms:.2f} ms. Accept length: {source}.")
+    report = {"settings": {k: v for k, v in opts.items() if k != "output"}
+              | {"device": machine, "threads": torch.get_num_threads(), "cpu_capability":
+                 torch.backends.cpu.get_cpu_capability()},
+              "weight_bytes_per_step": limit_bytes, "bandwidth_bytes_per_s": bandwidth, "limit_ms": limit_ms,
+              "linears": {}}
+    for path in linears:
+        plain, plain_explicit, results = measured[path]
+        print(f"\n{LINEAR_NAMES[path]}: plain step {plain * 1e3:.2f} ms ({plain / (limit_ms / 1e3):.2f}x the memory "
+              f"limit; {plain_explicit * 1e3:.2f} ms given an explicit 4D mask)\n")
+        print("| tree | nodes | verify step (ms) | heads' candidates | backbone pass | LM head + argmax | the rest "
+              "(acceptance, cache, mask, host) | verify / plain step | backbone pass / plain step | accept length | "
+              "expected speedup |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        rows = []
+        for name, tree, part in results:
+            ms = {k: v * 1e3 for k, v in part.items()}
+            rest = ms["verify"] - ms["candidates"] - ms["forward"] - ms["lm_head"]
+            relative = part["verify"] / plain
+            accept = float(given) if given is not None else expected_accept_length(tree.choices, accuracies)
+            print(f"| {name} | {tree.num_nodes} | {ms['verify']:.2f} | {ms['candidates']:.2f} | {ms['forward']:.2f} | "
+                  f"{ms['lm_head']:.2f} | {rest:.2f} | {relative:.2f} | {part['forward'] / plain:.2f} | {accept:.2f} | "
+                  f"{accept / relative:.2f}x |")
+            rows.append({"tree": name, "nodes": tree.num_nodes, "verify_ms": ms["verify"],
+                         "candidates_ms": ms["candidates"], "forward_ms": ms["forward"], "lm_head_ms": ms["lm_head"],
+                         "rest_ms": rest, "relative_cost": relative, "forward_relative": part["forward"] / plain,
+                         "accept_length": accept, "expected_speedup": accept / relative})
+        report["linears"][path] = {"plain_ms": plain * 1e3, "plain_explicit_mask_ms": plain_explicit * 1e3,
+                                   "trees": rows}
     draft = f"-vocab{opts['draft_vocab']}" if opts["draft_vocab"] else ""
     output = Path(opts["output"] or f"outputs/bench/decode-{opts['dtype']}-{opts['reads']}{draft}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in opts.items() if k != "output"} | {"device": str(device),
-                                                                  "threads": torch.get_num_threads(),
-                                                                  "linear_layers": linear_path(backbone)}
-    output.write_text(json.dumps({"settings": settings, "plain_ms": plain * 1e3,
-                                  "plain_explicit_mask_ms": plain_explicit * 1e3, "trees": rows}, indent=1) + "\n")
-    print(f"\nwrote {output}" + (f" and {plot(rows, plain, settings, output.with_suffix('.png'))}"
+    output.write_text(json.dumps(report, indent=1) + "\n")
+    last = report["linears"][linears[-1]]
+    print(f"\nwrote {output}" + (f" and {plot(last['trees'], last['plain_ms'] / 1e3, report['settings'] | {'device': str(device)}, output.with_suffix('.png'))}"
                                  if _has_matplotlib() else " (pip install matplotlib for the plot)"))
     return 0
 

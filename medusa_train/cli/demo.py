@@ -108,7 +108,8 @@ def distill(cfg: DemoConfig, py: list[str], out: Path) -> float | None:
     how = ([f"engine={d.engine}", f"concurrency={d.concurrency}"] if d.engine else [f"batch_size={d.batch_size}"])
     return stage(f"1/4 self-distill ({'through ' + d.engine if d.engine else 'in-process'})", [
         *py, "distill", f"model.name_or_path={cfg.model}", f"model.dtype={d.dtype}",
-        f"num_prompts={d.num_prompts}", f"max_prompt_tokens={d.max_prompt_tokens}", f"max_turns={d.max_turns}",
+        f"num_prompts={d.num_prompts}", f"max_minutes={_null(d.max_minutes)}", f"max_prompt_tokens={d.max_prompt_tokens}",
+        f"max_turns={d.max_turns}",
         f"generation.max_new_tokens={d.max_new_tokens}", *how,
         f"filters.skip_truncated={str(not d.keep_truncated).lower()}", f"filters.trim_loops={str(d.trim_loops).lower()}",
         f"output={data}"], done=distilled, may_fail=bool(d.engine))
@@ -118,8 +119,11 @@ def data_summary(data: Path) -> str:
     """The distilled data's size and how it was made, from its stats file."""
     stats = json.loads(data.with_suffix(".stats.json").read_text())
     engine = stats.get("record_settings", {}).get("engine") or "in-process"
+    sized = (f" (distilling stopped at max_minutes with {stats['records'] + sum(stats['skipped'].values()):,} of "
+             f"{stats['selected']:,} prompts done: the data sized to this machine)"
+             if stats.get("stopped_at_max_minutes") else "")
     return (f"{stats['records']:,} conversations of {stats['selected']:,} prompts, {stats['new_tokens']:,} reply "
-            f"tokens, {engine}")
+            f"tokens, {engine}{sized}")
 
 
 def newer(output: Path, *inputs: Path) -> bool:

@@ -58,6 +58,10 @@ class DistillConfig:
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     filters: FilterConfig = field(default_factory=FilterConfig)
     progress: bool = True  #: tqdm bar with tokens/s
+    #: stop starting conversations after this many minutes of generating (a server's start-up not counted): the
+    #: data sized to the machine. What was written is kept, the stats say how many of the selected prompts were
+    #: done (``stopped_at_max_minutes``), and a later run on the same output goes on from there (null: no limit)
+    max_minutes: float | None = None
     #: null: generate in-process (Hugging Face, batch_size at a time) | vllm: start a vLLM server on model.name_or_path
     #: for the run | openai: the OpenAI-compatible server(s) at url (data parallelism over several)
     engine: str | None = None
@@ -90,6 +94,7 @@ def check_distill_config(c: DistillConfig) -> list[str]:
     p.need(c.engine != "openai" or bool(c.url), "url", c.url, "engine=openai needs url=http://host:port (or a list)")
     p.need(c.engine == "openai" or not c.url, "url", c.url, "only engine=openai reads url")
     p.need(c.concurrency >= 1, "concurrency", c.concurrency, "must be >= 1")
+    p.need(c.max_minutes is None or c.max_minutes > 0, "max_minutes", c.max_minutes, "must be > 0 or null (no limit)")
     if problem := chat_template_problem("chat_template", c.chat_template):
         p.append(problem)
     p.need(c.engine != "openai" or not c.chat_template, "chat_template", c.chat_template,

@@ -164,7 +164,7 @@ def measure_cost_curve(model, trees: dict[int, MedusaTree], context: int = 256, 
     seconds = median_times([steps.plain_step, lambda: steps.generate_per_token(generate_tokens)]
                            + [steps.verify_step(trees[n]) for n in sizes], repeats, warmup, steps.device)
     linears = "" if steps.device.type == "cuda" else f", {linear_path(model.backbone)}"
-    return CostCurve(device=_device_name(steps.device) + linears, dtype=str(steps.dtype).removeprefix("torch."),
+    return CostCurve(device=device_name(steps.device) + linears, dtype=str(steps.dtype).removeprefix("torch."),
                      threads=torch.get_num_threads(), context=context, repeats=repeats, plain_ms=seconds[0] * 1e3,
                      generate_ms=seconds[1] * 1e3, verify_ms={n: s * 1e3 for n, s in zip(sizes, seconds[2:])})
 
@@ -207,7 +207,7 @@ def auto_sizes(max_nodes: int, available: int) -> list[int]:
     return sorted({n for n in AUTO_SIZES if n <= top} | {top})
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
     import platform

@@ -1,8 +1,8 @@
 """The row kernel (``medusa_train/backbone/rows.py``): a decoding step's float32 CPU linears.
 
 What it must hold: the product of ``F.linear`` to float32 accuracy on any shape (tails of K, N and rows
-included); each row's output bitwise the same whatever rows sit beside it (a 1-token step and an N-token verify
-agree); every other call (autograd, bfloat16, a prefill's many rows) exactly ``F.linear``'s; greedy decoding
+included); each row's output bitwise the same whatever rows sit beside it (every verify a row is part of agrees); every other
+call (a 1-token step, autograd, bfloat16, a prefill's many rows) exactly ``F.linear``'s; greedy decoding
 unchanged; a model's weights and state dict untouched.
 """
 
@@ -18,6 +18,7 @@ from helpers.decoding import hf_greedy, install_oracle_heads, prompts
 from medusa_train import MedusaModel
 from medusa_train.backbone.rows import (
     MAX_ROWS,
+    MIN_ROWS,
     RowLinear,
     cpu_isa,
     linear_path,
@@ -79,6 +80,8 @@ def test_other_calls_are_exactly_torchs(kernel):
     many = torch.randn(MAX_ROWS + 1, 24, generator=g)  # a prefill's rows
     with torch.no_grad():
         assert torch.equal(layer(many), reference(many))
+        one = torch.randn(1, 1, 24, generator=g)  # a plain step: torch's GEMV, the baseline unchanged
+        assert MIN_ROWS == 2 and torch.equal(layer(one), reference(one))
         half = torch.randn(3, 24, generator=g).bfloat16()
         assert torch.equal(layer.bfloat16()(half), reference.bfloat16()(half))
         layer.float(), reference.float()

@@ -1,9 +1,9 @@
-// medusa-train's CPU float32 linear for a few rows (a decoding step: 1 token, or a verify over 2-16 tree nodes).
+// medusa-train's CPU float32 linear for a few rows (a verify step over 2-64 tree nodes; medusa_train/backbone/rows.py).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] with w in nn.Linear's own (out, in) layout: nothing is repacked or copied.
 // Every (m, n) is summed the same way whatever the number of rows and threads (one vector accumulator over k in
-// order, a fixed horizontal sum, then the tail in order), so a row's output is bitwise the same in a 1-token
-// step and in an N-token verify: what greedy parity in float32 rests on.
+// order, a fixed horizontal sum, then the tail in order), so a row's output is bitwise the same in any
+// verify it is part of.
 //
 // Why: a library GEMM at 2-16 rows packs the weights on every call and then computes, instead of streaming them
 // once; a step that reads the same weights as a 1-token step costs 1.8x one (docs/results.md, "Step cost").

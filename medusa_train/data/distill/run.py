@@ -61,6 +61,8 @@ class DistillStats:
     record_settings: dict
     engine: str | None = None  # null: in-process | vllm | openai (see DistillConfig.engine)
     engine_startup_seconds: float | None = None  # a server this run started: seconds until /health (not in run_seconds)
+    #: this run stopped at ``max_minutes`` with prompts left (``records + skipped`` of ``selected`` done)
+    stopped_at_max_minutes: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,7 +83,10 @@ class DistillStats:
                 f"in {self.run_seconds:.1f} s ({self.tokens_per_s:.1f} tokens/s)"
                 + (f" through {self.engine}" if self.engine else "")
                 + (f", after {self.engine_startup_seconds:.0f} s of server start-up" if self.engine_startup_seconds
-                   else ""))
+                   else "")
+                + (f"; stopped at max_minutes with {self.records + sum(self.skipped.values()):,} of "
+                   f"{self.selected:,} selected prompts done (run it again to go on)"
+                   if self.stopped_at_max_minutes else ""))
 
 
 def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> DistillStats:
@@ -142,18 +147,24 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
         if not eos_ids:
             raise ValueError("neither the model's generation config nor the tokenizer names an eos token")
         todo = [p for p in selection.prompts if p.id not in done]
+        clock = {"started": time.perf_counter()}
+
+        def out_of_time() -> bool:  # max_minutes of generating spent (the clock starts after any server start-up)
+            return bool(cfg.max_minutes) and time.perf_counter() - clock["started"] >= cfg.max_minutes * 60
+
         if cfg.engine:
             from medusa_train.data.distill.served import distill_served, engine_clients
 
             clients = stack.enter_context(engine_clients(cfg, model_path)) if todo else []
             startup = clients[0].server.startup_seconds if clients and clients[0].server else None
-            outcomes = ([o] for o in distill_served(clients, tokenizer, todo, cfg, eos_ids))
+            outcomes = ([o] for o in distill_served(clients, tokenizer, todo, cfg, eos_ids, stop=out_of_time))
         else:
             startup = None
             outcomes = _in_process(model, tokenizer, plan_batches(selection.prompts, done, cfg.batch_size,
                                                                    cfg.sort_window), cfg, eos_ids)
         run_tokens, run_conversations = 0, 0
         started, cpu_started = time.perf_counter(), time.process_time()
+        clock["started"] = started
         bar = tqdm(total=len(todo), desc="distill", unit="conv", disable=not cfg.progress, dynamic_ncols=True)
         for batch in outcomes:
             for outcome in batch:
@@ -164,10 +175,13 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{run_tokens / (time.perf_counter() - started):.1f}",
                             kept=len(records_file.lines), skipped=len(skipped_file.lines))
+            if not cfg.engine and out_of_time():
+                break  # in-process: between batches (through an engine, the conversations in flight end first)
         bar.close()
         stats = _stats(cfg, selection, records_file, skipped_file, resumed, run_conversations, run_tokens,
                        time.perf_counter() - started, time.process_time() - cpu_started)
         stats.engine, stats.engine_startup_seconds = cfg.engine, startup and round(startup, 1)
+        stats.stopped_at_max_minutes = run_conversations < len(todo)  # only max_minutes ends a run early
         write_json(stats_path, stats.to_dict())
         return stats
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -82,10 +82,11 @@ def served_replies(client: EngineClient, tokenizer, cfg: DistillConfig, eos_ids:
 
 
 def distill_served(clients: Sequence[EngineClient], tokenizer, prompts: Sequence[Prompt], cfg: DistillConfig,
-                   eos_ids: Sequence[int]) -> Iterator[Outcome]:
+                   eos_ids: Sequence[int], stop: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
     """Answer ``prompts`` through ``clients``, ``cfg.concurrency`` conversations at a time; yields each finished
     conversation's outcome as it completes. The first failed request stops the run (raised after the
-    conversations in flight end; none of them is yielded half-done)."""
+    conversations in flight end; none of them is yielded half-done). Once ``stop()`` says so, no more
+    conversations start and those in flight are yielded as they end."""
     def job(i: int, prompt: Prompt) -> Outcome:
         client = clients[i % len(clients)]
         seed = cfg.seed * 1_000_003 + zlib.crc32(prompt.id.encode()) * 64
@@ -111,7 +112,7 @@ def distill_served(clients: Sequence[EngineClient], tokenizer, prompts: Sequence
                 raise failed[0].exception()
             for f in done:
                 yield f.result()
-                nxt = next(pending, None)
+                nxt = None if stop() else next(pending, None)
                 if nxt is not None:
                     running.add(pool.submit(job, *nxt))
     finally:

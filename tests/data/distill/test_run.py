@@ -382,3 +382,25 @@ def read_jsonl_safely(path: Path) -> list[bytes]:
         return path.read_bytes().split(b"\n")[:-1]
     except FileNotFoundError:
         return []
+
+
+def test_max_minutes_sizes_the_data_to_the_time_and_a_later_run_goes_on(tiny, tmp_path):
+    """A spent time budget stops between batches: the batches done are written, the stats say how many of the
+    selected prompts that is, and a run without the limit on the same output distils only the rest, giving the
+    records of one uninterrupted run."""
+    model_dir, (model, tokenizer) = tiny
+    source = make_multiturn_jsonl(tmp_path / "chat.jsonl", 12)
+    whole = distill(tiny_config(model_dir, source, tmp_path / "whole.jsonl"), model, tokenizer)
+    assert not whole.stopped_at_max_minutes
+    output = tmp_path / "sized.jsonl"
+    sized = distill(tiny_config(model_dir, source, output, max_minutes=1e-9), model, tokenizer)
+    assert sized.stopped_at_max_minutes and sized.run_conversations == 4  # one batch (batch_size=4), then stop
+    assert sized.records + sum(sized.skipped.values()) == 4 and sized.selected == 12
+    assert "stopped at max_minutes with 4 of 12 selected prompts done" in sized.summary()
+    assert json.loads((tmp_path / "sized.stats.json").read_text())["stopped_at_max_minutes"] is True
+    rest = distill(tiny_config(model_dir, source, output), model, tokenizer)
+    assert rest.run_conversations == 8 and not rest.stopped_at_max_minutes and rest.records == whole.records
+    by_id = lambda path: sorted(read_jsonl(path), key=lambda r: r["id"])  # noqa: E731
+    assert by_id(output) == by_id(tmp_path / "whole.jsonl")
+    with pytest.raises(ConfigError, match="max_minutes"):
+        distill(tiny_config(model_dir, source, output, max_minutes=0), model, tokenizer)
