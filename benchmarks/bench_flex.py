@@ -31,7 +31,7 @@ def main(**overrides) -> int:
     opts = bench_options(DEFAULTS, overrides)
     if opts is None:
         return 2
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, opts["dtype"])
@@ -45,38 +45,48 @@ def main(**overrides) -> int:
           "compile (s) | max difference |")
     print("|---:|---:|---:|---:|---:|---:|")
     for n in (int(s) for s in str(opts["sizes"]).split(",")):
-        tree = default.truncated(max_nodes=n)
-        g = torch.Generator().manual_seed(n)
-        q = torch.randn(1, heads, n, dim, generator=g).to(device, dtype)
-        k, v = (torch.randn(1, kv, context + n, dim, generator=g).to(device, dtype) for _ in range(2))
-        additive = torch.zeros(1, 1, n, context + n, dtype=dtype)
-        additive[0, 0, :, context:] = tree.attention_mask(dtype)
-        additive = additive.to(device)
-        visible = tree.visibility.to(device)
-
-        def tree_mask(b, h, q_idx, kv_idx):  # the prefix, and the tree's own ancestors
-            return (kv_idx < context) | visible[q_idx, (kv_idx - context).clamp(min=0)]
-
-        block = create_block_mask(tree_mask, None, None, n, context + n, device=str(device), BLOCK_SIZE=128)
-        sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive, enable_gqa=True)  # noqa: E731
-        eager = lambda: flex_attention(q, k, v, block_mask=block, enable_gqa=True)  # noqa: E731
-        reference = sdpa()
-        difference = (eager() - reference).abs().max().item()
-        steps, compile_s = [sdpa, eager], None
-        if compiled is not None:
-            started = time.perf_counter()
-            out = compiled(q, k, v, block_mask=block, enable_gqa=True)
-            compile_s = time.perf_counter() - started
-            difference = max(difference, (out - reference).abs().max().item())
-            steps.append(lambda: compiled(q, k, v, block_mask=block, enable_gqa=True))
-        seconds = median_times(steps, int(opts["repeats"]), int(opts["warmup"]), device)
-        ms = [s * 1e3 for s in seconds] + [None] * (3 - len(seconds))
-        print(f"| {n} | {ms[0]:.3f} | {ms[1]:.3f} | " + (f"{ms[2]:.3f} | {compile_s:.1f}" if ms[2] else "- | -")
-              + f" | {difference:.1e} |")
-        rows.append({"nodes": n, "sdpa_ms": ms[0], "flex_eager_ms": ms[1], "flex_compiled_ms": ms[2],
-                     "compile_s": compile_s, "max_difference": difference})
+        row = time_tree(default.truncated(max_nodes=n), context, heads, kv, dim, dtype, device, compiled, opts)
+        ms = [row["sdpa_ms"], row["flex_eager_ms"], row["flex_compiled_ms"]]
+        print(f"| {n} | {ms[0]:.3f} | {ms[1]:.3f} | "
+              + (f"{ms[2]:.3f} | {row['compile_s']:.1f}" if ms[2] else "- | -") + f" | {row['max_difference']:.1e} |")
+        rows.append(row)
     output = Path(opts["output"] or f"outputs/bench/flex-{opts['dtype']}-{device.type}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({"settings": {**opts, "device": device_name(device)}, "rows": rows}, indent=1) + "\n")
     print(f"\nwrote {output}")
     return 0
+
+
+def time_tree(tree: MedusaTree, context: int, heads: int, kv: int, dim: int, dtype, device, compiled, opts) -> dict:
+    """One tree size: SDPA with the additive mask, flex_attention eager and (``compiled``) compiled; outputs
+    checked against SDPA's first."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n = tree.num_nodes
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(1, heads, n, dim, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, kv, context + n, dim, generator=g).to(device, dtype) for _ in range(2))
+    additive = torch.zeros(1, 1, n, context + n, dtype=dtype)
+    additive[0, 0, :, context:] = tree.attention_mask(dtype)
+    additive = additive.to(device)
+    visible = tree.visibility.to(device)
+
+    def tree_mask(b, h, q_idx, kv_idx):  # the prefix, and the tree's own ancestors
+        return (kv_idx < context) | visible[q_idx, (kv_idx - context).clamp(min=0)]
+
+    block = create_block_mask(tree_mask, None, None, n, context + n, device=str(device), BLOCK_SIZE=128)
+    steps = [lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive, enable_gqa=True),
+             lambda: flex_attention(q, k, v, block_mask=block, enable_gqa=True)]
+    reference = steps[0]()
+    difference = (steps[1]() - reference).abs().max().item()
+    compile_s = None
+    if compiled is not None:
+        started = time.perf_counter()
+        out = compiled(q, k, v, block_mask=block, enable_gqa=True)
+        compile_s = time.perf_counter() - started
+        difference = max(difference, (out - reference).abs().max().item())
+        steps.append(lambda: compiled(q, k, v, block_mask=block, enable_gqa=True))
+    seconds = [s * 1e3 for s in median_times(steps, int(opts["repeats"]), int(opts["warmup"]), device)]
+    return {"nodes": n, "sdpa_ms": seconds[0], "flex_eager_ms": seconds[1],
+            "flex_compiled_ms": seconds[2] if compiled is not None else None, "compile_s": compile_s,
+            "max_difference": difference}
