@@ -112,6 +112,7 @@ def changed(before: dict, after: dict) -> set[str]:
 @pytest.mark.parametrize("override, redone", [
     ("distill.max_new_tokens=64", {"data", "run", "tree", "report"}),  # new data: everything after it again
     ("distill.engine=null", {"data", "run", "tree", "report"}),  # another engine's numerics: other replies
+    ("distill.max_minutes=30", {"data", "run", "tree", "report"}),  # data sized to another time: other data
     ("model=/models/other", {"data", "run", "tree", "report"}),
     ('train.overrides=["trainer.epochs=3"]', {"run", "tree", "report"}),  # the same data, new heads
     ("train.dtype=float32", {"run", "tree", "report"}),

@@ -1,4 +1,4 @@
-"""The row kernel: a backbone's float32 linear layers on a CPU, for the 1-64 rows of a decoding step.
+"""The row kernel: a backbone's float32 linear layers on a CPU, for the 2-16 rows of a verify step.
 
 A decoding step on a CPU is memory-bound: a 1-token step and a verify over a few tree nodes read the same
 weights. A library GEMM does not treat them alike: at 2-16 rows it packs the weights on each call and computes
@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 #: the rows (tokens in a step) the kernel takes. One row stays torch's (its GEMV streams the weights already, and a
 #: plain step, the baseline every speedup divides by, is then the same with or without the kernel: 9% faster than
-#: the kernel's on the AVX2 code paths); more than 64 go to ``F.linear`` too (a prefill)
-MIN_ROWS, MAX_ROWS = 2, 64
+#: the kernel's on the AVX2 code paths); more than 16 go to ``F.linear`` too (from 32 rows torch's GEMM was faster:
+#: docs/results.md, "Step cost against the machine's limit")
+MIN_ROWS, MAX_ROWS = 2, 16
 ENV_SWITCH = "MEDUSA_TRAIN_ROW_KERNEL"  #: ``0`` / ``off``: never switch layers
 SOURCE = Path(__file__).with_name("kernels") / "rows.cpp"
 
