@@ -3,9 +3,11 @@
 Works with any Hugging Face causal LM whose decoder takes a 4D additive attention mask, explicit
 ``position_ids`` and a ``DynamicCache`` (checked: Llama, Qwen2, GPT-NeoX; "sdpa" and "eager").
 
-Limits: batch size 1. The cache is a plain ``DynamicCache`` of full-attention layers and the tree
-mask is fully causal, so models with sliding-window layers are refused once the context could
-exceed the window. Greedy output is token-identical to ``generate`` in float32; in half precision
+Limits: batch size 1. The cache is a ``DynamicCache`` of full-attention layers (``kv_cache="dynamic"``) or a
+``StaticCache`` sized once for the whole generation (``kv_cache="static"``: every step reads and writes the same
+buffers, what CUDA graphs need; accepted nodes are compacted into place as in the dynamic one, stale slots past
+the text are masked), and the tree mask is fully causal, so models with sliding-window layers are refused once
+the context could exceed the window. Greedy output is token-identical to ``generate`` in float32; in half precision
 the tree pass rounds differently from a one-token pass, so a near-tie can (rarely) flip.
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
@@ -79,7 +81,8 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
                     typical_threshold: float = 0.09, typical_alpha: float = 0.3,
                     eos_token_id: int | Iterable[int] | None = None,
                     generator: torch.Generator | None = None,
-                    wrap_phase: Callable[[str, Callable], Callable] | None = None) -> MedusaGenerateOutput:
+                    wrap_phase: Callable[[str, Callable], Callable] | None = None,
+                    kv_cache: str = "dynamic") -> MedusaGenerateOutput:
     """Generate with Medusa heads and tree attention (batch size 1).
 
     Each step runs the backbone once over every tree node (a 4D additive mask lets each node see
@@ -106,6 +109,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
         wrap_phase: A measurement's hook (e.g. ``python -m benchmarks loop`` timing each phase): called once
             with each phase's name (``PHASES``) and function, it returns what the loop calls instead. None
             (the default): the phases run as they are, at no cost.
+        kv_cache: ``dynamic`` (grows each step) or ``static`` (``KV_CACHES``): the same tokens either way.
 
     Returns:
         A ``MedusaGenerateOutput``.
@@ -127,7 +131,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
 
     sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
     start = _now(device)
-    cache = DynamicCache()
+    cache = new_cache(kv_cache, model.backbone, prompt_len + max_new_tokens + tree.num_nodes)
     out = model(input_ids, past_key_values=cache, use_cache=True)
     draft_state = model.new_decode_state()  # what the draft keeps between steps (e.g. its own cache)
     accepted_inputs, accepted_tokens = out.draft_inputs[0], input_ids[0]  # the positions the draft has not read yet
@@ -188,9 +192,22 @@ def _phases(model, wrap_phase: Callable[[str, Callable], Callable] | None) -> tu
     return functions if wrap_phase is None else tuple(wrap_phase(n, f) for n, f in zip(PHASES, functions))
 
 
-def compact_cache(cache: DynamicCache, past_len: int, path: list[int]) -> None:
+KV_CACHES = ("dynamic", "static")  #: the caches ``medusa_generate`` decodes with (``kv_cache=``)
+
+
+def new_cache(kind: str, backbone, max_len: int) -> DynamicCache | StaticCache:
+    """An empty cache of ``kind`` (``KV_CACHES``) for ``backbone``; a static one holds ``max_len`` tokens."""
+    if kind == "dynamic":
+        return DynamicCache()
+    if kind == "static":
+        return StaticCache(config=backbone.config, max_cache_len=max_len)
+    raise ValueError(f"kv_cache={kind!r}: must be one of {list(KV_CACHES)}")
+
+
+def compact_cache(cache: DynamicCache | StaticCache, past_len: int, path: list[int]) -> None:
     """Keep only the accepted tree nodes' keys/values: move node ``path[i]`` to slot ``past_len + i``
-    along the sequence dim, then crop the cache to ``past_len + len(path)``."""
+    along the sequence dim, then crop the cache to ``past_len + len(path)`` (a static cache: its length set
+    there, the slots after it left to be overwritten and masked)."""
     if path != list(range(len(path))):  # a prefix of the node order is already in place
         index = torch.tensor(path, device=cache.layers[0].keys.device) + past_len
         for layer in cache.layers:
@@ -200,6 +217,10 @@ def compact_cache(cache: DynamicCache, past_len: int, path: list[int]) -> None:
             layer.keys[..., past_len: past_len + len(path), :] = layer.keys.index_select(-2, index.to(layer.keys.device))
             layer.values[..., past_len: past_len + len(path), :] = layer.values.index_select(
                 -2, index.to(layer.values.device))
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(past_len + len(path))  # in place: a captured graph reads it there
+        return
     surplus = cache.get_seq_length() - (past_len + len(path))
     if surplus > 0:
         cache.crop(-surplus)  # transformers 5.x: a negative count is the number of tokens to drop
@@ -235,11 +256,17 @@ def tree_pass(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: tor
               past_len: int):
     """The backbone's pass over the tree: the model's output (``hidden_states``, and ``draft_inputs``: what its
     draft reads at each node), batch of one."""
-    if tokens.shape[0] == 1:  # the root alone: a plain step, whose causal mask the model builds faster
+    static = isinstance(cache, StaticCache)
+    if tokens.shape[0] == 1 and not static:  # the root alone: a plain step, whose causal mask the model builds faster
         out = model(tokens[None], position_ids=(past_len + offsets)[None], past_key_values=cache, use_cache=True)
     else:
         prefix = torch.zeros(tokens.shape[0], past_len, dtype=tree_mask.dtype, device=tree_mask.device)
-        mask = torch.cat([prefix, tree_mask], dim=1)[None, None]  # (batch, 1, query, past + query)
+        parts = [prefix, tree_mask]
+        if static:  # the slots after the nodes hold nothing of this text (or stale nodes): never seen
+            rest = cache.layers[0].max_cache_len - past_len - tokens.shape[0]
+            parts.append(torch.full((tokens.shape[0], rest), torch.finfo(tree_mask.dtype).min,
+                                    dtype=tree_mask.dtype, device=tree_mask.device))
+        mask = torch.cat(parts, dim=1)[None, None]  # (batch, 1, query, past + query [+ the static rest])
         out = model(tokens[None], attention_mask=mask, position_ids=(past_len + offsets)[None],
                     past_key_values=cache, use_cache=True)
     return out

@@ -110,6 +110,29 @@ def oracle_model(arch: str, seed: int, prompt_seed: int, new_tokens: int = 40):
     return model, ids, ref
 
 
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_static_cache_decodes_what_the_dynamic_one_does(arch, attn):
+    """``kv_cache="static"`` (one buffer for the whole generation, nodes compacted in place, stale slots masked):
+    the same tokens, steps and accepted paths as the dynamic cache, side branches and lookup chains included,
+    and both plain greedy."""
+    backbone = make_tiny_backbone(arch, seed=6, attn_implementation=attn)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    for i, ids in enumerate(prompts(2, seed=11)):
+        reference = hf_greedy(backbone, ids, 30, eos_token_id=[])
+        install_oracle_heads(model, reference, seed=i)
+        for tree in (MedusaTree.from_name("default"), MedusaTree.chain(1), MedusaTree([]),
+                     MedusaTree.from_name("small").with_lookup(4)):
+            dynamic = medusa_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[])
+            static = medusa_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[], kv_cache="static")
+            assert static.sequences.tolist() == dynamic.sequences.tolist() == reference.tolist(), (arch, attn, i)
+            assert static.accept_lengths == dynamic.accept_lengths
+            assert static.accepted_depths == dynamic.accepted_depths
+        assert max(dynamic.accept_lengths) >= 2
+    with pytest.raises(ValueError, match="kv_cache='paged'"):
+        medusa_generate(model, ids, "default", max_new_tokens=3, kv_cache="paged")
+
+
 def test_oracle_paths_take_side_branches():
     """The accepted nodes are not always a prefix of the node order, so KV entries really move."""
     model, ids, ref = oracle_model("llama", seed=4, prompt_seed=7)
