@@ -82,7 +82,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
                     eos_token_id: int | Iterable[int] | None = None,
                     generator: torch.Generator | None = None,
                     wrap_phase: Callable[[str, Callable], Callable] | None = None,
-                    kv_cache: str = "dynamic") -> MedusaGenerateOutput:
+                    kv_cache: str = "dynamic", cuda_graphs: bool = False) -> MedusaGenerateOutput:
     """Generate with Medusa heads and tree attention (batch size 1).
 
     Each step runs the backbone once over every tree node (a 4D additive mask lets each node see
@@ -110,6 +110,8 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
             with each phase's name (``PHASES``) and function, it returns what the loop calls instead. None
             (the default): the phases run as they are, at no cost.
         kv_cache: ``dynamic`` (grows each step) or ``static`` (``KV_CACHES``): the same tokens either way.
+        cuda_graphs: On CUDA with ``kv_cache="static"``: capture the backbone's pass once per tree size and replay
+            it (``decoding/graphs.py``).
 
     Returns:
         A ``MedusaGenerateOutput``.
@@ -141,7 +143,8 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
         if tree.lookup_depth else None
     prefill_s = _now(device) - start
 
-    candidates, forward, lm_head, accept_nodes, compact = _phases(model, wrap_phase)
+    candidates, forward, lm_head, accept_nodes, compact = _phases(model, wrap_phase, _graphed(cuda_graphs, model,
+                                                                                          cache, device))
     offsets = tree.position_offsets.to(device)
     tree_mask = tree.attention_mask(out.hidden_states.dtype).to(device)
     generated: list[int] = []
@@ -186,10 +189,24 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
                                 {"prefill_s": prefill_s, "decode_s": decode_s}, tree.num_nodes, lookup_depths)
 
 
-def _phases(model, wrap_phase: Callable[[str, Callable], Callable] | None) -> tuple[Callable, ...]:
-    """The functions of the verify step's ``PHASES``, each through ``wrap_phase`` when one is given."""
-    functions = (candidates, tree_pass, model.base_logits, accept, compact_cache)
+def _phases(model, wrap_phase: Callable[[str, Callable], Callable] | None,
+            backbone_pass: Callable | None = None) -> tuple[Callable, ...]:
+    """The functions of the verify step's ``PHASES``, each through ``wrap_phase`` when one is given
+    (``backbone_pass``: a graphed tree pass in place of ``tree_pass``)."""
+    functions = (candidates, backbone_pass or tree_pass, model.base_logits, accept, compact_cache)
     return functions if wrap_phase is None else tuple(wrap_phase(n, f) for n, f in zip(PHASES, functions))
+
+
+def _graphed(cuda_graphs: bool, model, cache, device: torch.device) -> Callable | None:
+    """The graphed tree pass when ``cuda_graphs`` asks for one (None: eager)."""
+    if not cuda_graphs:
+        return None
+    if device.type != "cuda" or not isinstance(cache, StaticCache):
+        raise ValueError(f"cuda_graphs=True needs a CUDA model and kv_cache='static' (here: {device.type}, "
+                         f"{'static' if isinstance(cache, StaticCache) else 'dynamic'})")
+    from medusa_train.decoding.graphs import GraphedTreePass
+
+    return GraphedTreePass(model, cache)
 
 
 KV_CACHES = ("dynamic", "static")  #: the caches ``medusa_generate`` decodes with (``kv_cache=``)

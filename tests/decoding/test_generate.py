@@ -131,6 +131,8 @@ def test_a_static_cache_decodes_what_the_dynamic_one_does(arch, attn):
         assert max(dynamic.accept_lengths) >= 2
     with pytest.raises(ValueError, match="kv_cache='paged'"):
         medusa_generate(model, ids, "default", max_new_tokens=3, kv_cache="paged")
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA model"):  # graphs: tests/gpu/test_graphs.py
+        medusa_generate(model, ids, "default", max_new_tokens=3, kv_cache="static", cuda_graphs=True)
 
 
 def test_oracle_paths_take_side_branches():
