@@ -29,7 +29,10 @@ candidates cost one head call per tree depth; ``prefix``: path heads reading thr
 layer, which also runs over each step's accepted tokens), share_lm_head (false), draft_vocab (K: heads
 scoring a K-token draft vocabulary, ``heads.draft_vocab_size=K``; the first K token ids stand in for the
 data's most frequent ones, which costs the same), output (the JSON
-written, default ``outputs/bench/decode-<dtype>-<reads>.json``; a PNG plot of the curve goes beside it).
+written, default ``outputs/bench/decode-<dtype>-<reads>.json``; a PNG plot of the curve goes beside it), shape
+(``135m``, ``1b``, ``8b``: a random-weight Llama of that shape built on the device instead of ``model``; no
+weights to carry), graphs (``true`` on CUDA: also each backbone pass captured in a CUDA graph over a static cache and
+replayed, ``decoding/graphs.py``: a server's step; ``scripts/gpu_step_cost.sh`` runs the three shapes).
 
 ``scripts/build_tree.py nodes=auto`` measures the same kind of curve for the fitted tree itself
 (``medusa_train/tree/cost.py``) and picks its size from it.
@@ -53,7 +56,16 @@ from medusa_train.tree.fit import assumed_rank_accuracies, expected_accept_lengt
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,
-                reads="plain", share_lm_head="false", draft_vocab=None, linears="both", output=None)
+                reads="plain", share_lm_head="false", draft_vocab=None, linears="both", shape=None, graphs="false",
+                output=None)
+
+#: random-weight Llama shapes (``shape=``): nothing to download or carry, the step costs what the real model's does
+SHAPES = {"135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+          "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+          "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)}
 
 
 def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]:
@@ -101,6 +113,51 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
     return results
 
 
+def shaped_backbone(shape: str, dtype: str, device: torch.device):
+    """A random-weight Llama of ``SHAPES[shape]``, built on ``device`` in ``dtype`` (eval mode, frozen)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.name_or_path = f"shape:{shape}"
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def graphed_steps(model: MedusaModel, trees, context: int, repeats: int, warmup: int) -> dict:
+    """The backbone's pass over each tree, captured in a CUDA graph over a static cache and replayed (what a server
+    pays), and the plain step (one node) likewise: median milliseconds, taking turns."""
+    from medusa_train.decoding.generate import new_cache
+    from medusa_train.decoding.graphs import GraphedTreePass
+
+    device = model.lm_head.weight.device
+    sizes = [tree for _, tree in trees]
+    cache = new_cache("static", model.backbone, context + max(t.num_nodes for t in sizes) + 1)
+    model(torch.randint(0, model.lm_head.weight.shape[0], (1, context), device=device), past_key_values=cache,
+          use_cache=True)
+    graphed = GraphedTreePass(model, cache)
+    dtype = model.lm_head.weight.dtype
+
+    def step(tree):
+        tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=device)
+        mask, offsets = tree.attention_mask(dtype).to(device), tree.position_offsets.to(device)
+
+        def run():
+            graphed(model, tokens, mask, offsets, cache, context)
+            for layer in cache.layers:
+                layer.cumulative_length.fill_(context)  # the nodes dropped again: every step sees the same context
+        return run
+
+    plain_tree = MedusaTree([])
+    seconds = median_times([step(plain_tree)] + [step(t) for t in sizes], repeats, warmup, device)
+    return {"plain_ms": seconds[0] * 1e3,
+            "trees": [{"tree": name, "nodes": tree.num_nodes, "forward_ms": s * 1e3}
+                      for (name, tree), s in zip(trees, seconds[1:])]}
+
+
 def weight_bytes_per_step(backbone) -> int:
     """Bytes of weights one decoding step reads: every parameter once, except the input embedding table (one
     row of it; read whole only where it is also the LM head)."""
@@ -129,8 +186,14 @@ def main(**overrides) -> int:
     if opts["reads"] not in ("plain", "next_token", "path", "prefix"):
         print(f"reads={opts['reads']}: must be plain, next_token, path or prefix")
         return 2
-    backbone, _ = load_backbone(opts["model"], dtype=opts["dtype"])
-    backbone.to(device)
+    if opts["shape"] and opts["shape"] not in SHAPES:
+        print(f"shape={opts['shape']}: must be one of {sorted(SHAPES)}")
+        return 2
+    if opts["graphs"] == "true" and device.type != "cuda":
+        print("graphs=true times CUDA graphs: it needs device=cuda")
+        return 2
+    backbone = shaped_backbone(opts["shape"], opts["dtype"], device) if opts["shape"] else \
+        load_backbone(opts["model"], dtype=opts["dtype"])[0].to(device)
     print(use_row_kernel(backbone)[1])
     model = MedusaModel.from_backbone(backbone, num_heads=num_heads, share_lm_head=opts["share_lm_head"] == "true",
                                       next_token_input=opts["reads"] != "plain",
@@ -154,7 +217,7 @@ def main(**overrides) -> int:
     given = opts["accept_length"]
     source = f"given ({given})" if given is not None else "expected under the assumed head accuracies"
     machine = device_name(device)
-    print(f"\nDecode cost: {opts['model']}, {opts['dtype']}, {machine}, context={context}, {num_heads} heads "
+    print(f"\nDecode cost: {backbone.name_or_path}, {opts['dtype']}, {machine}, context={context}, {num_heads} heads "
           f"reading {opts['reads']}{', shared LM head' if opts['share_lm_head'] == 'true' else ''}, scoring "
           f"{model.config.head_vocab_size} tokens, median of {opts['repeats']}. Memory limit of a step: "
           f"{limit_bytes / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s {'copied' if device.type == 'cuda' else 'read'}"
@@ -187,6 +250,13 @@ def main(**overrides) -> int:
                          "accept_length": accept, "expected_speedup": accept / relative})
         report["linears"][path] = {"plain_ms": plain * 1e3, "plain_explicit_mask_ms": plain_explicit * 1e3,
                                    "trees": rows}
+    if opts["graphs"] == "true":
+        report["graphed"] = graphed_steps(model, trees, context, int(opts["repeats"]), int(opts["warmup"]))
+        plain = report["graphed"]["plain_ms"]
+        print(f"\nCUDA graphs over a static cache: plain step {plain:.2f} ms ({plain / limit_ms:.2f}x the memory limit)"
+              "\n\n| tree | nodes | backbone pass, graphed (ms) | / graphed plain step |\n|---|---:|---:|---:|")
+        for row in report["graphed"]["trees"]:
+            print(f"| {row['tree']} | {row['nodes']} | {row['forward_ms']:.2f} | {row['forward_ms'] / plain:.2f} |")
     draft = f"-vocab{opts['draft_vocab']}" if opts["draft_vocab"] else ""
     output = Path(opts["output"] or f"outputs/bench/decode-{opts['dtype']}-{opts['reads']}{draft}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
