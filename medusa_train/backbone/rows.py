@@ -62,17 +62,35 @@ def row_kernel():
     isa = cpu_isa()
     if isa is None:
         return f"not built: this CPU's capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2 or AVX-512"
+    name = f"medusa_train_rows_{isa.lower()}_{_build_digest(isa)}"
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+        if built.is_file():  # built before for this source, torch and CPU: imported at once, no build step run
+            try:
+                return _import_built(name, built)
+            except ImportError:  # another process is writing it: torch's loader waits for that build
+                pass
         _ninja_on_path()
-
-        # named by its instruction set and source: a cache shared between machines never hands one the other's build
-        return load(name=f"medusa_train_rows_{isa.lower()}_{_source_digest()}", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa]], extra_ldflags=["-fopenmp"], verbose=False)
+        # named by its instruction set and a digest of source, flags and torch: a cache shared between machines
+        # or environments never hands one the other's build
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa]],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, a read-only cache: the layers stay on F.linear
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         return f"not built ({type(err).__name__}: {first[:200]})"
+
+
+def _import_built(name: str, path: Path):
+    """The kernel module compiled earlier at ``path`` (torch's own loader asks ninja whether to rebuild first:
+    seconds in every process, a rebuild whenever two environments share the cache)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _ninja_on_path() -> None:
@@ -88,10 +106,11 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def _source_digest() -> str:
+def _build_digest(isa: str) -> str:
     import hashlib
 
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+    key = SOURCE.read_bytes() + f"|{torch.__version__}|{' '.join(ISA_FLAGS[isa])}".encode()
+    return hashlib.sha256(key).hexdigest()[:10]
 
 
 class RowLinear(torch.nn.Linear):
