@@ -3,7 +3,7 @@
 A decoding step on a CPU is memory-bound: a 1-token step and a verify over a few tree nodes read the same
 weights. A library GEMM does not treat them alike: at 2-16 rows it packs the weights on each call and computes
 afterwards, so a 2-token verify in float32 costs 1.8x a 1-token step on an AVX2 CPU (``docs/results.md``, "Step
-cost"). ``kernels/rows.cpp`` streams each weight once and uses it for every row, in ``nn.Linear``'s own layout
+cost"). ``rows.cpp`` streams each weight once and uses it for every row, in ``nn.Linear``'s own layout
 (nothing is copied), and sums each output the same way whatever the number of rows, so a row's output is
 bitwise the same in any verify it is part of. A 1-token step stays on torch's GEMV.
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 #: docs/results.md, "Step cost against the machine's limit")
 MIN_ROWS, MAX_ROWS = 2, 16
 ENV_SWITCH = "MEDUSA_TRAIN_ROW_KERNEL"  #: ``0`` / ``off``: never switch layers
-SOURCE = Path(__file__).with_name("kernels") / "rows.cpp"
+SOURCE = Path(__file__).with_suffix(".cpp")  #: rows.cpp beside this file
 
 # the instruction sets the kernel is written for, by torch's name for the CPU's capability, and their flags
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
@@ -113,6 +113,18 @@ def _build_digest(isa: str) -> str:
     return hashlib.sha256(key).hexdigest()[:10]
 
 
+def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` through the row kernel: x (M, K) and w (N, K) float32 CPU tensors; (M, N) float32."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"rows_linear: x (M, K) and w (N, K), not {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError("rows_linear: float32 CPU tensors only")
+    x, w = x.contiguous(), w.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    row_kernel().rows_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])
+    return y
+
+
 class RowLinear(torch.nn.Linear):
     """An ``nn.Linear`` that runs a decoding step's few float32 CPU rows through the row kernel.
 
@@ -123,7 +135,7 @@ class RowLinear(torch.nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (MIN_ROWS <= rows <= MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
                 and w.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            y = row_kernel().rows_linear(x.reshape(rows, x.shape[-1]), w)
+            y = rows_linear(x.reshape(rows, x.shape[-1]), w)
             if self.bias is not None:
                 y += self.bias
             return y.reshape(*x.shape[:-1], w.shape[0])

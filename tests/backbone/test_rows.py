@@ -23,6 +23,7 @@ from medusa_train.backbone.rows import (
     cpu_isa,
     linear_path,
     row_kernel,
+    rows_linear,
     use_row_kernel,
     without_row_kernel,
 )
@@ -51,7 +52,7 @@ def test_the_product_to_float32_accuracy(kernel, n, k):
     w, x = torch.randn(n, k, generator=g), torch.randn(64, k, generator=g)  # the kernel takes any rows
     exact = (x.double() @ w.double().T)
     for rows in (1, 2, 3, 5, 7, 16, 64):
-        got = kernel.rows_linear(x[:rows], w)
+        got = rows_linear(x[:rows], w)
         assert got.shape == (rows, n) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), exact[:rows], rtol=1e-5, atol=1e-5 * k ** 0.5)
 
@@ -60,13 +61,13 @@ def test_the_product_to_float32_accuracy(kernel, n, k):
 def test_a_rows_output_is_bitwise_the_same_beside_any_other_rows(kernel, n, k):
     g = torch.Generator().manual_seed(k)
     w, x = torch.randn(n, k, generator=g), torch.randn(64, k, generator=g)
-    together = kernel.rows_linear(x, w)
+    together = rows_linear(x, w)
     for start, rows in [(0, 1), (5, 1), (0, 2), (3, 4), (9, 7), (16, 16), (1, 63)]:
-        alone = kernel.rows_linear(x[start:start + rows], w)
+        alone = rows_linear(x[start:start + rows], w)
         assert torch.equal(alone, together[start:start + rows]), (start, rows)
     torch.set_num_threads(2)  # and whatever the number of threads
     try:
-        assert torch.equal(kernel.rows_linear(x, w), together)
+        assert torch.equal(rows_linear(x, w), together)
     finally:
         torch.set_num_threads(1)
 

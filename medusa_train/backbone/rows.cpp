@@ -8,9 +8,13 @@
 // Why: a library GEMM at 2-16 rows packs the weights on every call and then computes, instead of streaming them
 // once; a step that reads the same weights as a 1-token step costs 1.8x one (docs/results.md, "Step cost").
 // Here each weight vector is loaded once and used by every row (NR weight rows x MB input rows in registers).
-#include <torch/extension.h>
+// Built with pybind11 and ATen's parallel_for only (torch/extension.h took 32 s to compile here, these 8): the
+// Python side (rows.py) checks dtypes, devices and shapes and hands over contiguous float32 buffers.
+#include <pybind11/pybind11.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cstdint>
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -86,19 +90,14 @@ static inline void rows_from(const float* X, const float* W, float* Y, int64_t m
   }
 }
 
-torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear: x (M, K), w (N, K)");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "rows_linear: float32 only");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rows_linear: CPU tensors only");
-  auto xc = x.contiguous();
-  auto wc = w.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
-  auto y = torch::empty({M, N}, xc.options());
-  const float* X = xc.data_ptr<float>();
-  const float* W = wc.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
+// y (M, N) = x (M, K) @ w (N, K)^T, all row-major float32, y written whole.
+static void rows_linear(int64_t x_ptr, int64_t w_ptr, int64_t y_ptr, int64_t M, int64_t K, int64_t N) {
+  const float* X = reinterpret_cast<const float*>(x_ptr);
+  const float* W = reinterpret_cast<const float*>(w_ptr);
+  float* Y = reinterpret_cast<float*>(y_ptr);
   const int64_t KV = K - K % VW;
   const int64_t blocks = (N + NR - 1) / NR;
+  pybind11::gil_scoped_release unlocked;
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * NR, nr = std::min<int64_t>(NR, N - n0);
@@ -107,7 +106,8 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
       rows_from<MBMAX - 1>(X, W, Y, m0, n0, nr, K, KV, N, M - m0);
     }
   });
-  return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("rows_linear", &rows_linear, "y = x @ w.T for a few float32 rows"); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rows_linear", &rows_linear, "y = x @ w.T for a few float32 rows, from and into contiguous buffers");
+}
