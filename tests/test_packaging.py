@@ -66,6 +66,7 @@ def test_the_wheel_carries_configs_and_trees_and_works_without_the_checkout(tmp_
                for p in (ROOT / "configs").rglob("*.yaml")}
     assert "medusa_train/configs/tree/default.yaml" in configs
     assert not (modules | configs) - names, sorted((modules | configs) - names)
+    assert "medusa_train/backbone/rows.cpp" in names  # the row kernel is compiled where it runs, from its source
 
     site = tmp_path / "site"
     # --target installs beside the environment: the environment's own (editable) install is left alone
