@@ -25,11 +25,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-#: the rows (tokens in a step) the kernel takes. One row stays torch's (its GEMV streams the weights already, and a
-#: plain step, the baseline every speedup divides by, is then the same with or without the kernel: 9% faster than
-#: the kernel's on the AVX2 code paths); more than 16 go to ``F.linear`` too (from 32 rows torch's GEMM was faster:
-#: docs/results.md, "Step cost against the machine's limit")
-MIN_ROWS, MAX_ROWS = 2, 16
+#: the rows (tokens in a step) the kernel takes, by instruction set. One row stays torch's (its GEMV streams the
+#: weights already, and a plain step, the baseline every speedup divides by, is then the same with or without the
+#: kernel: 9% faster than the kernel's on the AVX2 code paths); on AVX-512 two rows too (MKL's 2-row path was as fast
+#: as the kernel there); more than 16 go to torch's GEMM (faster from 32 rows on both: docs/results.md, "Step cost
+#: against the machine's limit")
+MIN_ROWS = {"AVX512": 4, "AVX2": 2}
+MAX_ROWS = 16
 ENV_SWITCH = "MEDUSA_TRAIN_ROW_KERNEL"  #: ``0`` / ``off``: never switch layers
 SOURCE = Path(__file__).with_suffix(".cpp")  #: rows.cpp beside this file
 
@@ -113,6 +115,11 @@ def _build_digest(isa: str) -> str:
     return hashlib.sha256(key).hexdigest()[:10]
 
 
+@functools.cache
+def _min_rows() -> int:
+    return MIN_ROWS.get(cpu_isa(), MAX_ROWS + 1)
+
+
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` through the row kernel: x (M, K) and w (N, K) float32 CPU tensors; (M, N) float32."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -133,7 +140,7 @@ class RowLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (MIN_ROWS <= rows <= MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+        if (_min_rows() <= rows <= MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
                 and w.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             y = rows_linear(x.reshape(rows, x.shape[-1]), w)
             if self.bias is not None:

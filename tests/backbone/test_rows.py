@@ -82,7 +82,7 @@ def test_other_calls_are_exactly_torchs(kernel):
     with torch.no_grad():
         assert torch.equal(layer(many), reference(many))
         one = torch.randn(1, 1, 24, generator=g)  # a plain step: torch's GEMV, the baseline unchanged
-        assert MIN_ROWS == 2 and torch.equal(layer(one), reference(one))
+        assert min(MIN_ROWS.values()) >= 2 and torch.equal(layer(one), reference(one))
         half = torch.randn(3, 24, generator=g).bfloat16()
         assert torch.equal(layer.bfloat16()(half), reference.bfloat16()(half))
         layer.float(), reference.float()
