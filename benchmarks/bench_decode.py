@@ -49,7 +49,7 @@ import torch
 from benchmarks.bench_options import bench_options
 from benchmarks.steps import DecodeStepParts
 from medusa_train import MedusaModel, load_backbone
-from medusa_train.backbone.rows import linear_path, use_row_kernel, without_row_kernel
+from medusa_train.backbone.rows import RowLinear, linear_path, use_row_kernel
 from medusa_train.decoding import MedusaTree
 from medusa_train.tree.cost import device_name, median_times
 from medusa_train.tree.fit import assumed_rank_accuracies, expected_accept_length
@@ -95,9 +95,15 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
     the parts of it: the heads' candidates, the backbone's pass over the nodes, the LM head (+ argmax)
     over the nodes: ``{path: (plain, plain_explicit, [(name, tree, {part: seconds})])}``."""
     steps = DecodeStepParts(model, context, seed)
+    switched = [m for m in model.backbone.modules() if type(m) is RowLinear]  # found once: switching stays cheap
+
+    def switch_to(cls) -> None:  # inside every timed step, so a few class assignments, no search
+        for layer in switched:
+            layer.__class__ = cls
+
     timed = []
     for path in linears:
-        switch = functools.partial(without_row_kernel if path == "gemm" else use_row_kernel, model.backbone)
+        switch = functools.partial(switch_to, torch.nn.Linear if path == "gemm" else RowLinear)
         own = [steps.plain_step, lambda: steps.plain_step(explicit_mask=True)]
         for _, tree in trees:
             own += [steps.verify_step(tree), steps.candidates_step(tree), steps.forward_step(tree),

@@ -1,4 +1,4 @@
-// medusa-train's CPU float32 linear for a few rows (a verify step over 2-64 tree nodes; medusa_train/backbone/rows.py).
+// medusa-train's CPU float32 linear for a few rows (a verify step over 2-16 tree nodes; medusa_train/backbone/rows.py).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] with w in nn.Linear's own (out, in) layout: nothing is repacked or copied.
 // Every (m, n) is summed the same way whatever the number of rows and threads (one vector accumulator over k in
@@ -16,45 +16,36 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#define VW 16
-#ifndef NR
-#define NR 4  // weight rows and input rows a block holds in registers: 4 x 6 accumulators + 4 weight vectors
-#endif        // + 1 input vector of the 32 registers
-#ifndef MBMAX
-#define MBMAX 6
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the row kernel needs AVX2 with FMA, or AVX-512"
 #endif
-typedef __m512 vec;
-static inline vec vzero() { return _mm512_setzero_ps(); }
-static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec a) {
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#define VW 8
-#ifndef NR
-#define NR 3  // 3 x 4 accumulators + 3 weight vectors + 1 input vector of the 16 registers (4 x 2 measured slower
-#endif        // from 4 rows on)
-#ifndef MBMAX
-#define MBMAX 4
-#endif
-typedef __m256 vec;
-static inline vec vzero() { return _mm256_setzero_ps(); }
-static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec a) {
+
+// the sum of 8 floats in one fixed order (both builds end their horizontal sums here)
+static inline float sum8(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+#if defined(__AVX512F__)
+#define VW 16
+#define NR 4  // weight rows and input rows a block holds in registers: 4 x 6 accumulators + 4 weight vectors
+#define MBMAX 6  // + 1 input vector of the 32 registers
+typedef __m512 vec;
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) { return sum8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1))); }
 #else
-#error "the row kernel needs AVX2 with FMA, or AVX-512"
+#define VW 8
+#define NR 3  // 3 x 4 accumulators + 3 weight vectors + 1 input vector of the 16 registers (4 x 2 measured slower
+#define MBMAX 4  // from 4 rows on)
+typedef __m256 vec;
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) { return sum8(a); }
 #endif
 
 template <int MB>

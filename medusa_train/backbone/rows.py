@@ -11,8 +11,8 @@ bitwise the same in any verify it is part of. A 1-token step stays on torch's GE
 only where it applies (no autograd, float32 CPU tensors, ``MIN_ROWS`` to ``MAX_ROWS`` rows) and ``F.linear`` everywhere
 else: training, prefill, bfloat16 and CUDA are untouched. Every decoder on the machine gets it at once (HF
 ``generate``, prompt lookup and ours run the same backbone), so a speedup still divides by the best plain
-decoding there. The kernel is compiled for this CPU on first use (AVX-512 or AVX2 with FMA; ~30 s, cached by
-torch in ``~/.cache/torch_extensions``); without a compiler, or on another CPU, layers stay as they are and one
+decoding there. The kernel is compiled for this CPU on first use (AVX-512 or AVX2 with FMA; ~10 s, kept in
+torch's ``~/.cache/torch_extensions`` and imported from there afterwards); without a compiler, or on another CPU, layers stay as they are and one
 line says why. ``MEDUSA_TRAIN_ROW_KERNEL=0`` turns it off (a benchmark's "before").
 """
 
@@ -126,6 +126,11 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"rows_linear: x (M, K) and w (N, K), not {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or w.device.type != "cpu":
         raise ValueError("rows_linear: float32 CPU tensors only")
+    return _rows_linear(x, w)
+
+
+def _rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``rows_linear`` once its arguments are known to fit (``RowLinear.forward`` checks them on its own way)."""
     x, w = x.contiguous(), w.contiguous()
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     row_kernel().rows_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])
@@ -142,7 +147,7 @@ class RowLinear(torch.nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (_min_rows() <= rows <= MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
                 and w.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            y = rows_linear(x.reshape(rows, x.shape[-1]), w)
+            y = _rows_linear(x.reshape(rows, x.shape[-1]), w)
             if self.bias is not None:
                 y += self.bias
             return y.reshape(*x.shape[:-1], w.shape[0])

@@ -36,7 +36,7 @@ class DistillStage:
     dtype: str = "auto"  #: auto: bfloat16 where it runs natively (GPU, AVX512-BF16/AMX CPU), else float32
     #: the data sized to the machine: distilling stops after this many minutes (server start-up not counted) with
     #: the prompts done so far, and the log says how many. 2,400 prompts take ~8 min through vLLM on the BF16 CPU;
-    #: on the AVX2 CPU in float32 they took 40 (docs/results.md#the-demo-on-each-machine). null: all num_prompts
+    #: on the AVX2 CPU in float32 they took 40 (docs/results.md#the-demo-time-and-result). null: all num_prompts
     max_minutes: float | None = 10
 
 

@@ -23,7 +23,7 @@ from transformers import DynamicCache, StaticCache
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
 from medusa_train.decoding.lookup import ContextLookup
-from medusa_train.decoding.tree import MedusaTree, tree_from_config
+from medusa_train.decoding.tree import MedusaTree, fill_step_mask, tree_from_config
 
 # the verify step's phases, in the order the loop runs them (``medusa_generate``'s ``wrap_phase`` sees these names)
 PHASES = ("candidates", "tree pass", "LM head", "acceptance", "compaction")
@@ -201,12 +201,11 @@ def _graphed(cuda_graphs: bool, model, cache, device: torch.device) -> Callable 
     """The graphed tree pass when ``cuda_graphs`` asks for one (None: eager)."""
     if not cuda_graphs:
         return None
-    if device.type != "cuda" or not isinstance(cache, StaticCache):
-        raise ValueError(f"cuda_graphs=True needs a CUDA model and kv_cache='static' (here: {device.type}, "
-                         f"{'static' if isinstance(cache, StaticCache) else 'dynamic'})")
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a CUDA model (here: {device.type})")
     from medusa_train.decoding.graphs import GraphedTreePass
 
-    return GraphedTreePass(model, cache)
+    return GraphedTreePass(model, cache)  # which refuses a dynamic cache
 
 
 KV_CACHES = ("dynamic", "static")  #: the caches ``medusa_generate`` decodes with (``kv_cache=``)
@@ -276,17 +275,13 @@ def tree_pass(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: tor
     static = isinstance(cache, StaticCache)
     if tokens.shape[0] == 1 and not static:  # the root alone: a plain step, whose causal mask the model builds faster
         out = model(tokens[None], position_ids=(past_len + offsets)[None], past_key_values=cache, use_cache=True)
-    else:
-        prefix = torch.zeros(tokens.shape[0], past_len, dtype=tree_mask.dtype, device=tree_mask.device)
-        parts = [prefix, tree_mask]
-        if static:  # the slots after the nodes hold nothing of this text (or stale nodes): never seen
-            rest = cache.layers[0].max_cache_len - past_len - tokens.shape[0]
-            parts.append(torch.full((tokens.shape[0], rest), torch.finfo(tree_mask.dtype).min,
-                                    dtype=tree_mask.dtype, device=tree_mask.device))
-        mask = torch.cat(parts, dim=1)[None, None]  # (batch, 1, query, past + query [+ the static rest])
-        out = model(tokens[None], attention_mask=mask, position_ids=(past_len + offsets)[None],
-                    past_key_values=cache, use_cache=True)
+    else:  # (batch, 1, query, keys): a static cache's keys are all its slots
+        width = cache.layers[0].max_cache_len if static else past_len + tokens.shape[0]
+        mask = torch.empty(tokens.shape[0], width, dtype=tree_mask.dtype, device=tree_mask.device)
+        out = model(tokens[None], attention_mask=fill_step_mask(mask, tree_mask, past_len)[None, None],
+                    position_ids=(past_len + offsets)[None], past_key_values=cache, use_cache=True)
     return out
+
 
 
 def candidates(model, tree: MedusaTree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
+from medusa_train.decoding.tree import fill_step_mask
+
 
 class GraphedTreePass:
     """The backbone's pass over ``N`` tree nodes, one CUDA graph per ``N``, over one ``StaticCache``."""
@@ -42,14 +44,10 @@ class GraphedTreePass:
         return output
 
     def _fill(self, inputs: dict, tokens, tree_mask, offsets, past_len: int) -> None:
-        """The step's tokens, positions and mask (prefix visible, the tree's own, nothing after) into the buffers."""
-        n = tokens.shape[0]
+        """The step's tokens, positions and mask (``fill_step_mask``) into the graph's buffers."""
         inputs["tokens"].copy_(tokens[None])
         inputs["positions"].copy_((past_len + offsets)[None])
-        mask = inputs["mask"][0, 0]
-        mask[:, :past_len] = 0
-        mask[:, past_len:past_len + n] = tree_mask
-        mask[:, past_len + n:] = torch.finfo(mask.dtype).min
+        fill_step_mask(inputs["mask"][0, 0], tree_mask, past_len)
 
     def _run(self, inputs: dict):
         return self.model(inputs["tokens"], attention_mask=inputs["mask"], position_ids=inputs["positions"],
@@ -60,7 +58,7 @@ class GraphedTreePass:
         length = self.cache.layers[0].max_cache_len
         inputs = {"tokens": torch.zeros(1, n, dtype=torch.long, device=device),
                   "positions": torch.zeros(1, n, dtype=torch.long, device=device),
-                  "mask": torch.full((1, 1, n, length), torch.finfo(dtype).min, dtype=dtype, device=device)}
+                  "mask": torch.empty(1, 1, n, length, dtype=dtype, device=device)}
         lengths = [layer.cumulative_length.clone() for layer in self.cache.layers]
         past = int(lengths[0])
         self._fill(inputs, torch.zeros(n, dtype=torch.long, device=device), tree_mask,

@@ -308,3 +308,14 @@ def _validate(choices: Iterable[Sequence[int]], num_heads: int | None, top_k: in
             if p[:d] not in seen:
                 raise ValueError(f"tree path {list(p)}: its prefix {list(p[:d])} is missing")
     return paths
+
+
+def fill_step_mask(mask: torch.Tensor, tree_mask: torch.Tensor, past_len: int) -> torch.Tensor:
+    """A step's additive mask, (nodes, keys), written into ``mask`` and returned: the ``past_len`` cached tokens
+    visible to every node, the nodes' own tree mask, and nothing after (a static cache's slots past the text,
+    which hold stale nodes or nothing)."""
+    nodes = tree_mask.shape[0]
+    mask[:, :past_len] = 0
+    mask[:, past_len:past_len + nodes] = tree_mask
+    mask[:, past_len + nodes:] = torch.finfo(mask.dtype).min
+    return mask

@@ -147,10 +147,9 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
         if not eos_ids:
             raise ValueError("neither the model's generation config nor the tokenizer names an eos token")
         todo = [p for p in selection.prompts if p.id not in done]
-        clock = {"started": time.perf_counter()}
 
-        def out_of_time() -> bool:  # max_minutes of generating spent (the clock starts after any server start-up)
-            return bool(cfg.max_minutes) and time.perf_counter() - clock["started"] >= cfg.max_minutes * 60
+        def out_of_time() -> bool:  # max_minutes of generating spent (``started`` is set after any server start-up)
+            return bool(cfg.max_minutes) and time.perf_counter() - started >= cfg.max_minutes * 60
 
         if cfg.engine:
             from medusa_train.data.distill.served import distill_served, engine_clients
@@ -164,7 +163,6 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
                                                                    cfg.sort_window), cfg, eos_ids)
         run_tokens, run_conversations = 0, 0
         started, cpu_started = time.perf_counter(), time.process_time()
-        clock["started"] = started
         bar = tqdm(total=len(todo), desc="distill", unit="conv", disable=not cfg.progress, dynamic_ncols=True)
         for batch in outcomes:
             for outcome in batch:
