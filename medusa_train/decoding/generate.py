@@ -59,6 +59,15 @@ class MedusaGenerateOutput:
     lookup_depths: list[int] = field(default_factory=list)
 
     @property
+    def written_per_step(self) -> list[int]:
+        """Per verify step, the tokens its forward pass wrote: its accepted guesses and the token it chose after them,
+        as far as the reply goes (``accept_lengths`` credits each step with its root, written by the pass before it,
+        the prefill's for the first, and the last step with the root after it). Sums to ``new_tokens - 1``, the
+        reply's tokens after its first, which is what evaluate's rows divide by the steps and what the walk along
+        the same text counts step by step (``model/walk.py`` ``walked_steps``)."""
+        return [*self.accept_lengths[:-1], self.accept_lengths[-1] - 1] if self.accept_lengths else []
+
+    @property
     def mean_accept_length(self) -> float:
         """Mean tokens gained per verify step (0.0 when no step ran)."""
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0

@@ -73,13 +73,15 @@ def heads_depths(ranks: Sequence[Sequence[Sequence[int]]], choices: Sequence[Seq
 
 
 def walked_steps(depths: Sequence[int], runs: Sequence[int] = (), lookup_depth: int = 0) -> list[int]:
-    """The tokens each greedy decode step accepts when it writes one calibration text again: the first step sits
-    at the first position (the last prompt token's), each takes 1 + the longer of the heads' depth there
-    (``heads_depths``) and the lookup chain's run there capped at ``lookup_depth`` (``lookup_runs``), and the next
-    starts after the tokens it accepted."""
+    """The tokens each greedy decode step adds when it writes one calibration text again: the first step sits at
+    the first position (the last prompt token's), each takes 1 + the longer of the heads' depth there
+    (``heads_depths``) and the lookup chain's run there capped at ``lookup_depth`` (``lookup_runs``), but never more
+    than the text has left after that position (``len(depths) - j``: the step's own token past the text's end is one
+    the decoder never writes), and the next starts after the tokens it added. The steps add up to the text's tokens
+    after its first, as the decoder's rows count (``evaluation/summary.py``)."""
     steps, j = [], 0
     while j < len(depths):
-        steps.append(1 + max(depths[j], min(runs[j], lookup_depth) if j < len(runs) else 0))
+        steps.append(min(1 + max(depths[j], min(runs[j], lookup_depth) if j < len(runs) else 0), len(depths) - j))
         j += steps[-1]
     return steps
 

@@ -50,13 +50,17 @@ def test_lookup_gains_count_only_what_the_heads_do_not_reach():
 
 def test_the_walk_counts_a_loop_once_per_step_not_once_per_position():
     # a text whose last 8 positions loop: per position, lookup would add 8+7+...+1 over 12 positions (3 a position);
-    # decoded, the 4 fresh positions take a step each and the loop one step of 9 (8 copied, the ninth token the
-    # step's own): 13 tokens in 5 steps
+    # decoded, the 4 fresh positions take a step each and the loop one step of the 8 tokens left (its 8 copied
+    # guesses reach the text's end; the token the step would choose after them lies past it): 12 tokens in 5 steps
     depths, runs = [0, 0, 0, 0] + [0] * 8, [0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1]
-    assert walked_steps(depths, runs, 8) == [1, 1, 1, 1, 9]
+    assert walked_steps(depths, runs, 8) == [1, 1, 1, 1, 8]
     assert walked_steps(depths, runs, 3) == [1, 1, 1, 1, 4, 4]  # the chain capped at 3 nodes
     assert walked_steps([1, 0, 2, 0, 0], (), 0) == [2, 3]  # heads alone: their depth at each step's position
-    assert tokens_per_step([depths, [1, 0, 2, 0, 0]], [runs, []], 8) == pytest.approx(18 / 7)
+    # the last step writes only what the text has left: 3 positions, 3 tokens after the first, however deep
+    assert walked_steps([0, 3, 3], (), 0) == [1, 2]
+    assert walked_steps([2, 2, 2], (), 0) == [3]
+    assert walked_steps([], (), 0) == []
+    assert tokens_per_step([depths, [1, 0, 2, 0, 0]], [runs, []], 8) == pytest.approx(17 / 7)
     assert tokens_per_step([[]]) == 1.0
 
 
@@ -83,14 +87,15 @@ def test_measured_depths_are_what_the_hybrid_decoder_accepts_step_by_step(seed):
     out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
     assert out.sequences.tolist() == ref.tolist()
     j = 0  # the step's position, counted from the last prompt token
-    for step, gained in enumerate(out.accept_lengths[:-1]):  # the last one is cut at max_new_tokens
+    for step, gained in enumerate(out.accept_lengths[:-1]):  # the last one is cut at the reply's end
         assert gained == 1 + max(depth[j], run[j]), (step, j)
         assert (out.accepted_depths[step], out.lookup_depths[step]) == \
             ((depth[j], 0) if depth[j] >= run[j] else (0, run[j]))
         j += gained
     assert sum(out.lookup_depths) > 0 and sum(out.accepted_depths) > 0  # both branches were kept
-    # what build-tree's sizing walks is what the decoder did, step for step
-    assert walked_steps(depth, run, tree.lookup_depth)[:len(out.accept_lengths) - 1] == out.accept_lengths[:-1]
+    # what build-tree's sizing walks is what the decoder did, step for step, the last step included
+    assert walked_steps(depth, run, tree.lookup_depth) == out.written_per_step
+    assert sum(out.written_per_step) == out.new_tokens - 1 == len(depth)
 
 
 def test_build_tree_shares_the_nodes_between_heads_and_lookup_by_what_each_adds(tmp_path, capsys):
