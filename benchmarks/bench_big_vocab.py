@@ -61,11 +61,11 @@ def main(**overrides) -> int:
     opts = bench_options(DEFAULTS, overrides)
     if opts is None:
         return 2
-    from medusa_train.decoding import MedusaTree
+    from medusa_train.decoding import TokenTree
+    from medusa_train.families.eagle3.config import Eagle3Config
+    from medusa_train.families.eagle3.model import Eagle3Model
+    from medusa_train.families.medusa.model import MedusaModel
     from medusa_train.model.draft_vocab import step_weights
-    from medusa_train.model.eagle3 import Eagle3Config
-    from medusa_train.model.eagle3_model import Eagle3Model
-    from medusa_train.model.medusa import MedusaModel
 
     backbone = backbone_of(opts)
     vocab, hidden = int(opts["vocab"]), int(opts["hidden"])
@@ -77,7 +77,7 @@ def main(**overrides) -> int:
               "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
               "plain_step_weights": plain_weights, "eagle3": {}, "medusa": {}}
     layer = Eagle3Config.for_backbone(backbone, aux_layer_ids=aux).layer_weights()
-    chain = {2: MedusaTree.chain(1)}
+    chain = {2: TokenTree.chain(1)}
     for size in [int(s) for s in str(opts["sizes"]).split(",")]:
         size = size or vocab
         token_map = None if size == vocab else torch.arange(size)
@@ -91,7 +91,7 @@ def main(**overrides) -> int:
         del draft
     nodes = int(opts["tree_nodes"])
     heads = int(opts["medusa_heads"])
-    trees = {2: MedusaTree.chain(1), nodes: MedusaTree.from_name("default").truncated(max_nodes=nodes,
+    trees = {2: TokenTree.chain(1), nodes: TokenTree.from_name("default").truncated(max_nodes=nodes,
                                                                                       max_depth=heads)}
     for name, share, token_map in (("own full-vocabulary LM heads (exportable)", False, None),
                                    (f"shared LM head, {int(opts['medusa_vocab']):,}-token draft vocabulary (ours only)",

@@ -50,7 +50,7 @@ from benchmarks.bench_options import bench_options
 from benchmarks.steps import DecodeStepParts
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.backbone.rows import RowLinear, linear_path, use_row_kernel
-from medusa_train.decoding import MedusaTree
+from medusa_train.decoding import TokenTree
 from medusa_train.tree.cost import device_name, median_times
 from medusa_train.tree.fit import assumed_rank_accuracies, expected_accept_length
 
@@ -68,16 +68,16 @@ SHAPES = {"135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layer
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)}
 
 
-def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, MedusaTree]]:
+def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, TokenTree]]:
     """``1`` = root only, ``chain`` = each head's top-1, ``N`` = the first N nodes of ``default``."""
-    default = MedusaTree.from_name("default").truncated(max_depth=num_heads)
+    default = TokenTree.from_name("default").truncated(max_depth=num_heads)
     trees = []
     for size in str(sizes).split(","):
         size = size.strip()
         if size == "chain":
-            trees.append((f"chain({num_heads})", MedusaTree.chain(num_heads)))
+            trees.append((f"chain({num_heads})", TokenTree.chain(num_heads)))
         elif int(size) == 1:
-            trees.append(("root only", MedusaTree([])))
+            trees.append(("root only", TokenTree([])))
         else:
             trees.append((f"default[:{size}]", default.truncated(max_nodes=int(size))))
     return trees
@@ -157,7 +157,7 @@ def graphed_steps(model: MedusaModel, trees, context: int, repeats: int, warmup:
                 layer.cumulative_length.fill_(context)  # the nodes dropped again: every step sees the same context
         return run
 
-    plain_tree = MedusaTree([])
+    plain_tree = TokenTree([])
     seconds = median_times([step(plain_tree)] + [step(t) for t in sizes], repeats, warmup, device)
     return {"plain_ms": seconds[0] * 1e3,
             "trees": [{"tree": name, "nodes": tree.num_nodes, "forward_ms": s * 1e3}

@@ -33,9 +33,9 @@ def fit_draft(backbone, tokenizer, conversations: list[list[dict]], max_tokens: 
     ``steps`` AdamW steps on the backbone's own greedy replies to ``conversations`` (``max_tokens + depth`` tokens),
     in eval mode: an upper bound on acceptance on those prompts, not a trained draft."""
     from medusa_train.backbone.generation import encode_chat
+    from medusa_train.families.eagle3.loss import ttt_loss
+    from medusa_train.families.eagle3.model import Eagle3Model
     from medusa_train.model.draft_vocab import most_frequent_tokens
-    from medusa_train.model.eagle3_model import Eagle3Model
-    from medusa_train.training.eagle3_loss import ttt_loss
 
     texts = []
     for messages in conversations:
@@ -66,13 +66,13 @@ def chain_figures(model, tokenizer, conversations: list[list[dict]], max_tokens:
     """Our decoder's ``tree=chain`` (the draft's default depth) over ``conversations``: ``(replies, {"tokens_per_step",
     "per_position"})``, tokens after each reply's first per verify step, as the engine counts them."""
     from medusa_train.backbone.generation import encode_chat
-    from medusa_train.decoding import MedusaTree, medusa_generate
+    from medusa_train.decoding import TokenTree, tree_generate
 
     depth = model.max_depth
     replies, depths, gained, steps = [], [], 0, 0
     for messages in conversations:
         ids = encode_chat(tokenizer, messages)
-        out = medusa_generate(model, ids, MedusaTree.chain(depth), max_new_tokens=max_tokens, eos_token_id=eos)
+        out = tree_generate(model, ids, TokenTree.chain(depth), max_new_tokens=max_tokens, eos_token_id=eos)
         replies.append(out.sequences[0, ids.shape[1]:].tolist())
         depths += out.accepted_depths
         gained, steps = gained + out.new_tokens - 1, steps + out.steps
@@ -87,7 +87,7 @@ def main(prompts: str = "6", max_tokens: str = "48", k: str = "3", dtype: str = 
     from medusa_train.data.benchmarks import load_benchmark
     from medusa_train.engine import VllmServer
     from medusa_train.evaluation.served import measure_phase
-    from medusa_train.model.eagle3_model import Eagle3Model
+    from medusa_train.families.eagle3.model import Eagle3Model
 
     n, new, depth, steps = int(prompts), int(max_tokens), int(k), int(fit_steps)
     folder = resolve_model_path("packaged:smollm2-135m-instruct")[0]

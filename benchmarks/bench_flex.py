@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_options import bench_options
-from medusa_train.decoding import MedusaTree
+from medusa_train.decoding import TokenTree
 from medusa_train.tree.cost import device_name, median_times
 
 DEFAULTS = dict(dtype="float32", device=None, context=256, sizes="2,4,8,16,32,64", repeats=30, warmup=3,
@@ -36,7 +36,7 @@ def main(**overrides) -> int:
     device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, opts["dtype"])
     context, heads, kv, dim = int(opts["context"]), int(opts["heads"]), int(opts["kv_heads"]), int(opts["head_dim"])
-    default = MedusaTree.from_name("default")
+    default = TokenTree.from_name("default")
     compiled = torch.compile(flex_attention, dynamic=False) if opts["compile"] == "true" else None
     rows = []
     print(f"\nTree attention, one layer: {heads} query / {kv} key-value heads of {dim}, {opts['dtype']}, "
@@ -57,7 +57,7 @@ def main(**overrides) -> int:
     return 0
 
 
-def time_tree(tree: MedusaTree, context: int, heads: int, kv: int, dim: int, dtype, device, compiled, opts) -> dict:
+def time_tree(tree: TokenTree, context: int, heads: int, kv: int, dim: int, dtype, device, compiled, opts) -> dict:
     """One tree size: SDPA with the additive mask, flex_attention eager and (``compiled``) compiled; outputs
     checked against SDPA's first."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention

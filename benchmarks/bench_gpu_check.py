@@ -30,15 +30,15 @@ def parity(heads: str, prompts: list[str], count: int, device: str, new_tokens: 
     from medusa_train.backbone.generation import eos_token_ids
     from medusa_train.config.model import EvalModelConfig
     from medusa_train.data.validation import continuations
-    from medusa_train.decoding import MedusaTree, medusa_generate
+    from medusa_train.decoding import TokenTree, tree_generate
     from medusa_train.model.load import load_heads
     from medusa_train.model.walk import walk_figures
 
     model, tokenizer = load_heads(heads, EvalModelConfig(dtype="float32"), device)
     sequences = continuations(model.backbone, tokenizer, prompts, new_tokens, root=out / "continuations").sequences[:count]
     depth = min(model.config.depth, 3)
-    tree16 = MedusaTree.from_name("default").truncated(max_nodes=16, max_depth=depth)
-    trees = {f"K{k}": MedusaTree.chain(k) for k in range(1, depth + 1)} | {"tree16": tree16}
+    tree16 = TokenTree.from_name("default").truncated(max_nodes=16, max_depth=depth)
+    trees = {f"K{k}": TokenTree.chain(k) for k in range(1, depth + 1)} | {"tree16": tree16}
     walked = walk_figures(model, sequences, chains=range(1, depth + 1), tree_choices=tree16.choices)
     expected = {f"K{k}": walked[f"chain{k}"] for k in range(1, depth + 1)} | {"tree16": walked["tree"]}
     eos = eos_token_ids(model.backbone, tokenizer)
@@ -46,7 +46,7 @@ def parity(heads: str, prompts: list[str], count: int, device: str, new_tokens: 
     for name, tree in trees.items():
         gained = steps = same = 0
         for ids, prompt_len in sequences:
-            outcome = medusa_generate(model, ids[:, :prompt_len], tree, max_new_tokens=new_tokens, eos_token_id=eos)
+            outcome = tree_generate(model, ids[:, :prompt_len], tree, max_new_tokens=new_tokens, eos_token_id=eos)
             gained, steps = gained + outcome.new_tokens - 1, steps + outcome.steps
             same += torch.equal(outcome.sequences[0].cpu(), ids[0].cpu())
         rows[name] = {"expected": round(expected[name], 4), "measured": round(gained / max(steps, 1), 4),

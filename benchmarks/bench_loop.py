@@ -3,7 +3,7 @@ misses, and how much the machine itself moves.
 
     python -m benchmarks loop heads=<export> tree=<tree YAML> rounds=3 prompts=8
 
-Each round decodes ``prompts`` MT-Bench first turns with ``generate`` and with ``medusa_generate`` (per
+Each round decodes ``prompts`` MT-Bench first turns with ``generate`` and with ``tree_generate`` (per
 prompt, one after the other, as the evaluation does), timing the loop's phases inside it through its
 ``wrap_phase`` hook (the heads' candidates, the tree pass, the LM head, acceptance, cache compaction; on
 CUDA each phase is synchronised, which adds a little), then times ``DecodeSteps``' plain, ``generate`` and
@@ -28,19 +28,19 @@ from benchmarks.bench_options import bench_options
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
 from medusa_train.config.model import EvalModelConfig
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, load_benchmark
-from medusa_train.decoding.generate import medusa_generate
+from medusa_train.decoding.generate import tree_generate
 from medusa_train.evaluation.evaluate import resolve_tree
 from medusa_train.model.load import load_heads
 from medusa_train.tree.cost import DecodeSteps, median_times
 
 DEFAULTS = dict(heads=None, tree=None, dtype="bfloat16", prompts=8, max_new_tokens=128, rounds=3, repeats=10,
                 threads=None, output="outputs/bench/loop.json")
-# the table's phase columns (``medusa_generate``'s PHASES), in the order this table has always shown them
+# the table's phase columns (``tree_generate``'s PHASES), in the order this table has always shown them
 COLUMNS = ("candidates", "tree pass", "acceptance", "compaction", "LM head")
 
 
 class PhaseClock:
-    """Seconds spent in each phase of ``medusa_generate``: its ``wrap_phase`` hook is ``wrap``."""
+    """Seconds spent in each phase of ``tree_generate``: its ``wrap_phase`` hook is ``wrap``."""
 
     def __init__(self, device: torch.device):
         self.device, self.seconds = device, defaultdict(float)
@@ -71,7 +71,7 @@ def main(**overrides) -> int:
     prompts = load_benchmark(DEFAULT_BENCHMARK, int(opts["prompts"]))
     inputs = [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}]).to(device) for p in prompts]
     new_tokens = int(opts["max_new_tokens"])
-    medusa_generate(model, inputs[0], tree, max_new_tokens=16)  # warm-up
+    tree_generate(model, inputs[0], tree, max_new_tokens=16)  # warm-up
     plain_generate(model.backbone, inputs[0], 16, eos, pad)
 
     rounds = []
@@ -83,7 +83,7 @@ def main(**overrides) -> int:
         for ids in inputs:
             plain, timing = plain_generate(model.backbone, ids, new_tokens, eos, pad)
             plain_tokens, plain_s = plain_tokens + len(plain) - 1, plain_s + timing["decode_s"]
-            out = medusa_generate(model, ids, tree, max_new_tokens=new_tokens, eos_token_id=eos,
+            out = tree_generate(model, ids, tree, max_new_tokens=new_tokens, eos_token_id=eos,
                                   wrap_phase=clock.wrap)
             # tokens after each reply's first per forward after its prefill, as generate_ms counts its tokens
             steps, tokens, decode_s = steps + out.steps, tokens + out.new_tokens - 1, decode_s + out.timings["decode_s"]

@@ -126,8 +126,8 @@ def _worker(opts: dict) -> dict:
     import torch
     from torch import nn
 
-    from medusa_train.model.heads import MedusaHead
-    from medusa_train.training.losses import medusa_loss_backward, medusa_loss_naive
+    from medusa_train.families.medusa.heads import MedusaHead
+    from medusa_train.training.losses import depthwise_loss_backward, depthwise_loss_naive
     from medusa_train.training.targets import Teacher, teacher_targets, text_targets
 
     torch.manual_seed(opts["seed"])
@@ -151,10 +151,10 @@ def _worker(opts: dict) -> dict:
     def step() -> float:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             if variant == "naive":
-                loss, result = medusa_loss_naive(head_logits, hidden, targets)
+                loss, result = depthwise_loss_naive(head_logits, hidden, targets)
             else:
                 chunk = opts["chunk"] if variant == "chunked" else None
-                result = medusa_loss_backward(head_logits, hidden, targets, chunk_size=chunk)
+                result = depthwise_loss_backward(head_logits, hidden, targets, chunk_size=chunk)
         if variant == "naive":
             loss.backward()
             del loss

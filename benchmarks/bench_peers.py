@@ -250,7 +250,7 @@ def write_eagle3(model, folder: Path, base: str) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from medusa_train.model.eagle3 import Eagle3Config
+    from medusa_train.families.eagle3.config import Eagle3Config
     from medusa_train.model.folder import write_heads_folder
 
     theirs = folder / "modelopt-export"

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import torch
 
-from medusa_train.model.layouts import TOKEN_MAP_KEY
-from medusa_train.model.medusa import MedusaModel, load_heads_strict
+from medusa_train.families.medusa.layouts import TOKEN_MAP_KEY
+from medusa_train.families.medusa.model import MedusaModel, load_heads_strict
 
 
 def restrict_heads(model, token_map: torch.Tensor):

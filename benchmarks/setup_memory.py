@@ -13,8 +13,8 @@ import sys
 from medusa_train.cli.launch import relaunch_cpu_processes_if_asked
 from medusa_train.config.compose import compose_config
 from medusa_train.config.train import build_config
+from medusa_train.families.medusa.recipe_medusa1 import Medusa1Recipe
 from medusa_train.training import loop
-from medusa_train.training.medusa1 import Medusa1Recipe
 
 
 def main() -> None:

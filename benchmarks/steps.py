@@ -11,14 +11,14 @@ from collections.abc import Callable
 import torch
 
 from medusa_train.decoding.generate import propose, tree_forward
-from medusa_train.decoding.tree import MedusaTree
+from medusa_train.decoding.tree import TokenTree
 from medusa_train.tree.cost import DecodeSteps
 
 
 class DecodeStepParts(DecodeSteps):
     """``DecodeSteps`` with a verify step's parts as steps of their own, each leaving the state as it found it."""
 
-    def candidates_step(self, tree: MedusaTree) -> Callable[[], None]:
+    def candidates_step(self, tree: TokenTree) -> Callable[[], None]:
         """Only the heads' part of a verify step over ``tree``: their candidates (a step's breakdown)."""
 
         @torch.no_grad()
@@ -30,7 +30,7 @@ class DecodeStepParts(DecodeSteps):
 
         return step
 
-    def forward_step(self, tree: MedusaTree) -> Callable[[], None]:
+    def forward_step(self, tree: TokenTree) -> Callable[[], None]:
         """Only the backbone's pass over ``tree``'s nodes with its mask (no LM head): a step's breakdown."""
         mask, offsets = tree.attention_mask(self.dtype).to(self.device), tree.position_offsets.to(self.device)
         tokens = torch.full((tree.num_nodes,), self.root, device=self.device)

@@ -6,8 +6,8 @@ later stage (tests/test_layout.py).
 """
 
 from medusa_train.backbone import load_backbone, load_tokenizer
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.model import Eagle3Config, Eagle3Model, MedusaConfig, MedusaModel, MedusaOutput
 
 __all__ = ["load_backbone", "load_tokenizer", "Eagle3Config", "Eagle3Model", "MedusaConfig", "MedusaModel",
-           "MedusaOutput", "MedusaTree", "medusa_generate"]
+           "MedusaOutput", "TokenTree", "tree_generate"]

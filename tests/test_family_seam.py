@@ -22,11 +22,11 @@ HOMES = {
     # the tables
     "model/family.py", "config/methods.py",
     # EAGLE-3
-    "model/eagle3.py", "model/eagle3_model.py", "training/eagle3.py", "training/eagle3_loss.py", "config/eagle3.py",
+    "families/eagle3/config.py", "families/eagle3/model.py", "families/eagle3/recipe.py", "families/eagle3/loss.py", "families/eagle3/settings.py",
     # Medusa heads (and the methods that train them)
-    "model/config.py", "model/medusa.py", "model/layouts.py", "model/medusa_export.py", "model/medusa_propose.py",
-    "model/heads.py", "model/prefix_attention.py", "model/draft_vocab.py", "config/heads.py",
-    "training/medusa1.py", "training/medusa2.py",
+    "families/medusa/config.py", "families/medusa/model.py", "families/medusa/layouts.py", "families/medusa/export.py", "families/medusa/propose.py",
+    "families/medusa/heads.py", "families/medusa/prefix_attention.py", "model/draft_vocab.py", "families/medusa/settings.py",
+    "families/medusa/recipe_medusa1.py", "families/medusa/recipe_medusa2.py",
 }
 SECTIONS = ("eagle3", "medusa2")  #: config sections a user names (``eagle3.ttt_steps``, ``medusa2.stage1_epochs``)
 

@@ -14,7 +14,7 @@ import torch
 from helpers.backbones import PACKAGED_MODEL
 
 from medusa_train import MedusaModel, load_backbone, load_tokenizer
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.evaluation.compare import first_difference, mismatch_detail
 
 pytestmark = pytest.mark.gpu
@@ -34,14 +34,14 @@ def test_greedy_output_on_cuda_is_plain_greedy_decoding(dtype):
     tokenizer = load_tokenizer(PACKAGED_MODEL)
     model = MedusaModel.from_backbone(backbone, num_heads=4).to("cuda").eval()
     assert all(p.device.type == "cuda" for p in model.parameters())
-    tree = MedusaTree.from_name("default")
+    tree = TokenTree.from_name("default")
     identical, parted = 0, []
     for text in CHATS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"].to("cuda")
         ref = backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,
                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-        out = medusa_generate(model, ids, tree, max_new_tokens=48, eos_token_id=tokenizer.eos_token_id)
+        out = tree_generate(model, ids, tree, max_new_tokens=48, eos_token_id=tokenizer.eos_token_id)
         assert out.sequences.device.type == "cuda"
         n = ids.shape[1]
         mine, plain = out.sequences[0, n:].tolist(), ref[0, n:].tolist()

@@ -1,7 +1,10 @@
 """The package's layout, read from its source (AST, nothing imported): modules stay small, imports run
-one way along the data flow and never in a circle, and the head variants' knobs stay inside model/. The
+one way along the data flow and never in a circle, and the head variants' knobs stay inside the Medusa family's folder. The
 package imports nothing of the checkout around it (benchmarks/, scripts/, tests/: a wheel has none of them),
 and no code of the repository edits the module search path (modules are found as packages, never by path).
+
+A family's folder (``families/<name>/``) holds modules of several stages, each named for its own: ``settings`` is
+config, ``recipe*`` and ``loss`` are training, the rest model (``family_module_stage``).
 
 Stages: config (0) < backbone (1) < model (2) < engine (3) < data (4) < training (5) = decoding (5)
 < export (6) < tree (7) < evaluation (8) < cli (9). A module imports only from its own stage folder or an earlier
@@ -34,7 +37,7 @@ COMMAND_STEPS = {c.module.rsplit(".", 1)[1]: c.step for c in COMMANDS.values() i
 # imports of a later step allowed by name: a training run exports its heads when it ends (trainer.export)
 LATER_STEP_ALLOWED = {("medusa_train.cli.train", "medusa_train.export.run")}
 HEAD_VARIANT_WORDS = ("path_input", "prefix_attention", "next_token_input")
-HEAD_VARIANT_HOMES = ("config/", "model/")  # model/layouts.py is in model/; export/ asks MedusaConfig
+HEAD_VARIANT_HOMES = ("families/medusa/",)  # export/ and the rest ask MedusaConfig
 CHECKOUT_ONLY = ("benchmarks", "scripts", "tests", "helpers", "train")  # top-level names a wheel lacks
 SEARCH_PATH_FREE = ("medusa_train", "scripts", "benchmarks", "tests")
 
@@ -97,10 +100,21 @@ def imports(name: str) -> list[tuple[str, int, bool]]:
     return found
 
 
+def family_module_stage(module: str) -> str:
+    """The stage of a module in a family's folder, by its name (``families/__init__.py``)."""
+    if module == "settings":
+        return "config"
+    if module.startswith("recipe") or module == "loss":
+        return "training"
+    return "model"
+
+
 def stage_of(name: str) -> str | None:
     parts = name.split(".")
     if parts[1:] == ["__main__"]:
         return "cli"  # python -m medusa_train: the command, as cli/main.py
+    if parts[1:2] == ["families"]:  # a family's folder spans stages: each module's name says its own
+        return family_module_stage(parts[3]) if len(parts) > 3 else "config"  # a package face imports nothing
     return parts[1] if len(parts) > 1 else None  # None: the top-level package itself
 
 
@@ -211,7 +225,7 @@ def pipeline_order_breaks() -> list[str]:
 
 def head_variant_leaks() -> list[str]:
     """Identifiers and strings naming a head variant (path_input, prefix_attention, next_token_input)
-    outside model/ and config/."""
+    outside the Medusa family's folder."""
     hits: dict[tuple[str, int], set[str]] = {}
     for name, path in modules().items():
         relative = path.relative_to(PACKAGE).as_posix()
@@ -303,9 +317,9 @@ def test_no_import_cycle_between_modules():
     assert not offenders, report("import cycles", offenders)
 
 
-def test_head_variants_are_named_only_in_model_and_config():
+def test_head_variants_are_named_only_in_the_medusa_family():
     offenders = head_variant_leaks()
-    assert not offenders, report(f"{', '.join(HEAD_VARIANT_WORDS)} outside model/ and config/", offenders)
+    assert not offenders, report(f"{', '.join(HEAD_VARIANT_WORDS)} outside {', '.join(HEAD_VARIANT_HOMES)}", offenders)
 
 
 def test_the_package_imports_nothing_of_the_checkout_around_it():

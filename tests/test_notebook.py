@@ -11,7 +11,7 @@ from helpers import ROOT
 from helpers.training import make_model_dir
 from nbclient import NotebookClient
 
-from medusa_train import MedusaModel, MedusaTree, load_backbone, load_tokenizer, medusa_generate
+from medusa_train import MedusaModel, TokenTree, load_backbone, load_tokenizer, tree_generate
 
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 PROMPT, MAX_NEW_TOKENS = "Hello there", 24
@@ -55,13 +55,13 @@ def test_notebook_runs_top_to_bottom_and_prints_what_the_library_computes(tmp_pa
     with torch.no_grad():
         plain = model.backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                         max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tokenizer.pad_token_id)
-    out = medusa_generate(model, ids, tree=MedusaTree.from_name("default", num_heads=4), max_new_tokens=MAX_NEW_TOKENS)
+    out = tree_generate(model, ids, tree=TokenTree.from_name("default", num_heads=4), max_new_tokens=MAX_NEW_TOKENS)
     assert out.sequences.tolist() == plain.tolist()
     plain_text = tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)
 
     loaded, _ = cell_output(nb, "MedusaModel.from_pretrained(HEADS")
     assert loaded.startswith(f"heads from {heads}: 4 heads x 1 layer(s)\n")
-    generated, _ = cell_output(nb, "out = medusa_generate(")
+    generated, _ = cell_output(nb, "out = tree_generate(")
     assert generated == (f"{plain_text}\n\n{plain.shape[1] - ids.shape[1]} tokens in {out.steps} verify steps: "
                          f"{out.mean_accept_length:.2f} tokens per step\n")
     _, shown = cell_output(nb, "display(HTML(")

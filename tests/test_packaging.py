@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import medusa_train
-from medusa_train import MedusaTree
+from medusa_train import TokenTree
 from medusa_train.config.compose import compose_config
 from medusa_train.config.paths import CONFIG_DIR
 
@@ -32,7 +32,7 @@ assert train.method == "medusa1" and train.heads.num_heads == 4, (train.method, 
 assert train.trainer.max_steps == 12 and train.data.max_length == 256, train  # a preset over the defaults
 evaluate = compose_config("evaluate", ["heads=somewhere", "tree=small"])
 assert (evaluate.heads, evaluate.tree) == ("somewhere", "small")
-tree = MedusaTree.from_name("default")
+tree = TokenTree.from_name("default")
 assert tree.num_nodes == 64, tree
 print("installed medusa_train works from", site)
 """

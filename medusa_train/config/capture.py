@@ -14,10 +14,10 @@ from typing import Any
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.data import DataConfig, check_data
 from medusa_train.config.dtype import parse_dtype
-from medusa_train.config.eagle3 import Eagle3Settings, check_aux_layers
-from medusa_train.config.heads import HeadsConfig
 from medusa_train.config.methods import METHODS, method_choices
 from medusa_train.config.model import ModelConfig, check_model
+from medusa_train.families.eagle3.settings import Eagle3Settings, check_aux_layers
+from medusa_train.families.medusa.settings import HeadsConfig
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from medusa_train.config.check import one_of, table_row
-from medusa_train.config.eagle3 import eagle3_problems
+from medusa_train.families.eagle3.settings import eagle3_problems
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,10 @@ class Method:
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("medusa1", family="medusa", recipe="medusa_train.training.medusa1:Medusa1Recipe", settings="heads"),
-    Method("medusa2", family="medusa", recipe="medusa_train.training.medusa2:Medusa2Recipe", settings="heads",
+    Method("medusa1", family="medusa", recipe="medusa_train.families.medusa.recipe_medusa1:Medusa1Recipe", settings="heads"),
+    Method("medusa2", family="medusa", recipe="medusa_train.families.medusa.recipe_medusa2:Medusa2Recipe", settings="heads",
            adapts_backbone=True, demo_settings_from="medusa1"),
-    Method("eagle3", family="eagle3", recipe="medusa_train.training.eagle3:Eagle3Recipe", settings="eagle3",
+    Method("eagle3", family="eagle3", recipe="medusa_train.families.eagle3.recipe:Eagle3Recipe", settings="eagle3",
            experiment="eagle3", problems=eagle3_problems),
 )}
 

@@ -14,10 +14,10 @@ from typing import Any
 from medusa_train.config.capture import check_mixed_precision, check_placement
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.data import DataConfig, check_data
-from medusa_train.config.eagle3 import Eagle3Settings
-from medusa_train.config.heads import HeadsConfig, check_heads_settings
 from medusa_train.config.methods import METHODS, method_choices
 from medusa_train.config.model import ModelConfig, check_model
+from medusa_train.families.eagle3.settings import Eagle3Settings
+from medusa_train.families.medusa.settings import HeadsConfig, check_heads_settings
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from medusa_train.data.batching import (
     LengthGroupedBatchSampler,
-    MedusaCollator,
+    PaddingCollator,
     build_datasets,
     example_lengths,
     split_indices,
@@ -15,7 +15,7 @@ from medusa_train.data.tokenize import IGNORE_INDEX, assistant_spans, tokenize_c
 __all__ = [
     "IGNORE_INDEX",
     "LengthGroupedBatchSampler",
-    "MedusaCollator",
+    "PaddingCollator",
     "SkipStats",
     "assistant_spans",
     "build_datasets",

@@ -18,7 +18,7 @@ from medusa_train.data.usable import check_selected, check_tokenized, eval_count
 Example = dict[str, list[int]]
 
 
-class MedusaCollator:
+class PaddingCollator:
     """Pad a list of ``{"input_ids", "labels"}`` examples on the right to the longest one.
 
     Produces ``input_ids`` (padded with ``pad_token_id``), ``attention_mask`` (1 on real
@@ -199,7 +199,7 @@ def build_datasets(
     Returns:
         ``(train_examples, eval_examples, stats)``: lists of ``{"input_ids", "labels"}`` that
         work with ``DataLoader(examples, batch_sampler=LengthGroupedBatchSampler(...),
-        collate_fn=MedusaCollator(tokenizer.pad_token_id))``; ``stats`` counts every skip,
+        collate_fn=PaddingCollator(tokenizer.pad_token_id))``; ``stats`` counts every skip,
         and ``stats.kept == len(train) + len(eval)``.
 
     Raises:

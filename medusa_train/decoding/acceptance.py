@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from medusa_train.backbone.generation import sampling_probabilities
-from medusa_train.decoding.tree import MedusaTree
+from medusa_train.decoding.tree import TokenTree
 
 ACCEPTANCE_METHODS = ("greedy", "typical", "rejection")
 
@@ -76,11 +76,11 @@ def first_token(logits: torch.Tensor, method: str, temperature: float, top_p: fl
 
 
 # --------------------------------------------------------------------------------- rules
-def _usable(tree: MedusaTree, valid: torch.Tensor | None) -> list[bool]:
+def _usable(tree: TokenTree, valid: torch.Tensor | None) -> list[bool]:
     return [True] * tree.num_nodes if valid is None else [bool(v) for v in valid.tolist()]
 
 
-def greedy_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor,
+def greedy_accept(tree: TokenTree, tokens: torch.Tensor, logits: torch.Tensor,
                   valid: torch.Tensor | None = None) -> Acceptance:
     """Keep candidates equal to their parent's argmax; where two children match (a lookup token equal to
     a head guess), the longer accepted path wins (ties: the first child, the heads')."""
@@ -101,7 +101,7 @@ def greedy_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor,
     return Acceptance(path, best[path[-1]])
 
 
-def typical_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
+def typical_accept(tree: TokenTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
                    top_p: float = 1.0, threshold: float = 0.09, alpha: float = 0.3,
                    generator: torch.Generator | None = None, valid: torch.Tensor | None = None) -> Acceptance:
     """Medusa's typical acceptance (lossy); the next token is sampled from the last accepted node."""
@@ -126,7 +126,7 @@ def typical_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor,
     return Acceptance(path, sample(probabilities(logits[path[-1]], temperature, top_p), generator))
 
 
-def rejection_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
+def rejection_accept(tree: TokenTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float,
                      top_p: float = 1.0, generator: torch.Generator | None = None,
                      valid: torch.Tensor | None = None) -> Acceptance:
     """Recursive rejection sampling over deterministic drafts (lossless in law)."""
@@ -155,7 +155,7 @@ def rejection_accept(tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tenso
             return Acceptance(path, sample(residual, generator))
 
 
-def accept(method: str, tree: MedusaTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float = 0.0,
+def accept(method: str, tree: TokenTree, tokens: torch.Tensor, logits: torch.Tensor, temperature: float = 0.0,
            top_p: float = 1.0, typical_threshold: float = 0.09, typical_alpha: float = 0.3,
            generator: torch.Generator | None = None, valid: torch.Tensor | None = None) -> Acceptance:
     """Dispatch to the acceptance rule ``method`` (greedy when ``temperature == 0``); ``valid``: the nodes

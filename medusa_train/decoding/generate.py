@@ -23,15 +23,15 @@ from transformers import DynamicCache, StaticCache
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
 from medusa_train.decoding.lookup import ContextLookup
-from medusa_train.decoding.tree import MedusaTree, fill_step_mask, tree_from_config
+from medusa_train.decoding.tree import TokenTree, fill_step_mask, tree_from_config
 
-# the verify step's phases, in the order the loop runs them (``medusa_generate``'s ``wrap_phase`` sees these names)
+# the verify step's phases, in the order the loop runs them (``tree_generate``'s ``wrap_phase`` sees these names)
 PHASES = ("candidates", "tree pass", "LM head", "acceptance", "compaction")
 
 
 @dataclass
-class MedusaGenerateOutput:
-    """Result of ``medusa_generate``.
+class TreeGenerateOutput:
+    """Result of ``tree_generate``.
 
     Attributes:
         sequences: (1, prompt_len + new_tokens) prompt followed by the generated tokens.
@@ -85,13 +85,13 @@ class MedusaGenerateOutput:
 
 
 @torch.no_grad()
-def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_new_tokens: int = 128,
+def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new_tokens: int = 128,
                     temperature: float = 0.0, acceptance: str = "greedy", top_p: float = 1.0,
                     typical_threshold: float = 0.09, typical_alpha: float = 0.3,
                     eos_token_id: int | Iterable[int] | None = None,
                     generator: torch.Generator | None = None,
                     wrap_phase: Callable[[str, Callable], Callable] | None = None,
-                    kv_cache: str = "dynamic", cuda_graphs: bool = False) -> MedusaGenerateOutput:
+                    kv_cache: str = "dynamic", cuda_graphs: bool = False) -> TreeGenerateOutput:
     """Generate with Medusa heads and tree attention (batch size 1).
 
     Each step runs the backbone once over every tree node (a 4D additive mask lets each node see
@@ -102,7 +102,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     Args:
         model: A ``MedusaModel`` in eval mode (dropout would break the greedy parity).
         input_ids: (1, prompt_len) prompt token ids (a 1D tensor is taken as one sequence).
-        tree: A ``MedusaTree`` or the name of one (see ``MedusaTree.from_name``). A tree with a lookup chain
+        tree: A ``TokenTree`` or the name of one (see ``TokenTree.from_name``). A tree with a lookup chain
             also guesses from the text so far (prompt and generated tokens; ``decoding.lookup``).
         max_new_tokens: Exactly this many tokens are generated unless eos comes first.
         temperature: 0 for greedy; > 0 samples (``typical``, ``rejection``).
@@ -123,13 +123,13 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
             it (``decoding/graphs.py``).
 
     Returns:
-        A ``MedusaGenerateOutput``.
+        A ``TreeGenerateOutput``.
 
     Raises:
         ValueError: batch size is not 1, the tree needs more heads than the model has, or an
             argument is out of range.
     """
-    tree = tree if isinstance(tree, MedusaTree) else tree_from_config(tree, num_heads=model.max_depth)
+    tree = tree if isinstance(tree, TokenTree) else tree_from_config(tree, num_heads=model.max_depth)
     input_ids = _check_arguments(model, input_ids, tree, max_new_tokens, temperature, acceptance, top_p)
     eos = set(eos_token_ids(model.backbone, override=eos_token_id))
     device = model.backbone.get_input_embeddings().weight.device
@@ -137,7 +137,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     prompt_len = input_ids.shape[1]
     _check_context(model.backbone, prompt_len + max_new_tokens + tree.num_nodes)
     if max_new_tokens == 0:
-        return MedusaGenerateOutput(input_ids.clone(), 0, [], [], 0, {"prefill_s": 0.0, "decode_s": 0.0},
+        return TreeGenerateOutput(input_ids.clone(), 0, [], [], 0, {"prefill_s": 0.0, "decode_s": 0.0},
                                     tree.num_nodes)
 
     sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
@@ -194,7 +194,7 @@ def medusa_generate(model, input_ids: torch.Tensor, tree: MedusaTree | str, max_
     decode_s = _now(device) - start - prefill_s
 
     sequences = torch.cat([input_ids, torch.tensor([generated], dtype=input_ids.dtype, device=device)], dim=1)
-    return MedusaGenerateOutput(sequences, len(generated), accept_lengths, accepted_depths, len(accept_lengths),
+    return TreeGenerateOutput(sequences, len(generated), accept_lengths, accepted_depths, len(accept_lengths),
                                 {"prefill_s": prefill_s, "decode_s": decode_s}, tree.num_nodes, lookup_depths)
 
 
@@ -217,7 +217,7 @@ def _graphed(cuda_graphs: bool, model, cache, device: torch.device) -> Callable 
     return GraphedTreePass(model, cache)  # which refuses a dynamic cache
 
 
-KV_CACHES = ("dynamic", "static")  #: the caches ``medusa_generate`` decodes with (``kv_cache=``)
+KV_CACHES = ("dynamic", "static")  #: the caches ``tree_generate`` decodes with (``kv_cache=``)
 
 
 def new_cache(kind: str, backbone, max_len: int) -> DynamicCache | StaticCache:
@@ -258,7 +258,7 @@ def verify_tree(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: t
     Args:
         model: A ``MedusaModel``.
         tokens: (num_nodes,) candidate tokens.
-        tree_mask: (num_nodes, num_nodes) additive tree mask (``MedusaTree.attention_mask``) in the
+        tree_mask: (num_nodes, num_nodes) additive tree mask (``TokenTree.attention_mask``) in the
             model's activation dtype; every node also sees the whole cache.
         offsets: (num_nodes,) node depths; positions are ``past_len + depth``.
         cache: The cache holding ``past_len`` tokens; the nodes' keys/values are appended to it.
@@ -293,7 +293,7 @@ def tree_pass(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: tor
 
 
 
-def candidates(model, tree: MedusaTree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor,
+def candidates(model, tree: TokenTree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor,
                root_token: int, state, context: ContextLookup | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(num_nodes,) candidate tokens for one verify step and which nodes hold a guess (``None``: all).
 
@@ -310,7 +310,7 @@ def candidates(model, tree: MedusaTree, accepted_inputs: torch.Tensor, accepted_
     return torch.cat([tokens, chain]), valid
 
 
-def propose(model, tree: MedusaTree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
+def propose(model, tree: TokenTree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
             state) -> torch.Tensor:
     """(num_nodes,) candidate tokens for one verify step: the model's draft fills the tree (``model.propose``:
     Medusa heads, or an EAGLE-3 draft), the decoder never asks which.
@@ -332,7 +332,7 @@ def _check_arguments(model, input_ids, tree, max_new_tokens, temperature, accept
         input_ids = input_ids[None]
     problems = []
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        problems.append(f"input_ids has shape {tuple(input_ids.shape)}: medusa_generate decodes one "
+        problems.append(f"input_ids has shape {tuple(input_ids.shape)}: tree_generate decodes one "
                         "sequence at a time (batch size 1); loop over the batch")
     elif input_ids.shape[1] == 0:
         problems.append("input_ids is empty: the prompt needs at least one token")
@@ -360,7 +360,7 @@ def _check_context(backbone, length: int) -> None:
     if window and "sliding_attention" in (getattr(config, "layer_types", None) or []) and length > window:
         raise NotImplementedError(
             f"this model uses sliding-window attention (window {window}) and prompt + max_new_tokens + tree "
-            f"nodes = {length} exceeds it; medusa_generate applies full causal attention")
+            f"nodes = {length} exceeds it; tree_generate applies full causal attention")
 
 
 def _now(device: torch.device) -> float:

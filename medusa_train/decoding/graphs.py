@@ -10,7 +10,7 @@ cache (a ``StaticCache``: its keys, values and length live at fixed addresses) a
 call copies the step's inputs into them and replays. The plain step is the 1-node graph. Only on CUDA.
 
 Status (2026-11-28): written without a GPU to run it on. ``tests/gpu/test_graphs.py`` (marked ``gpu``) checks
-graphed decoding against the dynamic cache token for token; until it has passed on a GPU, ``medusa_generate``
+graphed decoding against the dynamic cache token for token; until it has passed on a GPU, ``tree_generate``
 uses graphs only when asked (``cuda_graphs=True``).
 """
 

@@ -35,7 +35,7 @@ class _Node:
     parent: int
 
 
-class MedusaTree:
+class TokenTree:
     """A validated candidate tree with the buffers the decoder needs, built once.
 
     Args:
@@ -123,7 +123,7 @@ class MedusaTree:
         self.ancestors = torch.full((n, self.tree_depth + 1), -1, dtype=torch.long)
         for i, line in enumerate(lineage):
             self.ancestors[i, : len(line)] = torch.tensor(line)
-        self.heads_tree = self if not lookup_depth else MedusaTree(self.listed_choices)
+        self.heads_tree = self if not lookup_depth else TokenTree(self.listed_choices)
         self.levels: list[tuple[torch.Tensor, ...]] = []
         self._on_device: dict[str, tuple] = {}  # see path_buffers
         for d in range(self.depth):
@@ -165,7 +165,7 @@ class MedusaTree:
                     f"use a tree of depth <= {num_heads} (e.g. tree.truncated(max_depth={num_heads}))")
 
     # ----------------------------------------------------------------------------- derived trees
-    def truncated(self, max_nodes: int | None = None, max_depth: int | None = None) -> MedusaTree:
+    def truncated(self, max_nodes: int | None = None, max_depth: int | None = None) -> TokenTree:
         """A sub-tree of at most ``max_nodes`` nodes (root included) and paths no deeper than ``max_depth``.
 
         Paths are taken in their listed order (most likely first for the built-in trees); a path
@@ -177,22 +177,22 @@ class MedusaTree:
                              + (f" and the {self.lookup_depth} lookup nodes)" if self.lookup_depth else ")"))
         limit = math.inf if max_nodes is None else max_nodes - 1 - self.lookup_depth
         kept = truncated_choices(self.listed_choices, limit, max_depth)
-        return MedusaTree(kept, lookup_depth=self.lookup_depth, lookup_ngram=self.lookup_ngram)
+        return TokenTree(kept, lookup_depth=self.lookup_depth, lookup_ngram=self.lookup_ngram)
 
-    def with_lookup(self, lookup_depth: int, lookup_ngram: Sequence[int] | None = None) -> MedusaTree:
+    def with_lookup(self, lookup_depth: int, lookup_ngram: Sequence[int] | None = None) -> TokenTree:
         """The same heads' nodes with a lookup chain of ``lookup_depth`` nodes (0: none)."""
-        return MedusaTree(self.listed_choices, lookup_depth=lookup_depth,
+        return TokenTree(self.listed_choices, lookup_depth=lookup_depth,
                           lookup_ngram=self.lookup_ngram if lookup_ngram is None else lookup_ngram)
 
     @classmethod
-    def chain(cls, num_heads: int) -> MedusaTree:
+    def chain(cls, num_heads: int) -> TokenTree:
         """A single path of every head's top-1 guess: ``[[0], [0, 0], ...]`` (num_heads + 1 nodes)."""
         if num_heads < 0:
             raise ValueError(f"num_heads={num_heads}: must be >= 0")
         return cls([[0] * d for d in range(1, num_heads + 1)])
 
     @classmethod
-    def from_name(cls, name: str, num_heads: int | None = None) -> MedusaTree:
+    def from_name(cls, name: str, num_heads: int | None = None) -> TokenTree:
         """A built-in tree (``chain``, ``default``, any ``configs/tree/NAME.yaml``) or a YAML file path.
 
         Args:
@@ -218,10 +218,10 @@ class MedusaTree:
 
     def __repr__(self) -> str:
         lookup = f", lookup_depth={self.lookup_depth}, lookup_ngram={list(self.lookup_ngram)}" if self.lookup_depth else ""
-        return f"MedusaTree(num_nodes={self.num_nodes}, depth={self.depth}{lookup}, leaves={len(self.retrieve_paths)})"
+        return f"TokenTree(num_nodes={self.num_nodes}, depth={self.depth}{lookup}, leaves={len(self.retrieve_paths)})"
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, MedusaTree) and self.choices == other.choices
+        return (isinstance(other, TokenTree) and self.choices == other.choices
                 and self.lookup_depth == other.lookup_depth
                 and (not self.lookup_depth or self.lookup_ngram == other.lookup_ngram))
 
@@ -253,27 +253,27 @@ def _lookup_keys(spec) -> dict:
             "lookup_ngram": DEFAULT_LOOKUP_NGRAM if ngram is None else tuple(ngram)}
 
 
-def tree_from_config(spec, num_heads: int | None = None) -> MedusaTree:
-    """Build a tree from what a config holds: a ``MedusaTree``, a name/path, a list of choices, or a
+def tree_from_config(spec, num_heads: int | None = None) -> TokenTree:
+    """Build a tree from what a config holds: a ``TokenTree``, a name/path, a list of choices, or a
     mapping with ``choices`` (and optionally ``lookup_depth``: a ``configs/tree/*.yaml`` group) or ``name``.
 
     Args:
         spec: The tree specification.
         num_heads: Checked against the tree (and the size of ``chain``).
     """
-    if isinstance(spec, MedusaTree):
+    if isinstance(spec, TokenTree):
         tree = spec
     elif isinstance(spec, str | Path):
-        return MedusaTree.from_name(str(spec), num_heads=num_heads)
+        return TokenTree.from_name(str(spec), num_heads=num_heads)
     elif hasattr(spec, "keys"):
         if spec.get("choices") is not None:
-            tree = MedusaTree(list(spec["choices"]), **_lookup_keys(spec))
+            tree = TokenTree(list(spec["choices"]), **_lookup_keys(spec))
         elif spec.get("name"):
-            return MedusaTree.from_name(str(spec["name"]), num_heads=num_heads)
+            return TokenTree.from_name(str(spec["name"]), num_heads=num_heads)
         else:
             raise ValueError("tree: expected 'choices' or 'name'")
     else:
-        tree = MedusaTree(list(spec))
+        tree = TokenTree(list(spec))
     if num_heads is not None:
         tree.check_num_heads(num_heads)
     return tree

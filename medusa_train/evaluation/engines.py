@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 
 ENGINES = {"vllm": "top-1 chain over the heads (vLLM's Medusa proposer, V1 engine)",
            "tgi": "top-1 chain over the heads (TGI's Medusa speculation)",
@@ -74,15 +74,15 @@ def vllm_form(model):
 def chain_accepted_length(model, inputs: Sequence[torch.Tensor], max_new_tokens: int, eos: list[int]) -> float:
     """Tokens per forward (after each reply's first, see ``evaluation.summary``) of a ``num_heads``-long
     rank-0 chain over ``inputs`` (greedy)."""
-    chain = MedusaTree.chain(model.config.depth)
+    chain = TokenTree.chain(model.config.depth)
     tokens = steps = 0
     for input_ids in inputs:
-        out = medusa_generate(model, input_ids, chain, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        out = tree_generate(model, input_ids, chain, max_new_tokens=max_new_tokens, eos_token_id=eos)
         tokens, steps = tokens + out.new_tokens - 1, steps + out.steps
     return tokens / max(steps, 1)
 
 
-def engine_rows(model, inputs: Sequence[torch.Tensor], tree: MedusaTree, native_accepted_length: float,
+def engine_rows(model, inputs: Sequence[torch.Tensor], tree: TokenTree, native_accepted_length: float,
                 max_new_tokens: int, eos: list[int], heads_accepted_length: float | None = None) -> dict[str, dict]:
     """``{engine: {"mean_accepted_length": float | None, "verifies": ..., "reason": str | None}}``;
     ``heads_accepted_length``: the evaluated tree's heads' nodes alone, when it has a lookup chain (no engine

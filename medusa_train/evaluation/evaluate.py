@@ -7,7 +7,7 @@ Every prompt goes through the tokenizer's chat template (``add_generation_prompt
 own template when their export carries one) and is decoded, one method after the other, by the
 backbone's own ``generate`` (plain decoding, HF transformers' greedy), by ``generate`` with prompt
 lookup (the free baseline that needs no training; its settings swept on a few prompts first), and by
-``medusa_generate`` (with a tree that has a lookup chain, also by its heads' nodes alone and by the chain alone). A second turn is asked after the *plain* answer to the first, so every method sees
+``tree_generate`` (with a tree that has a lookup chain, also by its heads' nodes alone and by the chain alone). A second turn is asked after the *plain* answer to the first, so every method sees
 the same context. Under greedy decoding the outputs must be identical; each difference of the heads
 is reported with the first differing position and the base model's top-2 logit gap there (a tiny gap is a
 floating-point near-tie, a large one a bug).
@@ -36,7 +36,7 @@ from medusa_train.backbone.rows import linear_path
 from medusa_train.config.evaluate import BaselinesConfig, DecodeConfig
 from medusa_train.config.paths import TREE_DIR
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.decoding.tree import tree_from_config
 from medusa_train.evaluation.compare import first_difference, mismatch_detail
 from medusa_train.evaluation.engines import engine_rows, vllm_reason
@@ -60,17 +60,17 @@ def tree_expectation(spec, measured: float) -> dict:
                          "from": f"build-tree's walk over its calibration prompts ({spec})"}}
 
 
-def resolve_tree(spec, num_heads: int | None) -> MedusaTree:
-    """A ``MedusaTree`` for ``spec`` that fits ``num_heads`` heads.
+def resolve_tree(spec, num_heads: int | None) -> TokenTree:
+    """A ``TokenTree`` for ``spec`` that fits ``num_heads`` heads.
 
     Built-in names adapt: ``chain`` is built for ``num_heads`` heads, and a built-in tree deeper than
     the model is cut to its first ``num_heads`` depths (with a warning). A YAML path, a list of
-    choices or a ``MedusaTree`` is used as given; one that needs more heads is an error.
+    choices or a ``TokenTree`` is used as given; one that needs more heads is an error.
     """
     if isinstance(spec, str) and Path(spec).suffix not in (".yaml", ".yml") and (TREE_DIR / f"{spec}.yaml").is_file():
         if spec == "chain" and num_heads is not None:
-            return MedusaTree.chain(num_heads)
-        tree = MedusaTree.from_name(spec)
+            return TokenTree.chain(num_heads)
+        tree = TokenTree.from_name(spec)
         if num_heads is not None and tree.depth > num_heads:
             warnings.warn(f"tree={spec} is {tree.depth} deep but the heads are {num_heads}: "
                           f"using its paths of depth <= {num_heads}", stacklevel=2)
@@ -79,7 +79,7 @@ def resolve_tree(spec, num_heads: int | None) -> MedusaTree:
     return tree_from_config(spec, num_heads=num_heads)
 
 
-def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen: DecodeConfig, eos: list[int],
+def _generate_turn(model, tokenizer, messages: list[dict], tree: TokenTree, gen: DecodeConfig, eos: list[int],
                    pad: int, lookup: tuple[int, int] | None) -> tuple[dict, list[int], torch.Tensor]:
     """Decode one turn with each method in turn (plain, prompt lookup, the heads); returns the per-prompt
     record, the plain answer's ids and the input."""
@@ -96,10 +96,10 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
             torch.manual_seed(gen.seed)
         looked_up, lookup_time = plain_generate(model.backbone, input_ids, gen.max_new_tokens, eos, pad,
                                                 gen.temperature, gen.top_p, prompt_lookup=lookup)
-    def ours(decoding_tree: MedusaTree):
+    def ours(decoding_tree: TokenTree):
         generator = torch.Generator(device).manual_seed(gen.seed) if sampling else None
         start = now(device)
-        out = medusa_generate(model, input_ids, decoding_tree, max_new_tokens=gen.max_new_tokens,
+        out = tree_generate(model, input_ids, decoding_tree, max_new_tokens=gen.max_new_tokens,
                               temperature=gen.temperature, acceptance=gen.acceptance, top_p=gen.top_p,
                               typical_threshold=gen.typical_threshold, typical_alpha=gen.typical_alpha,
                               eos_token_id=eos, generator=generator)
@@ -133,13 +133,13 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: MedusaTree, gen
     return record, plain, input_ids
 
 
-def split_tree(tree: MedusaTree) -> dict[str, MedusaTree]:
+def split_tree(tree: TokenTree) -> dict[str, TokenTree]:
     """For a tree with a lookup chain, its two branches alone: ``draft_only`` (the draft's nodes) and
     ``context_lookup`` (the root and the chain); nothing for a tree without one."""
     if not tree.lookup_depth:
         return {}
     return {"draft_only": tree.heads_tree,
-            "context_lookup": MedusaTree([], lookup_depth=tree.lookup_depth, lookup_ngram=tree.lookup_ngram)}
+            "context_lookup": TokenTree([], lookup_depth=tree.lookup_depth, lookup_ngram=tree.lookup_ngram)}
 
 
 # ------------------------------------------------------------------------------------------- prompt lookup
@@ -178,7 +178,7 @@ def choose_prompt_lookup(model, tokenizer, prompts: Sequence[BenchPrompt], basel
 
 # ------------------------------------------------------------------------------------------- evaluate
 def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BENCHMARK,
-             tree: MedusaTree | str = "default", *, turns: int = 2, limit: int | None = None,
+             tree: TokenTree | str = "default", *, turns: int = 2, limit: int | None = None,
              generation: DecodeConfig | None = None, baselines: BaselinesConfig | None = None, warmup: bool = True,
              output_dir: str | os.PathLike | None = None, progress: bool = True, settings: dict | None = None,
              extra: dict | None = None, served=None, **generation_kwargs) -> dict:
@@ -188,7 +188,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         model: A ``MedusaModel`` (see ``medusa_train.model.load.load_heads``).
         tokenizer: Its tokenizer (with a chat template).
         prompts: ``BenchPrompt``s, or a source for ``load_benchmark``.
-        tree: Tree name, YAML path or ``MedusaTree`` (see ``resolve_tree``).
+        tree: Tree name, YAML path or ``TokenTree`` (see ``resolve_tree``).
         turns: Turns asked per prompt (at most the prompt's own).
         limit: Evaluate the first ``limit`` prompts only.
         generation: Decoding settings; ``generation_kwargs`` (``max_new_tokens=64``, ...) override fields.

@@ -1,6 +1,6 @@
 """What a finished training run leaves in ``<trainer.output_dir>/export``: the recipe trains, this writes.
 
-- Medusa-1: the heads (native layout) and ``training_config.json``; EAGLE-3: the draft (vLLM's layout, ``model/eagle3.py``)
+- Medusa-1: the heads (native layout) and ``training_config.json``; EAGLE-3: the draft (vLLM's layout, ``families/eagle3/config.py``)
   and ``training_config.json``.
 - Every draft: ``validation.json``, the last validation walk's tokens per step (``training/validation.py``).
 - Both: ``chat_template.jinja``, the template the run rendered its data with (``data.chat_template`` when set,

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from medusa_train.backbone.merge import MERGED_DIR
+from medusa_train.model.files import resolve_base_model
 from medusa_train.model.folder import CHAT_TEMPLATE_NAME, SERVING_NAME
-from medusa_train.model.layouts import resolve_base_model
 from medusa_train.model.load import read_exported_heads
 
 

@@ -1,6 +1,6 @@
 """``medusa-train export``'s work: a draft folder converted to another layout of its family's, as the family table
 (``model/family.py``) says which layouts it has and which writer converts it (Medusa heads:
-``model/medusa_export.py``; an EAGLE-3 draft: ``model/eagle3_model.py``).
+``families/medusa/export.py``; an EAGLE-3 draft: ``families/eagle3/model.py``).
 
     medusa-train export heads=out/run/export format=vllm output=out/heads-vllm
 """
@@ -11,15 +11,15 @@ import os
 from pathlib import Path
 
 from medusa_train.model.family import LAYOUTS, family_of, layout_problem
+from medusa_train.model.files import read_config_json
 from medusa_train.model.folder import RECORD_NAMES, check_output
-from medusa_train.model.layouts import read_config_json
 
 
 def option_problems(format: str | None, lm_head_pt: bool = False, max_paths: int = 64, topk: int = 10) -> list[str]:
     """Every problem with the export options, each naming the option (``format=None``: not checked); the options
     past ``format`` are Medusa layouts' (``model.medusa_export.option_problems``)."""
-    from medusa_train.model.layouts import LAYOUTS as MEDUSA_LAYOUTS
-    from medusa_train.model.medusa_export import option_problems as medusa_option_problems
+    from medusa_train.families.medusa.export import option_problems as medusa_option_problems
+    from medusa_train.families.medusa.layouts import LAYOUTS as MEDUSA_LAYOUTS
 
     known = format is None or format in LAYOUTS
     problems = [] if known else [f"format={format}: must be one of {', '.join(LAYOUTS)}"]

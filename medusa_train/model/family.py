@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from medusa_train.config.check import table_row
-from medusa_train.model.config import MedusaConfig
+from medusa_train.families.eagle3.config import Eagle3Config, eagle3_captured, eagle3_layout
+from medusa_train.families.medusa.config import MedusaConfig
+from medusa_train.families.medusa.layouts import medusa_layout
 from medusa_train.model.contract import CapturedStates, final_hidden_states
-from medusa_train.model.eagle3 import Eagle3Config, eagle3_captured, eagle3_layout
-from medusa_train.model.layouts import medusa_layout
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,13 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("medusa", config=MedusaConfig, model="medusa_train.model.medusa:MedusaModel",
+    Family("medusa", config=MedusaConfig, model="medusa_train.families.medusa.model:MedusaModel",
            layouts=("native", "medusa_v1", "vllm"), served_layout="vllm", chains_any_k=False, detect=medusa_layout,
            captured=lambda settings: CapturedStates(final_hidden_states),
-           converter="medusa_train.model.medusa_export:export_medusa_folder"),
-    Family("eagle3", config=Eagle3Config, model="medusa_train.model.eagle3_model:Eagle3Model",
+           converter="medusa_train.families.medusa.export:export_medusa_folder"),
+    Family("eagle3", config=Eagle3Config, model="medusa_train.families.eagle3.model:Eagle3Model",
            layouts=("native", "vllm"), served_layout="vllm", chains_any_k=True, detect=eagle3_layout,
-           captured=eagle3_captured, converter="medusa_train.model.eagle3_model:export_eagle3_folder"),
+           captured=eagle3_captured, converter="medusa_train.families.eagle3.model:export_eagle3_folder"),
 )}
 
 #: every layout some family writes: what ``format=`` may say

@@ -27,13 +27,8 @@ from medusa_train.backbone import assets
 from medusa_train.backbone.chat_template import resolve_chat_template
 from medusa_train.backbone.merge import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR
 from medusa_train.config.paths import unwritable
-from medusa_train.model.layouts import (
-    CONFIG_NAME,
-    MEDUSA_V1_PT_NAME,
-    MEDUSA_V1_WEIGHTS_NAME,
-    VLLM_WEIGHTS_NAME,
-    WEIGHTS_NAME,
-)
+from medusa_train.families.medusa.layouts import MEDUSA_V1_PT_NAME, MEDUSA_V1_WEIGHTS_NAME, VLLM_WEIGHTS_NAME
+from medusa_train.model.files import CONFIG_NAME, WEIGHTS_NAME
 
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 SERVING_NAME = "serving.json"  #: written into a vllm export by ``medusa-train choose-k`` (the measured K)

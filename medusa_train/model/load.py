@@ -22,8 +22,8 @@ import torch
 from medusa_train.config.check import Problems
 from medusa_train.config.model import EvalModelConfig
 from medusa_train.model.family import Family, family_of
+from medusa_train.model.files import CONFIG_NAME, read_config_json, resolve_base_model
 from medusa_train.model.folder import read_chat_template
-from medusa_train.model.layouts import CONFIG_NAME, read_config_json, resolve_base_model
 
 __all__ = ["ExportedHeads", "check_heads", "load_draft", "load_heads", "load_adapted_export", "read_chat_template",
            "read_export_config", "read_exported_heads", "use_export_template"]
@@ -171,7 +171,7 @@ def load_adapted_export(directory: str | os.PathLike, form: str = "merged", dtyp
     """
     from medusa_train.backbone.load import load_backbone
     from medusa_train.backbone.merge import read_backbone_info
-    from medusa_train.model.medusa import MedusaModel
+    from medusa_train.families.medusa.model import MedusaModel
 
     directory = Path(directory)
     info = read_backbone_info(directory)

@@ -106,7 +106,7 @@ def truncated_choices(listed: Sequence[Sequence[int]], max_nodes: float, max_dep
                       ) -> list[tuple[int, ...]]:
     """The paths of a tree cut to ``max_nodes`` nodes besides the root and to ``max_depth``: taken in their listed
     order (most likely first for the built-in trees); a path whose prefix is not yet in brings that prefix in first,
-    so the result is always a tree (``MedusaTree.truncated``)."""
+    so the result is always a tree (``TokenTree.truncated``)."""
     kept: dict[tuple[int, ...], None] = {}
     for path in map(tuple, listed):
         if max_depth is not None and len(path) > max_depth:

@@ -48,7 +48,7 @@ def base_loss_backward(
     Args:
         logits_fn: ``hidden -> logits`` (e.g. ``model.base_logits``).
         hidden: (batch, seq, hidden) adapted hidden states; backpropagated into when it requires grad
-            (pass a detached leaf, as ``medusa_loss_backward`` does).
+            (pass a detached leaf, as ``depthwise_loss_backward`` does).
         labels: (batch, seq) tokens, ``IGNORE_INDEX`` where not trained.
         kind: What is backpropagated: ``ce``, ``distill`` (KL from ``original_hidden``'s
             distribution), or ``None`` (metrics only).

@@ -29,7 +29,7 @@ from medusa_train.backbone.processes import say
 from medusa_train.config.train import TrainConfig, to_dict
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.training import checkpoint, resume, run_folder
-from medusa_train.training.losses import LossResult, head_weights, medusa_loss_backward
+from medusa_train.training.losses import LossResult, depthwise_loss_backward, head_weights
 from medusa_train.training.one_backward import OneBackward
 from medusa_train.training.run_folder import RunFolder
 from medusa_train.training.setup import TrainData
@@ -176,7 +176,7 @@ def heads_loss(run: Run, hidden: torch.Tensor, labels: torch.Tensor, backward, l
     loss = run.cfg.loss
     with run.accelerator.autocast():
         features, targets = inputs_and_targets(loss.targets, run.model, hidden, labels)
-        result = medusa_loss_backward(run.model.head_logits, features, targets, head_decay=loss.head_decay,
+        result = depthwise_loss_backward(run.model.head_logits, features, targets, head_decay=loss.head_decay,
                                       chunk_size=loss.chunk_size, backward=backward, loss_scale=loss_scale)
     return result, targets
 

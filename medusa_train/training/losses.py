@@ -7,9 +7,9 @@ targets; the total is ``sum_k w_k * L_k`` with ``w = head_weights(num_heads, hea
 With a ``Teacher`` (``loss.targets=teacher``) head ``k`` at ``t`` learns the backbone's whole
 next-token distribution at ``t + k + 1`` (soft labels) instead of the one token the text holds.
 
-``medusa_loss_backward`` is what training calls: it runs forward *and* backward one head (and
+``depthwise_loss_backward`` is what training calls: it runs forward *and* backward one head (and
 optionally one sequence chunk) at a time, so peak memory is about one head's logits instead of
-all of them. ``medusa_loss_naive`` is the all-heads-at-once reference used by tests and the
+all of them. ``depthwise_loss_naive`` is the all-heads-at-once reference used by tests and the
 benchmark.
 """
 
@@ -80,7 +80,7 @@ def head_weights(num_heads: int, head_decay: float) -> list[float]:
     return [w / sum(raw) for w in raw]
 
 
-def medusa_loss_backward(
+def depthwise_loss_backward(
     head_logits_fn: HeadLogitsFn,
     hidden: torch.Tensor,
     targets: HeadTargets,
@@ -91,7 +91,7 @@ def medusa_loss_backward(
 ) -> LossResult:
     """Medusa loss, forward and backward one head (and one sequence chunk) at a time.
 
-    Gradients equal those of ``medusa_loss_naive(...)[0].backward()`` (times ``loss_scale``),
+    Gradients equal those of ``depthwise_loss_naive(...)[0].backward()`` (times ``loss_scale``),
     but at most one head's logits for ``batch x chunk_size`` positions exist at any moment.
     When ``hidden`` requires grad, the heads backpropagate into a detached leaf copy whose
     gradient is pushed into the backbone once at the end (``hidden.backward(leaf.grad)``).
@@ -158,7 +158,7 @@ def medusa_loss_backward(
     return _result(stats, counts, weights)
 
 
-def medusa_loss_naive(
+def depthwise_loss_naive(
     head_logits_fn: HeadLogitsFn,
     hidden: torch.Tensor,
     targets: HeadTargets,

@@ -84,8 +84,8 @@ def build_heads(cfg: TrainConfig, backbone, device: torch.device, train: list[di
     With ``heads.draft_vocab_size=K`` fresh heads score the K tokens most often trained on in ``train`` (the
     tokenised training examples), a map every process computes alike from the same data.
     """
+    from medusa_train.families.medusa.model import MedusaModel
     from medusa_train.model.draft_vocab import most_frequent_tokens
-    from medusa_train.model.medusa import MedusaModel
 
     h = cfg.heads
     features = {k: v for k, v in asdict(h).items() if k not in ("init_from", "draft_vocab_size")}  # MedusaConfig's
@@ -150,10 +150,10 @@ def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict
     """Length-grouped batches of the tokenised examples (``load_examples``); with ``data.cache_hidden_states``
     of the frozen backbone's states instead (``states_fn(input_ids, attention_mask)``: what to capture; by default
     ``model``'s final hidden states)."""
-    from medusa_train.data import LengthGroupedBatchSampler, MedusaCollator, example_lengths
+    from medusa_train.data import LengthGroupedBatchSampler, PaddingCollator, example_lengths
 
     d = cfg.data
-    collator = MedusaCollator(tokenizer.pad_token_id)
+    collator = PaddingCollator(tokenizer.pad_token_id)
     digest = examples_digest(train, evals)  # of the examples themselves, before any states are captured
     if d.cache_hidden_states:
         states_fn = states_fn or (lambda ids, mask: model(ids, attention_mask=mask).hidden_states)

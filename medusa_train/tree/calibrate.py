@@ -7,7 +7,7 @@ continuations of calibration prompts (user turns through the chat template). For
 and rank i, ``rank_accuracies[k][i]`` is the fraction of continuation positions t at which head k's
 i-th most likely token (from the hidden state at t) equals the token at t + k + 2. ``build_tree``
 then keeps the ``nodes`` most likely paths, and the tree is written as a YAML that
-``medusa-train evaluate tree=<file>`` and ``MedusaTree.from_name(<file>)`` read.
+``medusa-train evaluate tree=<file>`` and ``TokenTree.from_name(<file>)`` read.
 
 MT-Bench is the evaluation set: it cannot be the calibration source, and calibration prompts that
 appear in it are dropped (``exclude``). Prompts the heads were trained on (the ``data.source`` of

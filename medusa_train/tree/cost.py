@@ -27,7 +27,7 @@ import torch
 from medusa_train.backbone.rows import linear_path
 from medusa_train.decoding.acceptance import greedy_accept
 from medusa_train.decoding.generate import compact_cache, propose, verify_tree
-from medusa_train.decoding.tree import MedusaTree
+from medusa_train.decoding.tree import TokenTree
 
 AUTO_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 
@@ -103,7 +103,7 @@ class DecodeSteps:
         self.heads_state = model.new_decode_state()  # what the draft keeps between steps (e.g. its own cache)
         # the draft has read every position but the last, which each step reads as its accepted one
         self.heads_read = context - 1
-        model.propose(MedusaTree([]), self.out.draft_inputs[0, :-1], self.prompt[0, :-1], int(self.prompt[0, -1]),
+        model.propose(TokenTree([]), self.out.draft_inputs[0, :-1], self.prompt[0, :-1], int(self.prompt[0, -1]),
                       self.heads_state)
 
     @torch.no_grad()
@@ -118,7 +118,7 @@ class DecodeSteps:
         self.model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
         self.cache.crop(-1)
 
-    def verify_step(self, tree: MedusaTree) -> Callable[[], None]:
+    def verify_step(self, tree: TokenTree) -> Callable[[], None]:
         """A full verify step over ``tree``: the draft's candidates (its own passes included: an EAGLE-3 draft runs
         once per depth, so a deeper tree costs more there too), the tree pass, the LM head at every node (a lookup
         chain's too), greedy acceptance and cache compaction."""
@@ -149,7 +149,7 @@ class DecodeSteps:
         return timing["decode_s"] / (tokens - 1)
 
 
-def measure_cost_curve(model, trees: dict[int, MedusaTree], context: int = 256, repeats: int = 10, warmup: int = 2,
+def measure_cost_curve(model, trees: dict[int, TokenTree], context: int = 256, repeats: int = 10, warmup: int = 2,
                        seed: int = 0, generate_tokens: int = 32) -> CostCurve:
     """Time a plain step, ``generate``'s per-token cost and each tree's verify step at ``context`` tokens.
 

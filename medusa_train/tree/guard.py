@@ -14,31 +14,31 @@ from collections.abc import Sequence
 
 import torch
 
-from medusa_train.decoding.tree import MedusaTree
+from medusa_train.decoding.tree import TokenTree
 
 HYBRID, HEADS, LOOKUP = "hybrid", "heads alone", "lookup alone"
 
 
 @torch.no_grad()
-def decode_rates(model, sequences: Sequence[tuple[torch.Tensor, int]], trees: dict[str, MedusaTree],
+def decode_rates(model, sequences: Sequence[tuple[torch.Tensor, int]], trees: dict[str, TokenTree],
                  max_new_tokens: int, eos: Sequence[int], progress: bool = True) -> tuple[dict[str, dict], bool]:
     """``(per tree {"tokens_per_s", "tokens_per_step", "tokens", "seconds"}, whether every tree wrote the same text
     for every prompt)``, decoding each prompt of ``sequences`` (its first ``prompt length`` tokens) greedy, the trees
     taking turns first."""
     from tqdm.auto import tqdm
 
-    from medusa_train.decoding.generate import medusa_generate
+    from medusa_train.decoding.generate import tree_generate
 
     names = list(trees)
     totals = {n: {"tokens": 0, "forwards": 0, "replies": 0, "seconds": 0.0} for n in names}
     same = True
     first_ids = sequences[0][0][:, :sequences[0][1]]
     for n in names:  # one short warm-up each: the first call of a shape pays for allocations
-        medusa_generate(model, first_ids, trees[n], 8, eos_token_id=list(eos))
+        tree_generate(model, first_ids, trees[n], 8, eos_token_id=list(eos))
     for i, (ids, prompt_len) in enumerate(tqdm(sequences, desc="guard: decoding", unit="prompt", disable=not progress)):
         texts = set()
         for n in names[i % len(names):] + names[:i % len(names)]:
-            out = medusa_generate(model, ids[:, :prompt_len], trees[n], max_new_tokens, eos_token_id=list(eos))
+            out = tree_generate(model, ids[:, :prompt_len], trees[n], max_new_tokens, eos_token_id=list(eos))
             t = totals[n]
             t["tokens"] += out.new_tokens
             t["forwards"] += out.steps

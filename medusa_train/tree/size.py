@@ -14,7 +14,7 @@ from medusa_train.config.build_tree import BuildTreeConfig
 from medusa_train.config.paths import heads_name
 from medusa_train.data.benchmarks import load_benchmark, normalise_prompt
 from medusa_train.data.validation import continuations, validation_prompts
-from medusa_train.decoding.tree import MedusaTree
+from medusa_train.decoding.tree import TokenTree
 from medusa_train.tree.calibrate import (
     VALIDATION,
     calibration_prompts,
@@ -111,7 +111,7 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
     expected = split_expected
     path, choices = write_tree(output, accuracies, heads_nodes, expected, comments,
                                {**lookup, **({"guard": guard} if guard else {}), **(extra or {})})
-    default = MedusaTree.from_name("default").truncated(max_nodes=target, max_depth=len(accuracies))
+    default = TokenTree.from_name("default").truncated(max_nodes=target, max_depth=len(accuracies))
     default_expected = tokens_per_step(heads_depths(ranks, [c for c in default.choices if max(c) < cfg.top_k]))
     print("top-1 accuracy by head: " + ", ".join(f"{row[0]:.3f}" for row in accuracies))
     print(f"top-{cfg.top_k} accuracy by head: " + ", ".join(f"{sum(row):.3f}" for row in accuracies))
@@ -151,7 +151,7 @@ def run_guard(cfg: BuildTreeConfig, model, sequences, accuracies, heads_nodes: i
     nodes = heads_nodes + depth
     fitted = build_tree(accuracies, nodes)
     shapes = {HYBRID: (heads_nodes, depth), HEADS: (nodes, 0), LOOKUP: (1, depth)}
-    trees = {name: MedusaTree(fitted[:h - 1], lookup_depth=d, lookup_ngram=cfg.lookup_ngram)
+    trees = {name: TokenTree(fitted[:h - 1], lookup_depth=d, lookup_ngram=cfg.lookup_ngram)
              for name, (h, d) in shapes.items()}
     prompts = sequences[:cfg.guard_prompts]
     print(f"guard: decoding {len(prompts)} calibration prompts with the hybrid ({heads_nodes} heads' nodes + "
@@ -243,7 +243,7 @@ def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int, split: Lo
     sizes = auto_sizes(cfg.max_nodes, len(full) + 1 + split.max_depth)
     splits = {n: split.best(n) for n in sizes}
     # most likely first: every prefix is a tree; each size timed as it would decode, its lookup chain included
-    trees = {n: MedusaTree(full[:n - 1 - d], lookup_depth=d, lookup_ngram=cfg.lookup_ngram)
+    trees = {n: TokenTree(full[:n - 1 - d], lookup_depth=d, lookup_ngram=cfg.lookup_ngram)
              for n, (_, d) in splits.items()}
     where = ", the mean context answering the evaluation's prompts" if cfg.cost_context == "auto" else ""
     print(f"nodes=auto: timing a plain step, generate and a verify step at {len(sizes)} tree sizes "

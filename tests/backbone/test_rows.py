@@ -27,7 +27,7 @@ from medusa_train.backbone.rows import (
     use_row_kernel,
     without_row_kernel,
 )
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -121,7 +121,7 @@ def test_greedy_decoding_with_the_kernel_is_plain_greedy(kernel, arch):
     for ids, reference in zip(prompts(3, seed=9), references):
         assert hf_greedy(backbone, ids, 24, eos_token_id=1).tolist() == reference.tolist()
         install_oracle_heads(model, reference)  # long accepted paths: 2-16 node verifies through the kernel
-        out = medusa_generate(model, ids, MedusaTree.from_name("default"), max_new_tokens=24, eos_token_id=1)
+        out = tree_generate(model, ids, TokenTree.from_name("default"), max_new_tokens=24, eos_token_id=1)
         assert out.sequences.tolist() == reference.tolist()
         assert max(out.accept_lengths) >= 3
 

@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("modelopt.torch.speculative", reason="nvidia-modelopt lives in .venv-peers, not in CI")
 
 from benchmarks.bench_peers import IGNORE, collate, steps_for, write_medusa  # noqa: E402
-from medusa_train.decoding import MedusaTree, medusa_generate  # noqa: E402
+from medusa_train.decoding import TokenTree, tree_generate  # noqa: E402
 from medusa_train.model.load import load_draft  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,6 +41,6 @@ def test_peer_medusa_heads_load_in_our_decoder_and_decode_losslessly(tiny_llama,
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b)
     ids = torch.tensor([[1, 5, 9, 13]])
-    out = medusa_generate(model, ids, MedusaTree.chain(2), max_new_tokens=6)
+    out = tree_generate(model, ids, TokenTree.chain(2), max_new_tokens=6)
     plain = tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)
     assert torch.equal(out.sequences[0, :plain.shape[1]], plain[0, :out.sequences.shape[1]])

@@ -4,7 +4,7 @@ import pytest
 from helpers.heads import STEP_TREE, assert_steps_keep_decode_state, prefix_heads_model
 
 from benchmarks.steps import DecodeStepParts
-from medusa_train.decoding import MedusaTree
+from medusa_train.decoding import TokenTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -14,7 +14,7 @@ def test_every_part_of_a_step_leaves_the_decode_state_as_it_found_it():
     own (prefix attention) cache must come back exactly as they were."""
     context = 24
     steps = DecodeStepParts(prefix_heads_model(), context)
-    tree = MedusaTree(STEP_TREE)
+    tree = TokenTree(STEP_TREE)
     assert_steps_keep_decode_state(steps, context, (
-        steps.candidates_step(tree), steps.forward_step(tree), steps.forward_step(MedusaTree([])),
+        steps.candidates_step(tree), steps.forward_step(tree), steps.forward_step(TokenTree([])),
         steps.lm_head_step(tree.num_nodes), steps.verify_step(tree)))

@@ -12,7 +12,7 @@ from helpers.backbones import make_tiny_backbone
 from safetensors.torch import load_file
 
 from medusa_train.config.check import ConfigError
-from medusa_train.model.eagle3_model import Eagle3Model
+from medusa_train.families.eagle3.model import Eagle3Model
 
 
 @pytest.fixture

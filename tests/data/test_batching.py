@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from medusa_train.data import (
     IGNORE_INDEX,
     LengthGroupedBatchSampler,
-    MedusaCollator,
+    PaddingCollator,
     build_datasets,
     split_indices,
     tokenize_conversation,
@@ -26,7 +26,7 @@ def test_collator_pads_right_to_the_longest():
         {"input_ids": [8], "labels": [8]},
         {"input_ids": [9, 10, 11, 12, 13], "labels": [-100, -100, 11, 12, 13]},
     ]
-    batch = MedusaCollator(pad_token_id=PAD)(examples)
+    batch = PaddingCollator(pad_token_id=PAD)(examples)
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
     assert all(t.dtype == torch.long and t.shape == (3, 5) for t in batch.values())
     assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0], [8, 0, 0, 0, 0], [9, 10, 11, 12, 13]]
@@ -35,12 +35,12 @@ def test_collator_pads_right_to_the_longest():
 
 
 def test_collator_equal_lengths_needs_no_padding_and_checks_input():
-    batch = MedusaCollator(pad_token_id=3)([{"input_ids": [1, 2], "labels": [1, 2]}] * 4)
+    batch = PaddingCollator(pad_token_id=3)([{"input_ids": [1, 2], "labels": [1, 2]}] * 4)
     assert batch["input_ids"].shape == (4, 2) and bool(batch["attention_mask"].all())
     with pytest.raises(ValueError, match="pad token"):
-        MedusaCollator(pad_token_id=None)
+        PaddingCollator(pad_token_id=None)
     with pytest.raises(ValueError, match="labels"):
-        MedusaCollator(pad_token_id=0)([{"input_ids": [1, 2], "labels": [1]}])
+        PaddingCollator(pad_token_id=0)([{"input_ids": [1, 2], "labels": [1]}])
 
 
 def collect(sampler):
@@ -156,7 +156,7 @@ def test_split_is_made_before_tokenization_skips(word_tokenizer, records_file):
 def test_dataloader_end_to_end(word_tokenizer, records_file):
     train, _, _ = build_datasets(word_tokenizer, records_file, max_length=512, eval_size=0.25, seed=0)
     sampler = LengthGroupedBatchSampler([len(e["input_ids"]) for e in train], batch_size=4, seed=0)
-    loader = DataLoader(train, batch_sampler=sampler, collate_fn=MedusaCollator(word_tokenizer.pad_token_id))
+    loader = DataLoader(train, batch_sampler=sampler, collate_fn=PaddingCollator(word_tokenizer.pad_token_id))
     seen_tokens = 0
     for batch in loader:
         lengths = batch["attention_mask"].sum(dim=1)
@@ -172,7 +172,7 @@ def test_collated_labels_match_single_tokenization(word_tokenizer):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     example = tokenize_conversation(word_tokenizer, messages, max_length=64)
     short = {"input_ids": example["input_ids"][:5], "labels": example["labels"][:5]}
-    batch = MedusaCollator(word_tokenizer.pad_token_id)([example, short])
+    batch = PaddingCollator(word_tokenizer.pad_token_id)([example, short])
     n = len(example["input_ids"])
     assert batch["labels"][0].tolist() == example["labels"]
     assert batch["labels"][1].tolist() == short["labels"] + [IGNORE_INDEX] * (n - 5)

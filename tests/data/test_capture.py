@@ -6,7 +6,7 @@ from helpers.training import compose_config, make_chat_jsonl, make_model_dir, re
 
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.cli.train import run
-from medusa_train.data import MedusaCollator, build_datasets
+from medusa_train.data import PaddingCollator, build_datasets
 from medusa_train.data.capture import (
     CaptureMismatch,
     HiddenCollator,
@@ -15,7 +15,7 @@ from medusa_train.data.capture import (
     read_index,
     write_index,
 )
-from medusa_train.training.losses import medusa_loss_backward
+from medusa_train.training.losses import depthwise_loss_backward
 from medusa_train.training.targets import (
     text_targets,
 )
@@ -116,7 +116,7 @@ def test_states_captured_with_other_settings_are_refused_with_both_keys(setup):
 
 def _loss_and_grads(model, hidden, labels):
     model.zero_grad(set_to_none=True)
-    result = medusa_loss_backward(model.head_logits, hidden, text_targets(labels, model.num_heads))
+    result = depthwise_loss_backward(model.head_logits, hidden, text_targets(labels, model.num_heads))
     return result.loss, [p.grad.clone() for p in model.heads.parameters()]
 
 
@@ -124,7 +124,7 @@ def test_loss_and_gradients_equal_the_uncached_path(setup):
     root, model, tokenizer, train, *_ = setup
     cached = load_captured(capture_all(model, train, root / "c2"), "k1")
     picks = [0, 5, 9, 13]
-    batch = MedusaCollator(tokenizer.pad_token_id)([train[i] for i in picks])
+    batch = PaddingCollator(tokenizer.pad_token_id)([train[i] for i in picks])
     with torch.no_grad():
         hidden = model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
     loss_a, grads_a = _loss_and_grads(model, hidden, batch["labels"])

@@ -16,7 +16,7 @@ from helpers.backbones import make_tiny_backbone
 from helpers.decoding import logits_from, noise_bound, tv
 
 from medusa_train import MedusaModel
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.decoding.acceptance import (
     Acceptance,
     accept,
@@ -28,7 +28,7 @@ from medusa_train.decoding.acceptance import (
 )
 
 # node: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]
-HAND = MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+HAND = TokenTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
 HAND_TOKENS = torch.tensor([5, 3, 7, 1, 2, 4, 9])
 
 
@@ -83,7 +83,7 @@ def test_typical_threshold_formula():
 
 
 # ------------------------------------------------------------------------------------------ rejection
-def exact_emission_law(tree: MedusaTree, tokens: list[int], probs: torch.Tensor) -> dict[tuple, float]:
+def exact_emission_law(tree: TokenTree, tokens: list[int], probs: torch.Tensor) -> dict[tuple, float]:
     """Law of the tokens one step emits after the root (accepted path + next token) under exact sampling:
     at node u, the next token x ~ probs[u]; if x is a child's token we move there, else we stop."""
     law: dict[tuple, float] = {}
@@ -127,7 +127,7 @@ def emission_counts(rule, tree, tokens, logits, n, **kwargs) -> Counter:
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_rejection_sampling_keeps_the_base_law_over_a_tree(temperature, top_p):
     vocab, n = 6, 20000
-    tree = MedusaTree([[0], [1], [2], [0, 0], [0, 1], [1, 0]])  # nodes: 0; 1 2 3; 4 5 6
+    tree = TokenTree([[0], [1], [2], [0, 0], [0, 1], [1, 0]])  # nodes: 0; 1 2 3; 4 5 6
     tokens = torch.tensor([0, 1, 2, 3, 2, 4, 5])  # siblings hold distinct tokens
     logits = torch.randn(tree.num_nodes, vocab, generator=torch.Generator().manual_seed(3)) * 1.5
     probs = probabilities(logits, temperature, top_p)
@@ -169,7 +169,7 @@ def test_rejection_generate_matches_base_sampling_distribution():
     first, second = exact_two_token_laws(backbone, ids)
     # heads propose the most likely second tokens, so children are often accepted and often rejected
     model.head_logits = lambda hidden, k: second.log().expand(*hidden.shape[:-1], -1)
-    tree = MedusaTree([[0], [1], [2], [3]])
+    tree = TokenTree([[0], [1], [2], [3]])
     candidates = second.topk(4).indices
 
     def run(acceptance: str, n: int):
@@ -177,7 +177,7 @@ def test_rejection_generate_matches_base_sampling_distribution():
         counts = torch.zeros(2, len(first))
         children_kept = 0
         for _ in range(n):
-            out = medusa_generate(model, ids, tree, max_new_tokens=2, temperature=1.0, acceptance=acceptance,
+            out = tree_generate(model, ids, tree, max_new_tokens=2, temperature=1.0, acceptance=acceptance,
                                   eos_token_id=[], generator=g)
             counts[0, out.sequences[0, -2]] += 1
             counts[1, out.sequences[0, -1]] += 1

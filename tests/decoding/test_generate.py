@@ -1,4 +1,4 @@
-"""medusa_generate: greedy Medusa decoding is token-identical to plain greedy decoding.
+"""tree_generate: greedy Medusa decoding is token-identical to plain greedy decoding.
 
 Parity is checked with heads that disagree with the base (heads at init, perturbed heads) and with
 "oracle" heads that know the true continuation, so that long, branching accepted paths (and the
@@ -14,7 +14,7 @@ from helpers.decoding import hf_greedy, install_oracle_heads, perturb_heads, pro
 from transformers import DynamicCache
 
 from medusa_train import MedusaModel
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.decoding.generate import compact_cache, verify_tree
 from medusa_train.evaluation.compare import mismatch_detail
 
@@ -37,12 +37,12 @@ def count_decoder_calls(model: MedusaModel) -> list[int]:
 def test_greedy_parity_heads_at_init(arch, attn):
     backbone = make_tiny_backbone(arch, seed=1, attn_implementation=attn)
     model = MedusaModel.from_backbone(backbone, num_heads=4)
-    tree = MedusaTree.from_name("default")
+    tree = TokenTree.from_name("default")
     steps = gained = 0
     for i, ids in enumerate(prompts(3, seed=ARCHS.index(arch))):
         for n in (1, 9, 30):
             ref = hf_greedy(backbone, ids, n, eos_token_id=1)
-            out = medusa_generate(model, ids, tree, max_new_tokens=n, eos_token_id=1)
+            out = tree_generate(model, ids, tree, max_new_tokens=n, eos_token_id=1)
             assert out.sequences.tolist() == ref.tolist(), (arch, attn, i, n)
             assert out.new_tokens == ref.shape[1] - ids.shape[1] == sum(out.accept_lengths)
             assert out.steps == len(out.accept_lengths) and all(a >= 1 for a in out.accept_lengths)
@@ -56,11 +56,11 @@ def test_greedy_parity_random_heads(arch, attn, tree_name):
     backbone = make_tiny_backbone(arch, seed=2, attn_implementation=attn)
     model = MedusaModel.from_backbone(backbone, num_heads=4)
     perturb_heads(model, seed=3)
-    tree = MedusaTree.from_name(tree_name, num_heads=4)
+    tree = TokenTree.from_name(tree_name, num_heads=4)
     lengths = []
     for ids in prompts(4, seed=5):
         ref = hf_greedy(backbone, ids, 25, eos_token_id=[1, 2])
-        out = medusa_generate(model, ids, tree, max_new_tokens=25, eos_token_id=[1, 2])
+        out = tree_generate(model, ids, tree, max_new_tokens=25, eos_token_id=[1, 2])
         assert out.sequences.tolist() == ref.tolist()
         lengths += out.accept_lengths
     assert 1 in lengths  # the heads really disagree with the base
@@ -75,7 +75,7 @@ def test_a_root_only_tree_is_plain_greedy_decoding(arch):
     perturb_heads(model, seed=3)
     for ids in prompts(3, seed=7):
         ref = hf_greedy(backbone, ids, 20, eos_token_id=[])
-        out = medusa_generate(model, ids, MedusaTree([]), max_new_tokens=20, eos_token_id=[])
+        out = tree_generate(model, ids, TokenTree([]), max_new_tokens=20, eos_token_id=[])
         assert out.sequences.tolist() == ref.tolist() and out.steps == 19 and (out.new_tokens - 1) / out.steps == 1.0
 
 
@@ -84,14 +84,14 @@ def test_a_root_only_tree_is_plain_greedy_decoding(arch):
 def test_greedy_parity_oracle_heads_long_paths(arch, attn):
     backbone = make_tiny_backbone(arch, seed=4, attn_implementation=attn)
     model = MedusaModel.from_backbone(backbone, num_heads=4)
-    tree = MedusaTree.from_name("default")
+    tree = TokenTree.from_name("default")
     calls = count_decoder_calls(model)
     all_lengths = []
     for i, ids in enumerate(prompts(2, seed=7)):
         ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
         install_oracle_heads(model, ref, seed=i)
         calls[0] = 0
-        out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
+        out = tree_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
         assert out.sequences.tolist() == ref.tolist()
         assert calls[0] == out.steps + 1  # prefill + one verify pass per step, no re-forward
         all_lengths += out.accept_lengths
@@ -121,24 +121,24 @@ def test_a_static_cache_decodes_what_the_dynamic_one_does(arch, attn):
     for i, ids in enumerate(prompts(2, seed=11)):
         reference = hf_greedy(backbone, ids, 30, eos_token_id=[])
         install_oracle_heads(model, reference, seed=i)
-        for tree in (MedusaTree.from_name("default"), MedusaTree.chain(1), MedusaTree([]),
-                     MedusaTree.from_name("small").with_lookup(4)):
-            dynamic = medusa_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[])
-            static = medusa_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[], kv_cache="static")
+        for tree in (TokenTree.from_name("default"), TokenTree.chain(1), TokenTree([]),
+                     TokenTree.from_name("small").with_lookup(4)):
+            dynamic = tree_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[])
+            static = tree_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[], kv_cache="static")
             assert static.sequences.tolist() == dynamic.sequences.tolist() == reference.tolist(), (arch, attn, i)
             assert static.accept_lengths == dynamic.accept_lengths
             assert static.accepted_depths == dynamic.accepted_depths
         assert max(dynamic.accept_lengths) >= 2
     with pytest.raises(ValueError, match="kv_cache='paged'"):
-        medusa_generate(model, ids, "default", max_new_tokens=3, kv_cache="paged")
+        tree_generate(model, ids, "default", max_new_tokens=3, kv_cache="paged")
     with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA model"):  # graphs: tests/gpu/test_graphs.py
-        medusa_generate(model, ids, "default", max_new_tokens=3, kv_cache="static", cuda_graphs=True)
+        tree_generate(model, ids, "default", max_new_tokens=3, kv_cache="static", cuda_graphs=True)
 
 
 def test_oracle_paths_take_side_branches():
     """The accepted nodes are not always a prefix of the node order, so KV entries really move."""
     model, ids, ref = oracle_model("llama", seed=4, prompt_seed=7)
-    tree = MedusaTree.from_name("default")
+    tree = TokenTree.from_name("default")
     moved = []
     import medusa_train.decoding.generate as generate_module
 
@@ -150,7 +150,7 @@ def test_oracle_paths_take_side_branches():
 
     generate_module.compact_cache = spy
     try:
-        out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
+        out = tree_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
     finally:
         generate_module.compact_cache = original
     assert out.sequences.tolist() == ref.tolist()
@@ -160,7 +160,7 @@ def test_oracle_paths_take_side_branches():
 def test_eos_mid_accepted_path_is_kept_and_ends_generation():
     backbone = make_tiny_backbone("qwen2", seed=6)
     model = MedusaModel.from_backbone(backbone, num_heads=4)
-    tree = MedusaTree.from_name("default")
+    tree = TokenTree.from_name("default")
     ids = prompts(1, seed=11)[0]
     free = hf_greedy(backbone, ids, 40, eos_token_id=[])[0, ids.shape[1]:].tolist()
     install_oracle_heads(model, torch.cat([ids, torch.tensor([free])], dim=1))
@@ -170,7 +170,7 @@ def test_eos_mid_accepted_path_is_kept_and_ends_generation():
         if eos in free[:pos]:
             continue  # only first occurrences, so the stop position is ``pos``
         ref = hf_greedy(backbone, ids, 40, eos_token_id=eos)
-        out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=eos)
+        out = tree_generate(model, ids, tree, max_new_tokens=40, eos_token_id=eos)
         assert out.sequences.tolist() == ref.tolist()
         assert out.sequences[0, -1].item() == eos and out.new_tokens == pos + 1
         cut_mid_path += out.accepted_depths[-1] + 1 > out.accept_lengths[-1]
@@ -179,15 +179,15 @@ def test_eos_mid_accepted_path_is_kept_and_ends_generation():
 
 def test_max_new_tokens_is_exact():
     model, ids, ref = oracle_model("gpt_neox", seed=8, prompt_seed=13)
-    tree = MedusaTree.from_name("default")
+    tree = TokenTree.from_name("default")
     truncated = 0
     for n in range(1, 25):
-        out = medusa_generate(model, ids, tree, max_new_tokens=n, eos_token_id=[])
+        out = tree_generate(model, ids, tree, max_new_tokens=n, eos_token_id=[])
         assert out.sequences.shape == (1, ids.shape[1] + n)
         assert out.sequences.tolist() == ref[:, : ids.shape[1] + n].tolist()
         truncated += out.accepted_depths[-1] + 1 > out.accept_lengths[-1]
     assert truncated > 0
-    assert medusa_generate(model, ids, tree, max_new_tokens=0).sequences.tolist() == ids.tolist()
+    assert tree_generate(model, ids, tree, max_new_tokens=0).sequences.tolist() == ids.tolist()
 
 
 def test_default_eos_comes_from_generation_config():
@@ -196,7 +196,7 @@ def test_default_eos_comes_from_generation_config():
     ids = prompts(1, seed=1)[0]
     free = hf_greedy(backbone, ids, 20, eos_token_id=[])[0, ids.shape[1]:].tolist()
     backbone.generation_config.eos_token_id = [free[5], 12345]
-    out = medusa_generate(model, ids, "default", max_new_tokens=20)
+    out = tree_generate(model, ids, "default", max_new_tokens=20)
     assert out.sequences[0, ids.shape[1]:].tolist() == free[: free.index(free[5]) + 1]
 
 
@@ -221,13 +221,13 @@ def test_bfloat16_greedy_equals_plain_bf16_greedy_up_to_near_ties(arch, heads):
     model = MedusaModel.from_backbone(backbone, num_heads=4)
     if heads == "perturbed":
         perturb_heads(model, seed=1)
-    tree = MedusaTree.from_name("default")
+    tree = TokenTree.from_name("default")
     identical, parted, lengths = 0, [], []
     for i, ids in enumerate(prompts(6, seed=0)):
         ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
         if heads == "oracle":
             install_oracle_heads(model, ref, seed=i)
-        out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
+        out = tree_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
         assert out.sequences.shape == ref.shape == (1, ids.shape[1] + 40)
         assert out.sequences[0, : ids.shape[1]].tolist() == ids[0].tolist()
         lengths += out.accept_lengths
@@ -260,7 +260,7 @@ def test_tree_pass_matches_plain_forward_of_each_path(arch, attn):
     the logits of a plain forward over prompt + its root-to-node path."""
     backbone = make_tiny_backbone(arch, seed=12, attn_implementation=attn)
     model = MedusaModel.from_backbone(backbone, num_heads=3)
-    tree = MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    tree = TokenTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     prompt = prompts(1, seed=3)[0]
     tokens = torch.randint(3, 256, (tree.num_nodes,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -296,25 +296,25 @@ def test_errors(tiny_llama):
     model = MedusaModel.from_backbone(tiny_llama, num_heads=4)
     ids = prompts(1)[0]
     with pytest.raises(ValueError, match=r"tree path \[0, 0, 0, 0, 0\] needs 5 heads but the model has 4"):
-        medusa_generate(model, ids, MedusaTree.chain(6))
+        tree_generate(model, ids, TokenTree.chain(6))
     with pytest.raises(ValueError, match=r"batch size 1"):
-        medusa_generate(model, ids.repeat(2, 1), "default")
+        tree_generate(model, ids.repeat(2, 1), "default")
     with pytest.raises(ValueError, match=r"acceptance='beam'"):
-        medusa_generate(model, ids, "default", acceptance="beam")
+        tree_generate(model, ids, "default", acceptance="beam")
     with pytest.raises(ValueError, match=r"max_new_tokens=-1"):
-        medusa_generate(model, ids, "default", max_new_tokens=-1)
+        tree_generate(model, ids, "default", max_new_tokens=-1)
     with pytest.raises(ValueError, match=r"top_p=0"):
-        medusa_generate(model, ids, "default", top_p=0, temperature=1.0)
+        tree_generate(model, ids, "default", top_p=0, temperature=1.0)
 
 
 def test_output_statistics():
     model, ids, _ = oracle_model("llama", seed=4, prompt_seed=7, new_tokens=30)
-    out = medusa_generate(model, ids, "default", max_new_tokens=30, eos_token_id=[])
+    out = tree_generate(model, ids, "default", max_new_tokens=30, eos_token_id=[])
     rates = out.head_acceptance_rates(num_heads=4)
     assert len(rates) == 4 and all(a >= b for a, b in zip(rates, rates[1:]))  # deeper needs shallower
     assert rates[0] == sum(d >= 1 for d in out.accepted_depths) / out.steps
     assert out.mean_accept_length == out.new_tokens / out.steps
-    assert out.tree_nodes == MedusaTree.from_name("default").num_nodes
+    assert out.tree_nodes == TokenTree.from_name("default").num_nodes
 
 
 # ------------------------------------------------------------------------------------------ real model
@@ -332,11 +332,11 @@ def test_greedy_parity_packaged_model(packaged_backbone):
     backbone, _ = packaged_backbone if isinstance(packaged_backbone, tuple) else (packaged_backbone, None)
     tokenizer = load_tokenizer("packaged:smollm2-135m-instruct")
     model = MedusaModel.from_backbone(backbone, num_heads=4)
-    tree = MedusaTree.from_name("default")
+    tree = TokenTree.from_name("default")
     for text in CHATS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
         ref = hf_greedy(backbone, ids, 32, eos_token_id=tokenizer.eos_token_id)
-        out = medusa_generate(model, ids, tree, max_new_tokens=32, eos_token_id=tokenizer.eos_token_id)
+        out = tree_generate(model, ids, tree, max_new_tokens=32, eos_token_id=tokenizer.eos_token_id)
         assert out.sequences.tolist() == ref.tolist(), (text, tokenizer.decode(out.sequences[0, ids.shape[1]:]),
                                                         tokenizer.decode(ref[0, ids.shape[1]:]))

@@ -20,7 +20,7 @@ from helpers.decoding import (
 )
 
 from medusa_train import MedusaModel
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.decoding.acceptance import (
     Acceptance,
     greedy_accept,
@@ -75,7 +75,7 @@ def test_the_index_built_as_tokens_arrive_equals_a_rescan():
 # ------------------------------------------------------------------------------------------ the tree
 def test_a_lookup_chain_hangs_from_the_root_after_the_heads_nodes():
     # nodes: 0 root; heads 1 [0], 2 [1], 3 [0, 0]; lookup 4, 5, 6
-    tree = MedusaTree([[0], [1], [0, 0]], lookup_depth=3)
+    tree = TokenTree([[0], [1], [0, 0]], lookup_depth=3)
     assert (tree.num_nodes, tree.num_head_nodes, tree.depth, tree.lookup_depth, tree.tree_depth) == (7, 4, 2, 3, 3)
     assert tree.parents.tolist() == [-1, 0, 0, 1, 0, 4, 5]
     assert tree.children == [[1, 2, 4], [3], [], [], [5], [6], []]
@@ -92,15 +92,15 @@ def test_a_lookup_chain_hangs_from_the_root_after_the_heads_nodes():
         [1, 0, 0, 0, 1, 1, 0],
         [1, 0, 0, 0, 1, 1, 1]]
     assert tree.retrieve_paths.tolist() == [[0, 2, -1, -1], [0, 1, 3, -1], [0, 4, 5, 6]]
-    assert tree.heads_tree == MedusaTree([[0], [1], [0, 0]]) and tree.heads_tree.lookup_depth == 0
+    assert tree.heads_tree == TokenTree([[0], [1], [0, 0]]) and tree.heads_tree.lookup_depth == 0
     assert tree != tree.heads_tree and tree == tree.heads_tree.with_lookup(3)
-    assert tree.truncated(max_nodes=6) == MedusaTree([[0], [1]], lookup_depth=3)
+    assert tree.truncated(max_nodes=6) == TokenTree([[0], [1]], lookup_depth=3)
     with pytest.raises(ValueError, match="the 3 lookup nodes"):
         tree.truncated(max_nodes=3)
-    lookup_only = MedusaTree([], lookup_depth=2)
+    lookup_only = TokenTree([], lookup_depth=2)
     assert lookup_only.children == [[1], [2], []] and lookup_only.depth == 0 and lookup_only.tree_depth == 2
     with pytest.raises(ValueError, match="lookup_depth=-1"):
-        MedusaTree([[0]], lookup_depth=-1)
+        TokenTree([[0]], lookup_depth=-1)
 
 
 def test_a_tree_file_states_its_lookup_depth(tmp_path):
@@ -108,19 +108,19 @@ def test_a_tree_file_states_its_lookup_depth(tmp_path):
 
     path = tmp_path / "hybrid.yaml"
     path.write_text("choices: [[0], [0, 0]]\nlookup_depth: 4\n")
-    assert MedusaTree.from_name(str(path)) == MedusaTree([[0], [0, 0]], lookup_depth=4)
-    assert MedusaTree.from_name(str(path)).lookup_ngram == (1, 3)  # the default suffix sizes
+    assert TokenTree.from_name(str(path)) == TokenTree([[0], [0, 0]], lookup_depth=4)
+    assert TokenTree.from_name(str(path)).lookup_ngram == (1, 3)  # the default suffix sizes
     path.write_text("choices: [[0]]\nlookup_depth: 2\nlookup_ngram: [2, 4]\n")
-    assert MedusaTree.from_name(str(path)).lookup_ngram == (2, 4)
-    assert tree_from_config({"choices": [[0]], "lookup_depth": 2}) == MedusaTree([[0]], lookup_depth=2)
-    assert MedusaTree.from_name("default").lookup_depth == 0
+    assert TokenTree.from_name(str(path)).lookup_ngram == (2, 4)
+    assert tree_from_config({"choices": [[0]], "lookup_depth": 2}) == TokenTree([[0]], lookup_depth=2)
+    assert TokenTree.from_name("default").lookup_depth == 0
     with pytest.raises(ValueError, match=r"lookup_ngram=\[3, 1\]"):
-        MedusaTree([[0]], lookup_depth=2, lookup_ngram=(3, 1))
+        TokenTree([[0]], lookup_depth=2, lookup_ngram=(3, 1))
 
 
 # ------------------------------------------------------------------------------------------ acceptance
 # nodes: 0 root; heads 1 [0], 2 [1], 3 [0, 0]; lookup 4, 5, 6
-TREE = MedusaTree([[0], [1], [0, 0]], lookup_depth=3)
+TREE = TokenTree([[0], [1], [0, 0]], lookup_depth=3)
 
 
 def test_greedy_never_keeps_a_node_that_holds_no_guess():
@@ -196,11 +196,11 @@ def test_greedy_parity_with_a_lookup_chain(arch, attn, tree_name):
     backbone = make_tiny_backbone(arch, seed=2, attn_implementation=attn)
     model = MedusaModel.from_backbone(backbone, num_heads=4)
     perturb_heads(model, seed=3)
-    tree = MedusaTree.from_name(tree_name, num_heads=4).with_lookup(5)
+    tree = TokenTree.from_name(tree_name, num_heads=4).with_lookup(5)
     kept = 0
     for ids in looping_prompts(3, seed=1) + prompts(2, seed=4):
         ref = hf_greedy(backbone, ids, 40, eos_token_id=[1, 2])
-        out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[1, 2])
+        out = tree_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[1, 2])
         assert out.sequences.tolist() == ref.tolist()
         assert sum(out.accept_lengths) == out.new_tokens and len(out.lookup_depths) == out.steps
         assert all(h == 0 or k == 0 for h, k in zip(out.accepted_depths, out.lookup_depths))  # one branch a step
@@ -214,7 +214,7 @@ def test_lookup_alone_is_prompt_lookup_decoding():
     model = MedusaModel.from_backbone(backbone, num_heads=1)
     for ids in looping_prompts(3, seed=2):
         ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
-        out = medusa_generate(model, ids, MedusaTree([], lookup_depth=6), max_new_tokens=40, eos_token_id=[])
+        out = tree_generate(model, ids, TokenTree([], lookup_depth=6), max_new_tokens=40, eos_token_id=[])
         assert out.sequences.tolist() == ref.tolist() and not any(out.accepted_depths)
         assert out.steps < out.new_tokens - 1  # plain greedy takes a forward per token after the first
 
@@ -226,12 +226,12 @@ def test_a_lookup_that_finds_nothing_gives_exactly_the_heads_only_steps(acceptan
     (without the mask, typical acceptance keeps filler here and this fails)."""
     backbone = make_tiny_backbone("llama", seed=4)
     model = MedusaModel.from_backbone(backbone, num_heads=4)
-    tree = MedusaTree.from_name("default")
+    tree = TokenTree.from_name("default")
     for i, ids in enumerate(looping_prompts(3, seed=3)):
         install_oracle_heads(model, hf_greedy(backbone, ids, 30, eos_token_id=[]), seed=i)
         run = dict(max_new_tokens=30, eos_token_id=[], acceptance=acceptance, temperature=temperature)
-        heads = medusa_generate(model, ids, tree, generator=torch.Generator().manual_seed(i), **run)
-        hybrid = medusa_generate(model, ids, tree.with_lookup(4, lookup_ngram=(1000, 1000)),
+        heads = tree_generate(model, ids, tree, generator=torch.Generator().manual_seed(i), **run)
+        hybrid = tree_generate(model, ids, tree.with_lookup(4, lookup_ngram=(1000, 1000)),
                                  generator=torch.Generator().manual_seed(i), **run)
         assert hybrid.accept_lengths == heads.accept_lengths and hybrid.sequences.tolist() == heads.sequences.tolist()
         assert hybrid.accepted_depths == heads.accepted_depths and not any(hybrid.lookup_depths)

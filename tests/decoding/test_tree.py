@@ -1,4 +1,4 @@
-"""MedusaTree: exact buffers of a hand-worked tree, validation errors, built-in trees, the builder."""
+"""TokenTree: exact buffers of a hand-worked tree, validation errors, built-in trees, the builder."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from medusa_train.config.paths import TREE_DIR
-from medusa_train.decoding import MedusaTree, tree_from_config
+from medusa_train.decoding import TokenTree, tree_from_config
 from medusa_train.tree.fit import assumed_rank_accuracies, build_tree, expected_accept_length
 
 # Node numbering: root, then (depth, path) order.
@@ -22,7 +22,7 @@ HAND_CHOICES = [[0, 0, 0], [1, 0], [0], [0, 1], [1], [0, 0]]  # deliberately uns
 
 @pytest.fixture
 def hand_tree():
-    return MedusaTree(HAND_CHOICES)
+    return TokenTree(HAND_CHOICES)
 
 
 def test_node_order_and_structure(hand_tree):
@@ -65,7 +65,7 @@ def test_exact_positions_slots_and_retrieve_paths(hand_tree):
 
 
 def test_root_only_tree():
-    tree = MedusaTree([])
+    tree = TokenTree([])
     assert tree.num_nodes == 1 and tree.depth == 0
     assert tree.retrieve_paths.tolist() == [[0]]
     assert torch.equal(tree.attention_mask(), torch.zeros(1, 1))
@@ -85,20 +85,20 @@ def test_root_only_tree():
 ])
 def test_validation_errors_name_the_path(choices, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        MedusaTree(choices, **kwargs)
+        TokenTree(choices, **kwargs)
 
 
 def test_check_num_heads_names_path_and_head_count():
-    tree = MedusaTree.chain(6)
+    tree = TokenTree.chain(6)
     tree.check_num_heads(6)
     with pytest.raises(ValueError, match=r"tree path \[0, 0, 0, 0, 0\] needs 5 heads but the model has 4"):
         tree.check_num_heads(4)
 
 
 def test_chain():
-    assert MedusaTree.chain(3).choices == [(0,), (0, 0), (0, 0, 0)]
-    assert MedusaTree.chain(0).num_nodes == 1
-    assert MedusaTree.from_name("chain", num_heads=2).choices == [(0,), (0, 0)]
+    assert TokenTree.chain(3).choices == [(0,), (0, 0), (0, 0, 0)]
+    assert TokenTree.chain(0).num_nodes == 1
+    assert TokenTree.from_name("chain", num_heads=2).choices == [(0,), (0, 0)]
 
 
 def test_builtin_trees_load_and_open_with_a_command_comment():
@@ -106,12 +106,12 @@ def test_builtin_trees_load_and_open_with_a_command_comment():
     assert {"chain", "default"} <= {f.stem for f in files}
     for f in files:
         assert f.read_text().splitlines()[0].startswith("# medusa-train "), f
-        tree = MedusaTree.from_name(f.stem)
-        assert tree == MedusaTree.from_name(str(f))  # a path works too
+        tree = TokenTree.from_name(f.stem)
+        assert tree == TokenTree.from_name(str(f))  # a path works too
 
 
 def test_default_tree_shape():
-    tree = MedusaTree.from_name("default")
+    tree = TokenTree.from_name("default")
     assert 60 <= tree.num_nodes <= 70
     assert 4 <= tree.depth <= 5
     widths = [sum(len(p) == d for p in tree.choices) for d in range(1, tree.depth + 1)]
@@ -122,30 +122,30 @@ def test_default_tree_shape():
 
 def test_from_name_errors(tmp_path: Path):
     with pytest.raises(ValueError, match=r"tree=nope: unknown tree; built-in trees are \[.*'default'"):
-        MedusaTree.from_name("nope")
+        TokenTree.from_name("nope")
     with pytest.raises(FileNotFoundError):
-        MedusaTree.from_name(str(tmp_path / "missing.yaml"))
+        TokenTree.from_name(str(tmp_path / "missing.yaml"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("# python x\nfoo: 1\n")
     with pytest.raises(ValueError, match="choices"):
-        MedusaTree.from_name(str(bad))
+        TokenTree.from_name(str(bad))
     with pytest.raises(ValueError, match=r"needs 4 heads but num_heads=3"):
-        MedusaTree.from_name("default", num_heads=3)
+        TokenTree.from_name("default", num_heads=3)
 
 
 def test_tree_from_config_forms():
-    expected = MedusaTree([[0], [1], [0, 0]])
+    expected = TokenTree([[0], [1], [0, 0]])
     assert tree_from_config([[0], [1], [0, 0]]) == expected
     assert tree_from_config({"choices": [[0], [1], [0, 0]]}) == expected
     assert tree_from_config(expected) is expected
-    assert tree_from_config("chain", num_heads=3) == MedusaTree.chain(3)
-    assert tree_from_config({"name": "default"}) == MedusaTree.from_name("default")
+    assert tree_from_config("chain", num_heads=3) == TokenTree.chain(3)
+    assert tree_from_config({"name": "default"}) == TokenTree.from_name("default")
     with pytest.raises(ValueError, match=r"needs 2 heads but the model has 1"):
         tree_from_config(expected, num_heads=1)
 
 
 def test_truncated_keeps_prefixes_and_listed_order():
-    default = MedusaTree.from_name("default")
+    default = TokenTree.from_name("default")
     for n in (1, 2, 5, 16, 32, default.num_nodes):
         sub = default.truncated(max_nodes=n)
         assert sub.num_nodes == n
@@ -153,7 +153,7 @@ def test_truncated_keeps_prefixes_and_listed_order():
     shallow = default.truncated(max_depth=2)
     assert shallow.depth == 2 and set(shallow.choices) == {p for p in default.choices if len(p) <= 2}
     # a listing where a child comes before its parent still yields a valid tree
-    tree = MedusaTree([[1, 0], [0], [1], [2], [0, 0]])
+    tree = TokenTree([[1, 0], [0], [1], [2], [0, 0]])
     assert tree.truncated(max_nodes=2).choices == [(0,)]  # [1, 0] and its prefix [1] do not fit
     assert tree.truncated(max_nodes=3).choices == [(1,), (1, 0)]
     assert tree.truncated(max_nodes=4).choices == [(0,), (1,), (1, 0)]
@@ -167,5 +167,5 @@ def test_build_tree_is_optimal_on_a_small_universe():
                    if all(p[:-1] in s or len(p) == 1 for p in s))
         got = build_tree(acc, size + 1)
         assert len(got) == size
-        MedusaTree(got)  # prefix-closed
+        TokenTree(got)  # prefix-closed
         assert expected_accept_length(got, acc) == pytest.approx(best)

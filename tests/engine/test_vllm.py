@@ -176,7 +176,7 @@ def test_heads_with_their_own_output_layers_load_and_propose(model_folder, tmp_p
     """The other layout vLLM accepts from us: plain heads with their own (whole-vocabulary) output layers
     (``lm_heads.{h}.weight``, ``original_lm_head: false``). The engine loads them and proposes K tokens a step."""
     from medusa_train import MedusaModel, load_backbone
-    from medusa_train.model.medusa_export import export_heads
+    from medusa_train.families.medusa.export import export_heads
 
     backbone, _ = load_backbone(model_folder, dtype="float32")
     heads = MedusaModel.from_backbone(backbone, num_heads=2, share_lm_head=False)  # each head a copy of the LM head

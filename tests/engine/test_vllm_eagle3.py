@@ -96,7 +96,7 @@ def test_the_logged_one_token_figure_is_what_the_engine_serves_at_k1(fitted, pac
     from benchmarks.bench_eagle3_served import chain_figures
     from medusa_train.cli.evaluate import build_eval_config, run
     from medusa_train.data.benchmarks import load_benchmark
-    from medusa_train.model.eagle3_model import Eagle3Model
+    from medusa_train.families.eagle3.model import Eagle3Model
 
     export, _, _, _, eos = fitted
     backbone, tokenizer = packaged_backbone

@@ -20,7 +20,7 @@ from medusa_train.cli.evaluate import build_eval_config, run
 from medusa_train.config.check import ConfigError
 from medusa_train.config.evaluate import default_output_dir
 from medusa_train.data.benchmarks import BenchPrompt
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.evaluation.compare import first_difference, mismatch_detail, rounding_tolerance
 from medusa_train.evaluation.evaluate import encode_chat, evaluate, plain_generate, resolve_tree
 from medusa_train.evaluation.report import headline_lines, render_markdown
@@ -93,7 +93,7 @@ def test_report_numbers_recompute_from_per_prompt(loaded):
 def test_an_eagle3_drafts_rows_name_the_draft_not_heads(loaded):
     """The report asks the model what its guesses come from: evaluating an EAGLE-3 draft, the decoder's row says
     the draft (a reader of 'with the heads' would think Medusa heads were measured), and its greedy output is plain's."""
-    from medusa_train.model.eagle3_model import Eagle3Model
+    from medusa_train.families.eagle3.model import Eagle3Model
 
     _, tokenizer = loaded
     backbone = make_tiny_backbone(vocab_size=len(tokenizer), layers=4)  # three distinct layers to read
@@ -228,7 +228,7 @@ def test_rounding_tolerance_is_two_spacings_of_the_dtype_at_the_largest_logit():
 
 
 def test_resolve_tree():
-    assert resolve_tree("chain", 2) == MedusaTree([[0], [0, 0]])
+    assert resolve_tree("chain", 2) == TokenTree([[0], [0, 0]])
     with pytest.warns(UserWarning, match="tree=default is 4 deep"):
         assert resolve_tree("default", 2).depth == 2
     with pytest.raises(ValueError, match=r"needs \d heads but num_heads=2"):
@@ -327,7 +327,7 @@ def test_the_vllm_row_is_decoding_with_a_rank0_chain_of_every_head(loaded, heads
     tokens = steps = 0
     for prompt in PROMPTS:  # first turns only: the inputs are the chat-encoded questions
         ids = encode_chat(tokenizer, [{"role": "user", "content": prompt.turns[0]}])
-        out = medusa_generate(model, ids, MedusaTree.chain(3), max_new_tokens=12,
+        out = tree_generate(model, ids, TokenTree.chain(3), max_new_tokens=12,
                               eos_token_id=eos_token_ids(model.backbone))
         tokens, steps = tokens + out.new_tokens - 1, steps + out.steps
     assert engines["vllm"]["mean_accepted_length"] == pytest.approx(tokens / steps)
@@ -342,7 +342,7 @@ def test_heads_only_our_decoder_loads_get_no_engine_figure_and_say_why(loaded):
 
     model, _ = loaded
     reading = MedusaModel.from_backbone(model.backbone, num_heads=3, next_token_input=True)
-    rows = engine_rows(reading, [], MedusaTree.chain(3), 1.5, 8, [])
+    rows = engine_rows(reading, [], TokenTree.chain(3), 1.5, 8, [])
     for name in ("vllm", "tgi", "trtllm"):
         assert rows[name]["mean_accepted_length"] is None
         assert "read the next token's embedding (heads.next_token_input)" in rows[name]["reason"]

@@ -41,13 +41,13 @@ def decoded(model, tokenizer, prompts, tree) -> list:
     """Per prompt, ``(ids (1, len) of the decoded reply, prompt length, tokens each verify step wrote)`` decoding
     with ``tree`` as evaluate's rows do."""
     from medusa_train.backbone.generation import encode_chat, eos_token_ids
-    from medusa_train.decoding import medusa_generate
+    from medusa_train.decoding import tree_generate
 
     eos = eos_token_ids(model.backbone, tokenizer)
     rows = []
     for p in prompts:
         ids = encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])
-        out = medusa_generate(model, ids, tree, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
+        out = tree_generate(model, ids, tree, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
         rows.append((out.sequences, ids.shape[1], out.written_per_step))
     return rows
 
@@ -55,7 +55,7 @@ def decoded(model, tokenizer, prompts, tree) -> list:
 def test_the_training_logs_walk_is_what_decoding_the_validation_prompts_accepts(trained):
     from medusa_train.config.model import EvalModelConfig
     from medusa_train.data.validation import greedy_replies
-    from medusa_train.decoding import MedusaTree
+    from medusa_train.decoding import TokenTree
     from medusa_train.model.load import load_heads
     from medusa_train.model.walk import heads_depths, measure_ranks, walked_steps
     from medusa_train.tree.calibrate import validation_bench
@@ -71,8 +71,8 @@ def test_the_training_logs_walk_is_what_decoding_the_validation_prompts_accepts(
     assert len(prompts) >= PROMPTS - 2
     _, walked_texts = greedy_replies(model.backbone, tokenizer, [p.turns[0] for p in prompts], NEW_TOKENS,
                                      progress=False)  # the continuations the training log walked
-    trees = {f"validation/K{k}": MedusaTree.chain(k) for k in (1, 2, 3)}
-    trees["validation/tree16"] = MedusaTree.from_name("default").truncated(max_nodes=16, max_depth=3)
+    trees = {f"validation/K{k}": TokenTree.chain(k) for k in (1, 2, 3)}
+    trees["validation/tree16"] = TokenTree.from_name("default").truncated(max_nodes=16, max_depth=3)
     ranks = measure_ranks(model, walked_texts, top_k=10)
     for key, tree in trees.items():
         rows = decoded(model, tokenizer, prompts, tree)

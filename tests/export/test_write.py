@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from medusa_train import MedusaModel
 from medusa_train.export.write import export_folder
-from medusa_train.model.medusa_export import export_heads
+from medusa_train.families.medusa.export import export_heads
 
 HIDDEN, VOCAB = 64, 256
 
@@ -170,14 +170,14 @@ def test_original_medusa_heads_load_and_match_a_hand_computation(tmp_path, tiny_
 
 def test_original_medusa_heads_decode(tmp_path, tiny_llama):
     try:
-        from medusa_train.decoding import medusa_generate
+        from medusa_train.decoding import tree_generate
     except ImportError as err:  # pragma: no cover - the decoder is written alongside this module
         pytest.skip(f"medusa_train.decoding is not importable yet: {err}")
     _original_medusa_heads(tmp_path, 3, 1, "pt")
     model = MedusaModel.from_pretrained(tmp_path, backbone=tiny_llama)
     ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        out = medusa_generate(model, ids, tree="chain", max_new_tokens=8, eos_token_id=[])
+        out = tree_generate(model, ids, tree="chain", max_new_tokens=8, eos_token_id=[])
         greedy = ids
         for _ in range(8):  # plain greedy decoding with the backbone alone
             greedy = torch.cat([greedy, tiny_llama(greedy).logits[:, -1:].argmax(-1)], dim=1)

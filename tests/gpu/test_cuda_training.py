@@ -106,8 +106,8 @@ def test_medusa2_on_bitsandbytes_cuda_trains_lora_and_heads_and_merges_into_the_
 
     from medusa_train.backbone.merge import read_backbone_info
     from medusa_train.export.run import save_run_export
+    from medusa_train.families.medusa.recipe_medusa2 import Medusa2Recipe
     from medusa_train.model.load import load_adapted_export
-    from medusa_train.training.medusa2 import Medusa2Recipe
 
     cfg = compose_config(_overrides(chats, tmp_path, **{"trainer.max_steps": 6, "trainer.eval_every": 3,
                                                          "trainer.save_every": 3, "peft.r": 8, "peft.alpha": 16,

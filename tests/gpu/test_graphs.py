@@ -15,7 +15,7 @@ from helpers.backbones import make_tiny_backbone
 from helpers.decoding import hf_greedy, perturb_heads, prompts
 
 from medusa_train import MedusaModel
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -30,9 +30,9 @@ def test_graphed_decoding_is_eager_decoding(arch):
     for i, ids in enumerate(prompts(3, seed=11)):
         ids = ids.cuda()
         reference = hf_greedy(backbone, ids, 30, eos_token_id=[])
-        for tree in (MedusaTree.from_name("default"), MedusaTree([]), MedusaTree.from_name("small").with_lookup(4)):
-            eager = medusa_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[])
-            graphed = medusa_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[],
+        for tree in (TokenTree.from_name("default"), TokenTree([]), TokenTree.from_name("small").with_lookup(4)):
+            eager = tree_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[])
+            graphed = tree_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[],
                                       kv_cache="static", cuda_graphs=True)
             assert graphed.sequences.tolist() == eager.sequences.tolist() == reference.tolist(), (arch, i)
             assert graphed.accept_lengths == eager.accept_lengths
@@ -43,4 +43,4 @@ def test_graphed_decoding_is_eager_decoding(arch):
 def test_graphs_need_cuda_and_a_static_cache():
     model = MedusaModel.from_backbone(make_tiny_backbone("llama"), num_heads=2).cuda()
     with pytest.raises(ValueError, match="kv_cache='static'"):
-        medusa_generate(model, prompts(1)[0].cuda(), "default", max_new_tokens=3, cuda_graphs=True)
+        tree_generate(model, prompts(1)[0].cuda(), "default", max_new_tokens=3, cuda_graphs=True)

@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from medusa_train import MedusaModel
 from medusa_train.data.tokenize import IGNORE_INDEX
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.evaluation.engines import engine_rows
+from medusa_train.families.medusa.export import export_heads
+from medusa_train.families.medusa.propose import heads_candidates
 from medusa_train.model.draft_vocab import most_frequent_tokens
-from medusa_train.model.medusa_export import export_heads
-from medusa_train.model.medusa_propose import heads_candidates
 from medusa_train.training.targets import Teacher, inputs_and_targets
 from medusa_train.tree.calibrate import measure_rank_accuracies
 
@@ -102,7 +102,7 @@ def test_candidates_are_the_full_heads_top_k_within_the_draft_vocabulary(share_l
     if share_lm_head:
         full.all_head_logits = lambda inputs, n=None: torch.stack(
             [full.head_logits(inputs, k) for k in range(n or full.num_heads)])
-    tree = MedusaTree.from_name(tree_name, num_heads=4)
+    tree = TokenTree.from_name(tree_name, num_heads=4)
     hidden = draft(torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))).hidden_states[0]
     got = heads_candidates(draft, tree, hidden, 7, draft.new_decode_state())
     want = heads_candidates(full, tree, hidden, 7, full.new_decode_state())
@@ -114,13 +114,13 @@ def test_candidates_are_the_full_heads_top_k_within_the_draft_vocabulary(share_l
 def test_greedy_output_is_the_backbones_with_a_draft_vocabulary(features):
     backbone = make_tiny_backbone("qwen2", seed=5)
     model = _heads(backbone, share_lm_head=True, **features)
-    tree = MedusaTree.from_name("default", num_heads=4)
+    tree = TokenTree.from_name("default", num_heads=4)
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(3, VOCAB, (1, int(torch.randint(2, 20, (), generator=g))), generator=g)
         ref = backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30,
                                 eos_token_id=1, pad_token_id=0)
-        out = medusa_generate(model, ids, tree, max_new_tokens=30, eos_token_id=1)
+        out = tree_generate(model, ids, tree, max_new_tokens=30, eos_token_id=1)
         assert out.sequences.tolist() == ref.tolist()
 
 
@@ -214,10 +214,10 @@ def test_medusa_v1_refuses_a_draft_vocabulary_naming_the_key(tmp_path, tiny_llam
 
 def test_engine_rows_say_why_tgi_and_trtllm_cannot_load_a_draft_vocabulary(tiny_llama):
     model = _heads(tiny_llama, True)
-    rows = engine_rows(model, [torch.tensor([[5, 6, 7]])], MedusaTree.from_name("default", num_heads=4), 1.5,
+    rows = engine_rows(model, [torch.tensor([[5, 6, 7]])], TokenTree.from_name("default", num_heads=4), 1.5,
                        max_new_tokens=8, eos=[1])
     assert rows["vllm"]["mean_accepted_length"] is not None and rows["vllm"]["reason"] is None
-    own = engine_rows(_heads(tiny_llama, False), [torch.tensor([[5, 6, 7]])], MedusaTree.chain(4), 1.5,
+    own = engine_rows(_heads(tiny_llama, False), [torch.tensor([[5, 6, 7]])], TokenTree.chain(4), 1.5,
                       max_new_tokens=8, eos=[1])
     assert own["vllm"]["mean_accepted_length"] is None and "no faithful form" in own["vllm"]["reason"]
     assert rows["native"]["mean_accepted_length"] == 1.5
@@ -284,8 +284,8 @@ def test_choose_draft_vocab_weighs_coverage_against_what_a_step_reads():
 
 
 def test_step_weights_count_what_a_plain_step_reads(tiny_llama):
+    from medusa_train.families.eagle3.config import Eagle3Config, Eagle3Draft
     from medusa_train.model.draft_vocab import step_weights
-    from medusa_train.model.eagle3 import Eagle3Config, Eagle3Draft
 
     every = sum(p.numel() for p in tiny_llama.parameters())
     embedding = tiny_llama.get_input_embeddings().weight.numel()

@@ -14,11 +14,11 @@ import torch
 from helpers.backbones import make_tiny_backbone
 from safetensors.torch import load_file
 
-from medusa_train.decoding import MedusaTree, medusa_generate
-from medusa_train.model.eagle3 import Eagle3Config, default_aux_layers, is_eagle3_config
-from medusa_train.model.eagle3_model import Eagle3Model, chained_attention
+from medusa_train.decoding import TokenTree, tree_generate
+from medusa_train.families.eagle3.config import Eagle3Config, default_aux_layers, is_eagle3_config
+from medusa_train.families.eagle3.loss import ttt_loss
+from medusa_train.families.eagle3.model import Eagle3Model, chained_attention
 from medusa_train.model.family import FAMILIES, family_of
-from medusa_train.training.eagle3_loss import ttt_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,7 +73,7 @@ def test_the_chain_proposes_what_training_time_test_scores():
     depth is the argmax of training's step at the same row, with the chain's own tokens as the text."""
     bb = backbone()
     model = draft_for(bb)
-    tree = MedusaTree.chain(4)
+    tree = TokenTree.chain(4)
     text = torch.randint(3, 256, (1, 14), generator=torch.Generator().manual_seed(1))
     for p in (2, 6, 11):
         with torch.no_grad():
@@ -101,15 +101,15 @@ def _training_argmax(model: Eagle3Model, text: torch.Tensor, row: int, steps: in
 def test_a_trees_rank_zero_path_is_the_chain_and_siblings_never_see_each_other():
     bb = backbone("qwen2")
     model = draft_for(bb, seed=3)
-    tree = MedusaTree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]])
-    chain = MedusaTree.chain(4)
+    tree = TokenTree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]])
+    chain = TokenTree.chain(4)
     ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         inputs = model(ids).draft_inputs[0]
         in_tree = model.propose(tree, inputs, ids[0], 7, model.new_decode_state())
         in_chain = model.propose(chain, inputs, ids[0], 7, model.new_decode_state())
         # the side branch root -> [0] -> [0, 1] -> [0, 1, 0] alone: what it drafts must not depend on its siblings
-        branch = MedusaTree([[0], [0, 1], [0, 1, 0]])
+        branch = TokenTree([[0], [0, 1], [0, 1, 0]])
         alone = model.propose(branch, inputs, ids[0], 7, model.new_decode_state())
     index = {path: i + 1 for i, path in enumerate(tree.choices)}
     assert [int(in_tree[index[(0,) * d]]) for d in range(1, 5)] == in_chain[1:].tolist()
@@ -123,12 +123,12 @@ def test_a_trees_rank_zero_path_is_the_chain_and_siblings_never_see_each_other()
 def test_greedy_with_a_fitted_draft_is_token_identical_to_plain_greedy(arch):
     bb = backbone(arch)
     model, prompts = fitted_draft(bb)
-    trees = [MedusaTree.chain(4), MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
-             MedusaTree([[0], [1], [0, 0], [0, 0, 0]], lookup_depth=4)]  # the draft beside a lookup chain
+    trees = [TokenTree.chain(4), TokenTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
+             TokenTree([[0], [1], [0, 0], [0, 0, 0]], lookup_depth=4)]  # the draft beside a lookup chain
     for tree in trees:
         gained = steps = looked_up = 0
         for ids in prompts + [torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(9))]:
-            out = medusa_generate(model, ids, tree=tree, max_new_tokens=40, eos_token_id=[])
+            out = tree_generate(model, ids, tree=tree, max_new_tokens=40, eos_token_id=[])
             assert torch.equal(out.sequences, greedy(bb, ids, 40))
             gained, steps, looked_up = gained + out.new_tokens, steps + out.steps, looked_up + sum(out.lookup_depths)
         assert gained / steps > 2.0, (tree.num_nodes, gained / steps)  # long accepted paths were exercised

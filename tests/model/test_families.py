@@ -12,9 +12,9 @@ from helpers.decoding import hf_greedy
 from helpers.training import compose_config, make_chat_jsonl, make_model_dir, train_overrides
 
 from medusa_train.config.methods import METHODS
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.model.family import FAMILIES, family_of, family_of_model
-from medusa_train.model.layouts import read_config_json
+from medusa_train.model.files import read_config_json
 
 NEW_TOKENS = 40
 
@@ -112,11 +112,11 @@ def test_a_family_trains_exports_each_layout_loads_and_decodes_losslessly(name, 
         assert family_of(read_config_json(folder))[0] is family
         draft = load_draft(folder, backbone).eval()
         assert family_of_model(draft) is family
-        tree = MedusaTree.chain(draft.config.depth)
-        out = medusa_generate(draft, ids, tree, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+        tree = TokenTree.chain(draft.config.depth)
+        out = tree_generate(draft, ids, tree, max_new_tokens=NEW_TOKENS, eos_token_id=[])
         assert torch.equal(out.sequences, plain), (name, layout)
         ORACLES[name](draft, plain)
-        out = medusa_generate(draft, ids, tree, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+        out = tree_generate(draft, ids, tree, max_new_tokens=NEW_TOKENS, eos_token_id=[])
         assert torch.equal(out.sequences, plain), (name, layout)
         # every step but the last (cut at the token limit) keeps the whole chain
         assert out.accepted_depths[:-1] == [tree.depth] * (len(out.accepted_depths) - 1), (name, layout)

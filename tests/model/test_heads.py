@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from medusa_train import MedusaModel
-from medusa_train.model.heads import MedusaHead, ResBlock
+from medusa_train.families.medusa.heads import MedusaHead, ResBlock
 
 
 def test_resblock_starts_as_identity():

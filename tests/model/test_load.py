@@ -7,7 +7,7 @@ import json
 import pytest
 
 from medusa_train.config.check import Problems
-from medusa_train.model.layouts import read_config_json
+from medusa_train.model.files import read_config_json
 from medusa_train.model.load import check_heads, read_export_config
 
 

@@ -20,9 +20,9 @@ from medusa_train.config.model import EvalModelConfig
 from medusa_train.data.distill.writer import ownership_problem
 from medusa_train.evaluation.report import report_output_problem
 from medusa_train.export.write import export_folder
-from medusa_train.model.eagle3_model import Eagle3Model
+from medusa_train.families.eagle3.model import Eagle3Model
+from medusa_train.families.medusa.model import MedusaModel
 from medusa_train.model.load import load_heads, read_exported_heads
-from medusa_train.model.medusa import MedusaModel
 from medusa_train.tree.calibrate import TREE_MARK, tree_output_problem, write_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")

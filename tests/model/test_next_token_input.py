@@ -14,11 +14,11 @@ from medusa_train import MedusaModel
 from medusa_train.config.check import ConfigError
 from medusa_train.config.train import build_config
 from medusa_train.data.tokenize import IGNORE_INDEX
-from medusa_train.decoding import MedusaTree, medusa_generate
-from medusa_train.model.heads import MedusaHead
-from medusa_train.model.medusa_export import export_heads
-from medusa_train.model.medusa_propose import heads_candidates
-from medusa_train.training.losses import medusa_loss_backward, medusa_loss_naive
+from medusa_train.decoding import TokenTree, tree_generate
+from medusa_train.families.medusa.export import export_heads
+from medusa_train.families.medusa.heads import MedusaHead
+from medusa_train.families.medusa.propose import heads_candidates
+from medusa_train.training.losses import depthwise_loss_backward, depthwise_loss_naive
 from medusa_train.training.targets import (
     following_tokens,
     text_targets,
@@ -156,7 +156,7 @@ def test_decoding_tells_the_heads_the_tokens_they_read(reads):
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(1))
     reference = greedy_sequence(backbone, ids, 40)
     install_token_oracle(model, reference)
-    out = medusa_generate(model, ids, MedusaTree.from_name("default"), max_new_tokens=40, eos_token_id=[])
+    out = tree_generate(model, ids, TokenTree.from_name("default"), max_new_tokens=40, eos_token_id=[])
     assert out.sequences.tolist() == reference.tolist()
     assert max(out.accepted_depths) == 4 and out.mean_accept_length > 2.5
 
@@ -189,10 +189,10 @@ def test_loss_gradients_reach_the_hidden_states_through_the_heads_inputs(tiny_ll
         hidden = base_hidden.clone().requires_grad_(True)
         model.zero_grad(set_to_none=True)
         if naive:
-            loss, _ = medusa_loss_naive(model.head_logits, model.head_features(hidden), text_targets(labels, 3))
+            loss, _ = depthwise_loss_naive(model.head_logits, model.head_features(hidden), text_targets(labels, 3))
             loss.backward()
         else:
-            medusa_loss_backward(model.head_logits, model.head_features(hidden), text_targets(labels, 3), chunk_size=5)
+            depthwise_loss_backward(model.head_logits, model.head_features(hidden), text_targets(labels, 3), chunk_size=5)
         grads.append([hidden.grad.clone(), *(p.grad.clone() for p in model.heads.parameters())])
     assert grads[0][0].abs().sum() > 0 and grads[0][-1].abs().sum() > 0
     for a, b in zip(*grads):
@@ -202,7 +202,7 @@ def test_loss_gradients_reach_the_hidden_states_through_the_heads_inputs(tiny_ll
 def test_candidates_come_from_the_root_they_are_given(tiny_llama):
     """The heads read the root passed in (with sampling it need not be the greedy token)."""
     model = randomise(MedusaModel.from_backbone(tiny_llama, num_heads=3, next_token_input=True))
-    tree = MedusaTree.from_name("default").truncated(max_depth=3)
+    tree = TokenTree.from_name("default").truncated(max_depth=3)
     with torch.no_grad():
         prompt = model(torch.randint(0, 256, (1, 6))).hidden_states[0]
         hidden = prompt[-1:]

@@ -13,11 +13,11 @@ from helpers.heads import randomise
 from medusa_train import MedusaModel
 from medusa_train.config.check import ConfigError
 from medusa_train.config.train import build_config
-from medusa_train.decoding import MedusaTree
-from medusa_train.model.layouts import MedusaConfig
-from medusa_train.model.medusa import path_tokens
-from medusa_train.model.medusa_export import export_heads
-from medusa_train.model.medusa_propose import heads_candidates
+from medusa_train.decoding import TokenTree
+from medusa_train.families.medusa.export import export_heads
+from medusa_train.families.medusa.layouts import MedusaConfig
+from medusa_train.families.medusa.model import path_tokens
+from medusa_train.families.medusa.propose import heads_candidates
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -97,7 +97,7 @@ def test_candidates_are_read_from_each_nodes_parent_path(tiny_llama):
     with torch.no_grad():  # the tiny model's embeddings are small (std 0.02): let the path decide the guesses
         for head in model.heads:
             head.blocks[0].token.weight.mul_(100)
-    tree = MedusaTree.from_name("default").truncated(max_depth=3)
+    tree = TokenTree.from_name("default").truncated(max_depth=3)
     with torch.no_grad():
         prompt = model(torch.randint(0, 256, (1, 6))).hidden_states[0]
         hidden = prompt[-1:]
@@ -116,7 +116,7 @@ def test_candidates_are_read_from_each_nodes_parent_path(tiny_llama):
 
 
 def test_tree_levels_and_ancestors():
-    tree = MedusaTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    tree = TokenTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     # nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]
     assert tree.ancestors.tolist() == [[0, -1, -1, -1], [0, 1, -1, -1], [0, 2, -1, -1], [0, 1, 3, -1],
                                        [0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]

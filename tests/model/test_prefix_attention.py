@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from helpers.heads import randomise
 
 from medusa_train import MedusaModel
-from medusa_train.model.layouts import read_heads
-from medusa_train.model.medusa import load_heads_strict
-from medusa_train.model.medusa_export import export_heads
-from medusa_train.model.prefix_attention import PrefixAttention
+from medusa_train.families.medusa.export import export_heads
+from medusa_train.families.medusa.layouts import read_heads
+from medusa_train.families.medusa.model import load_heads_strict
+from medusa_train.families.medusa.prefix_attention import PrefixAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 

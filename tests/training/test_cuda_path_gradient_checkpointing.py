@@ -12,7 +12,7 @@ from helpers.backbones import PACKAGED_MODEL
 from helpers.training import compose_config, make_chat_jsonl, make_model_dir, train_overrides
 from torch.utils.data import DataLoader
 
-from medusa_train.training.medusa2 import Medusa2Recipe
+from medusa_train.families.medusa.recipe_medusa2 import Medusa2Recipe
 
 compose_medusa2 = partial(compose_config, recipe="medusa2")
 

@@ -13,8 +13,8 @@ from helpers.backbones import make_tiny_backbone
 from helpers.training import compose_config, make_chat_jsonl, make_model_dir, read_metrics, train_overrides
 
 from medusa_train.config.check import ConfigError
-from medusa_train.model.eagle3_model import Eagle3Model
-from medusa_train.training.eagle3_loss import ttt_loss
+from medusa_train.families.eagle3.loss import ttt_loss
+from medusa_train.families.eagle3.model import Eagle3Model
 
 DRAFT = {"eagle3.aux_layer_ids": "[0,1,3]", "eagle3.ttt_steps": 3}
 
@@ -33,7 +33,7 @@ def eagle3_config(tiny_setup, output_dir, **extra):
 def test_the_recipe_trains_a_draft_that_learns_and_exports_what_vllm_loads(tiny_setup, tmp_path):
     from medusa_train import load_backbone
     from medusa_train.cli.train import run
-    from medusa_train.decoding import MedusaTree, medusa_generate
+    from medusa_train.decoding import TokenTree, tree_generate
 
     cfg = eagle3_config(tiny_setup, tmp_path / "run", **{"eagle3.draft_vocab_size": 40, "trainer.max_steps": 16,
                                                           "trainer.eval_every": 16, "optim.lr": 0.02})
@@ -51,7 +51,7 @@ def test_the_recipe_trains_a_draft_that_learns_and_exports_what_vllm_loads(tiny_
     backbone, tokenizer = load_backbone(tiny_setup[0], dtype="float32")
     draft = Eagle3Model.from_pretrained(export, backbone=backbone).eval()
     ids = tokenizer("one two three four", return_tensors="pt").input_ids
-    out = medusa_generate(draft, ids, MedusaTree.chain(3), max_new_tokens=16, eos_token_id=[])
+    out = tree_generate(draft, ids, TokenTree.chain(3), max_new_tokens=16, eos_token_id=[])
     plain = backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
                               eos_token_id=[], pad_token_id=0)
     assert torch.equal(out.sequences, plain)

@@ -22,9 +22,9 @@ from helpers.losses import (
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.training import losses
 from medusa_train.training.losses import (
+    depthwise_loss_backward,
+    depthwise_loss_naive,
     head_weights,
-    medusa_loss_backward,
-    medusa_loss_naive,
 )
 from medusa_train.training.targets import (
     greedy_targets,
@@ -35,7 +35,7 @@ from medusa_train.training.targets import (
 
 def run_naive(model, input_ids, attention_mask, labels, scale: float = 1.0):
     hidden = model(input_ids, attention_mask).hidden_states
-    loss, result = medusa_loss_naive(model.head_logits, hidden, text_targets(labels, NUM_HEADS))
+    loss, result = depthwise_loss_naive(model.head_logits, hidden, text_targets(labels, NUM_HEADS))
     (loss * scale).backward()
     out = grads(model)
     zero_grads(model)
@@ -45,7 +45,7 @@ def run_naive(model, input_ids, attention_mask, labels, scale: float = 1.0):
 def run_head_by_head(model, input_ids, attention_mask, labels, predictions=None, **kwargs):
     hidden = model(input_ids, attention_mask).hidden_states
     targets = text_targets(labels, NUM_HEADS) if predictions is None else greedy_targets(labels, NUM_HEADS, predictions)
-    result = medusa_loss_backward(model.head_logits, hidden, targets, **kwargs)
+    result = depthwise_loss_backward(model.head_logits, hidden, targets, **kwargs)
     out = grads(model)
     zero_grads(model)
     return result, out
@@ -75,7 +75,7 @@ def test_greedy_targets_match_naive(chunk_size):
     predictions[0, 9] += 1  # ... except at a few positions, which cut different runs per head
     predictions[1, 6] += 1
     hidden = model(input_ids, attention_mask).hidden_states
-    loss, naive = medusa_loss_naive(model.head_logits, hidden, greedy_targets(labels, NUM_HEADS, predictions))
+    loss, naive = depthwise_loss_naive(model.head_logits, hidden, greedy_targets(labels, NUM_HEADS, predictions))
     loss.backward()
     naive_grads = grads(model)
     zero_grads(model)
@@ -102,11 +102,11 @@ def test_cached_hidden_states_leaf_without_grad():
     input_ids, attention_mask, labels = make_batch()
     with torch.no_grad():
         hidden = model(input_ids, attention_mask).hidden_states
-    loss, _ = medusa_loss_naive(model.head_logits, hidden, text_targets(labels, NUM_HEADS))
+    loss, _ = depthwise_loss_naive(model.head_logits, hidden, text_targets(labels, NUM_HEADS))
     loss.backward()
     ref = grads(model)
     zero_grads(model)
-    medusa_loss_backward(model.head_logits, hidden, text_targets(labels, NUM_HEADS), chunk_size=6)
+    depthwise_loss_backward(model.head_logits, hidden, text_targets(labels, NUM_HEADS), chunk_size=6)
     got = grads(model)
     for name in ref:
         assert_close_grad(got[name], ref[name], name)
@@ -134,7 +134,7 @@ def test_backward_callable_receives_the_weighted_scaled_parts():
         parts.append(t.detach())
         t.backward()
 
-    result = medusa_loss_backward(model.head_logits, hidden, text_targets(labels, NUM_HEADS), chunk_size=10, backward=backward, loss_scale=0.5)
+    result = depthwise_loss_backward(model.head_logits, hidden, text_targets(labels, NUM_HEADS), chunk_size=10, backward=backward, loss_scale=0.5)
     # 3 chunks per head, but head 3's last chunk (positions 20-23 -> targets 24-27) has none: skipped
     assert len(parts) == NUM_HEADS * 3 - 1
     assert all(p.dim() == 0 for p in parts)
@@ -146,8 +146,8 @@ def test_eval_mode_metrics_only():
     model.backbone.model.norm.weight.requires_grad_(True)
     input_ids, attention_mask, labels = make_batch()
     hidden = model(input_ids, attention_mask).hidden_states
-    _, ref = medusa_loss_naive(model.head_logits, hidden.detach(), text_targets(labels, NUM_HEADS))
-    result = medusa_loss_backward(model.head_logits, hidden, text_targets(labels, NUM_HEADS), chunk_size=5, backward=None)
+    _, ref = depthwise_loss_naive(model.head_logits, hidden.detach(), text_targets(labels, NUM_HEADS))
+    result = depthwise_loss_backward(model.head_logits, hidden, text_targets(labels, NUM_HEADS), chunk_size=5, backward=None)
     assert all(p.grad is None for p in model.parameters())
     torch.testing.assert_close(result.loss, ref.loss)
     assert [(m.count, m.top1, m.top5) for m in result.per_head] == [(m.count, m.top1, m.top5) for m in ref.per_head]
@@ -238,10 +238,10 @@ def test_topk_accuracy_exact(chunk_size):
         tables.append(table)
         expected.append((count, top1 / count, top5 / count))
     hidden = position_hidden(batch, seq)
-    result = medusa_loss_backward(position_logits_fn(tables), hidden, text_targets(labels, num_heads), chunk_size=chunk_size, backward=None)
+    result = depthwise_loss_backward(position_logits_fn(tables), hidden, text_targets(labels, num_heads), chunk_size=chunk_size, backward=None)
     assert [(m.count, m.top1, m.top5) for m in result.per_head] == expected
     assert 0 < expected[0][1] < expected[0][2] < 1  # all three kinds occur
-    _, naive = medusa_loss_naive(position_logits_fn(tables), hidden, text_targets(labels, num_heads))
+    _, naive = depthwise_loss_naive(position_logits_fn(tables), hidden, text_targets(labels, num_heads))
     assert [(m.count, m.top1, m.top5) for m in naive.per_head] == expected
 
 
@@ -249,7 +249,7 @@ def test_top5_capped_at_vocab():
     vocab = 3
     labels = torch.randint(0, vocab, (1, 8))
     tables = [torch.randn(8, vocab)]
-    result = medusa_loss_backward(position_logits_fn(tables), position_hidden(1, 8), text_targets(labels, 1), backward=None)
+    result = depthwise_loss_backward(position_logits_fn(tables), position_hidden(1, 8), text_targets(labels, 1), backward=None)
     assert result.per_head[0].top5 == 1.0 and result.per_head[0].count == 6
 
 
@@ -260,7 +260,7 @@ def test_head_without_targets_contributes_zero(chunk_size):
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     labels[:, 2] = input_ids[:, 2]  # only head 0 (t=0 -> t+2) has a target; head 1 and 2 none
     hidden = model(input_ids, attention_mask).hidden_states
-    result = medusa_loss_backward(model.head_logits, hidden, text_targets(labels, NUM_HEADS), chunk_size=chunk_size)
+    result = depthwise_loss_backward(model.head_logits, hidden, text_targets(labels, NUM_HEADS), chunk_size=chunk_size)
     assert [m.count for m in result.per_head] == [2, 0, 0]
     for m in result.per_head[1:]:
         assert (m.loss, m.top1, m.top5) == (0.0, 0.0, 0.0)
@@ -269,20 +269,20 @@ def test_head_without_targets_contributes_zero(chunk_size):
     assert all(torch.isfinite(p.grad).all() for p in model.heads[0].parameters())
     assert all(p.grad is None for p in model.heads[1].parameters())
 
-    _, naive = medusa_loss_naive(model.head_logits, hidden.detach(), text_targets(labels, NUM_HEADS))
+    _, naive = depthwise_loss_naive(model.head_logits, hidden.detach(), text_targets(labels, NUM_HEADS))
     assert [m.loss for m in naive.per_head[1:]] == [0.0, 0.0]
 
     nothing = torch.full_like(labels, IGNORE_INDEX)
-    result = medusa_loss_backward(model.head_logits, hidden.detach(), text_targets(nothing, NUM_HEADS), chunk_size=chunk_size)
+    result = depthwise_loss_backward(model.head_logits, hidden.detach(), text_targets(nothing, NUM_HEADS), chunk_size=chunk_size)
     assert result.loss.item() == 0.0 and [m.count for m in result.per_head] == [0] * NUM_HEADS
 
 
 def test_rejects_mismatched_shapes_and_bad_chunk():
     hidden = torch.zeros(2, 5, 4)
     with pytest.raises(ValueError, match="differ"):
-        medusa_loss_backward(lambda h, k: h, hidden, text_targets(torch.zeros(2, 6, dtype=torch.long), 1))
+        depthwise_loss_backward(lambda h, k: h, hidden, text_targets(torch.zeros(2, 6, dtype=torch.long), 1))
     with pytest.raises(ValueError, match="chunk_size=0"):
-        medusa_loss_backward(lambda h, k: h, hidden, text_targets(torch.zeros(2, 5, dtype=torch.long), 1), chunk_size=0)
+        depthwise_loss_backward(lambda h, k: h, hidden, text_targets(torch.zeros(2, 5, dtype=torch.long), 1), chunk_size=0)
 
 
 # ----------------------------------------------------------------------------- memory property
@@ -313,7 +313,7 @@ def test_one_logits_tensor_alive_at_a_time(mode, chunk_size):
     input_ids, attention_mask, labels = make_batch()
     hidden = model(input_ids, attention_mask).hidden_states
     live = LiveLogits(model.head_logits)
-    medusa_loss_backward(live, hidden, text_targets(labels, NUM_HEADS), chunk_size=chunk_size, backward=None if mode == "eval" else torch.Tensor.backward)
+    depthwise_loss_backward(live, hidden, text_targets(labels, NUM_HEADS), chunk_size=chunk_size, backward=None if mode == "eval" else torch.Tensor.backward)
     assert live.max_alive_before_call == 0
     assert all(r() is None for r in live.alive)  # nothing kept after the call either
     vocab = model.config.vocab_size
@@ -329,7 +329,7 @@ def test_naive_keeps_all_heads_alive():
     input_ids, attention_mask, labels = make_batch()
     hidden = model(input_ids, attention_mask).hidden_states
     live = LiveLogits(model.head_logits)
-    medusa_loss_naive(live, hidden, text_targets(labels, NUM_HEADS))
+    depthwise_loss_naive(live, hidden, text_targets(labels, NUM_HEADS))
     assert live.max_alive_before_call == NUM_HEADS - 1
 
 
@@ -339,4 +339,4 @@ def test_logits_saved_by_their_own_op_fail_loudly():
     linear = torch.nn.Linear(8, 16)
     hidden, labels = torch.randn(2, 6, 8), torch.randint(16, (2, 6))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        medusa_loss_backward(lambda h, k: torch.exp(linear(h)), hidden, text_targets(labels, 2))
+        depthwise_loss_backward(lambda h, k: torch.exp(linear(h)), hidden, text_targets(labels, 2))

@@ -23,9 +23,9 @@ from medusa_train.cli.train import run
 from medusa_train.config.check import ConfigError
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.evaluation.drift import backbone_drift
+from medusa_train.families.medusa.recipe_medusa2 import Medusa2Recipe, head_weight_at
 from medusa_train.model.load import load_adapted_export
-from medusa_train.training.losses import medusa_loss_naive
-from medusa_train.training.medusa2 import Medusa2Recipe, head_weight_at
+from medusa_train.training.losses import depthwise_loss_naive
 from medusa_train.training.targets import (
     Teacher,
     teacher_targets,
@@ -184,7 +184,7 @@ def test_combined_loss_gradients_equal_the_naive_all_at_once_loss(tiny_setup, tm
         log_p = original_logits[:, :-1].float().log_softmax(-1)[valid]
         base_loss = F.kl_div(logits[valid].log_softmax(-1), log_p, log_target=True, reduction="batchmean")
     teacher = Teacher(model.base_logits, hidden.detach()) if head_targets == "teacher" else None
-    heads_loss, _ = medusa_loss_naive(model.head_logits, model.head_features(hidden), teacher_targets(labels, model.num_heads, teacher), recipe.cfg.loss.head_decay)
+    heads_loss, _ = depthwise_loss_naive(model.head_logits, model.head_features(hidden), teacher_targets(labels, model.num_heads, teacher), recipe.cfg.loss.head_decay)
     ((base_loss + 0.1 * heads_loss) * 0.5).backward()
     naive = grads(recipe)
 
@@ -410,10 +410,10 @@ BLOCKED_LOAD = textwrap.dedent("""
         sys.modules[name] = None  # import raises ModuleNotFoundError, as if not installed
     import torch
     from medusa_train import MedusaModel
-    from medusa_train.decoding import MedusaTree, medusa_generate
+    from medusa_train.decoding import TokenTree, tree_generate
     model = MedusaModel.from_pretrained(sys.argv[1], dtype="float32").eval()
     ids = torch.tensor([[5, 17, 42, 99, 123, 7]])
-    out = medusa_generate(model, ids, tree=MedusaTree.chain(model.num_heads), max_new_tokens=12, eos_token_id=[])
+    out = tree_generate(model, ids, tree=TokenTree.chain(model.num_heads), max_new_tokens=12, eos_token_id=[])
     plain = model.backbone.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
                                     pad_token_id=0, min_new_tokens=12)
     loaded = [k for k, v in sys.modules.items() if k.split(".")[0] in ("peft", "bitsandbytes") and v is not None]

@@ -17,7 +17,7 @@ from medusa_train.config.check import ConfigError
 from medusa_train.config.train import build_config
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.training import losses
-from medusa_train.training.losses import medusa_loss_backward, medusa_loss_naive
+from medusa_train.training.losses import depthwise_loss_backward, depthwise_loss_naive
 from medusa_train.training.targets import (
     Teacher,
     teacher_targets,
@@ -30,7 +30,7 @@ def teacher_of(model, hidden: torch.Tensor) -> Teacher:
 
 def run_naive_teacher(model, input_ids, attention_mask, labels):
     hidden = model(input_ids, attention_mask).hidden_states
-    loss, result = medusa_loss_naive(model.head_logits, hidden, teacher_targets(labels, NUM_HEADS, teacher_of(model, hidden)))
+    loss, result = depthwise_loss_naive(model.head_logits, hidden, teacher_targets(labels, NUM_HEADS, teacher_of(model, hidden)))
     loss.backward()
     out = grads(model)
     zero_grads(model)
@@ -43,7 +43,7 @@ def run_chunked_teacher(model, input_ids, attention_mask, labels, **kwargs):
 
 
 def run_head_by_head_on(model, hidden, labels, **kwargs):
-    result = medusa_loss_backward(model.head_logits, hidden, teacher_targets(labels, NUM_HEADS, teacher_of(model, hidden)), **kwargs)
+    result = depthwise_loss_backward(model.head_logits, hidden, teacher_targets(labels, NUM_HEADS, teacher_of(model, hidden)), **kwargs)
     out = grads(model)
     zero_grads(model)
     return result, out
@@ -78,7 +78,7 @@ def test_teacher_loss_by_hand():
     input_ids, attention_mask, labels = make_batch()
     with torch.no_grad():
         hidden = model(input_ids, attention_mask).hidden_states
-        result = medusa_loss_backward(model.head_logits, hidden, teacher_targets(labels, NUM_HEADS, teacher_of(model, hidden)), chunk_size=4, backward=None)
+        result = depthwise_loss_backward(model.head_logits, hidden, teacher_targets(labels, NUM_HEADS, teacher_of(model, hidden)), chunk_size=4, backward=None)
         seq = labels.shape[1]
         for k in range(NUM_HEADS):
             ce, hits, n = 0.0, 0, 0

@@ -16,7 +16,7 @@ from medusa_train import MedusaModel, load_backbone
 from medusa_train.cli.build_tree import build_build_tree_config, run
 from medusa_train.config.check import ConfigError
 from medusa_train.data.benchmarks import normalise_prompt
-from medusa_train.decoding import MedusaTree
+from medusa_train.decoding import TokenTree
 from medusa_train.model.load import load_heads
 from medusa_train.tree.calibrate import (
     calibration_prompts,
@@ -47,7 +47,7 @@ def test_builder_picks_the_most_likely_paths(tmp_path):
     data = yaml.safe_load(text)
     assert data["expected_accept_length"] == pytest.approx(expected, abs=1e-4)
     assert data["rank_accuracies"] == HAND_MADE
-    tree = MedusaTree.from_name(str(path))
+    tree = TokenTree.from_name(str(path))
     assert tree.num_nodes == 5 and tree.depth == 3
 
 
@@ -56,7 +56,7 @@ def test_node_count_equals_nodes(tmp_path, nodes):
     rng = random.Random(nodes)
     accuracies = [sorted((rng.uniform(0.01, 0.5) for _ in range(10)), reverse=True) for _ in range(4)]
     path, choices = write_tree(tmp_path / "t.yaml", accuracies, nodes, 1.0)
-    tree = MedusaTree.from_name(str(path), num_heads=4)
+    tree = TokenTree.from_name(str(path), num_heads=4)
     assert tree.num_nodes == nodes == len(choices) + 1
     # optimal: no path outside the tree is more likely than the least likely path inside it
     if choices:
@@ -146,7 +146,7 @@ def test_script_run_writes_a_tree_evaluate_can_use(heads_dir, tmp_path, capsys):
     assert re.fullmatch(r"expected accepted length: \d+\.\d{3} tokens per step \(walked over the calibration text\)", last)
     text = out.read_text()
     assert text.startswith(f"# medusa-train build-tree heads={heads_dir} nodes=8 calibration={source}")
-    tree = MedusaTree.from_name(str(out), num_heads=3)
+    tree = TokenTree.from_name(str(out), num_heads=3)
     assert tree.num_nodes == len(result["choices"]) + 1 + result["lookup_depth"] <= 8
     assert tree.lookup_depth == result["lookup_depth"]
     assert len(result["rank_accuracies"]) == 3 and all(len(row) == 10 for row in result["rank_accuracies"])

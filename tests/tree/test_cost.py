@@ -12,7 +12,7 @@ from medusa_train import MedusaModel, load_backbone
 from medusa_train.backbone.load import load_tokenizer
 from medusa_train.cli.build_tree import build_build_tree_config, run
 from medusa_train.config.build_tree import BuildTreeConfig
-from medusa_train.decoding import MedusaTree
+from medusa_train.decoding import TokenTree
 from medusa_train.tree.cost import CostCurve, auto_sizes, choose_tree_size, nondecreasing
 from medusa_train.tree.fit import build_tree, expected_accept_length
 from medusa_train.tree.size import cost_context
@@ -86,7 +86,7 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     for n in sizes:
         assert data["sizes"][str(n)]["expected_accept_length"] == pytest.approx(
             tokens_per_step(heads_depths(ranks, full[:n - 1])), abs=1e-4)
-    tree = MedusaTree.from_name(str(out), num_heads=3)
+    tree = TokenTree.from_name(str(out), num_heads=3)
     assert tree.num_nodes == data["chosen_nodes"]
     assert sorted(tree.choices) == sorted(tuple(c) for c in full[:data["chosen_nodes"] - 1])
     assert f"chosen size: {data['chosen_nodes']} nodes" in printed
@@ -121,10 +121,10 @@ def test_every_timed_step_leaves_the_decode_state_as_it_found_it():
 
     context = 24
     steps = DecodeSteps(prefix_heads_model(), context)
-    tree = MedusaTree(STEP_TREE)
+    tree = TokenTree(STEP_TREE)
     assert_steps_keep_decode_state(steps, context, (
         steps.plain_step, lambda: steps.plain_step(explicit_mask=True), steps.verify_step(tree),
-        steps.verify_step(MedusaTree([]))))
+        steps.verify_step(TokenTree([]))))
 
 
 def test_the_cost_curve_is_made_nondecreasing_from_two_nodes_by_pooling_the_runs_timed_out_of_order():

@@ -9,7 +9,7 @@ from helpers.backbones import make_tiny_backbone
 from helpers.decoding import hf_greedy, install_oracle_heads
 
 from medusa_train import MedusaModel
-from medusa_train.decoding import MedusaTree, medusa_generate
+from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.tree.calibrate import (
     heads_depths,
     lookup_gains,
@@ -79,12 +79,12 @@ def test_measured_depths_are_what_the_hybrid_decoder_accepts_step_by_step(seed):
     ids = looping_prompt(seed)
     ref = hf_greedy(backbone, ids, 40, eos_token_id=[])
     install_oracle_heads(model, ref, seed=seed)
-    tree = MedusaTree([[0], [1], [0, 0], [0, 0, 0]], lookup_depth=5)
+    tree = TokenTree([[0], [1], [0, 0], [0, 0, 0]], lookup_depth=5)
     prompt_len = ids.shape[1]
     ranks = measure_ranks(model, [(ref, prompt_len)], top_k=4)
     depth = heads_depths(ranks, tree.choices)[0]
     run = lookup_runs([(ref, prompt_len)], tree.lookup_depth, tree.lookup_ngram)[0]
-    out = medusa_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
+    out = tree_generate(model, ids, tree, max_new_tokens=40, eos_token_id=[])
     assert out.sequences.tolist() == ref.tolist()
     j = 0  # the step's position, counted from the last prompt token
     for step, gained in enumerate(out.accept_lengths[:-1]):  # the last one is cut at the reply's end
@@ -141,7 +141,7 @@ def test_build_tree_shares_the_nodes_between_heads_and_lookup_by_what_each_adds(
         assert row["expected_accept_length"] == pytest.approx(expected(n, best), abs=1e-4)
     chosen, depth = data["chosen_nodes"], data["chosen_lookup_nodes"]
     assert result["lookup_depth"] == depth == data.get("lookup_depth", 0)
-    tree = MedusaTree.from_name(str(out), num_heads=3)
+    tree = TokenTree.from_name(str(out), num_heads=3)
     assert tree.num_nodes == chosen and tree.lookup_depth == depth and tree.lookup_ngram == (1, 3)
     assert f"lookup: {depth} of the {chosen} nodes go to the lookup chain" in capsys.readouterr().out
     if depth:

@@ -26,8 +26,8 @@ from transformers import PreTrainedModel
 
 from medusa_train.backbone.load import backbone_reference
 from medusa_train.config.check import FileProblem
-from medusa_train.model.eagle3 import D2T_KEY, Eagle3Config, Eagle3Draft
-from medusa_train.model.layouts import WEIGHTS_NAME, check_tensors, read_config_json, resolve_base_model
+from medusa_train.families.eagle3.config import D2T_KEY, Eagle3Config, Eagle3Draft
+from medusa_train.model.files import WEIGHTS_NAME, check_tensors, read_config_json, resolve_base_model
 
 
 @dataclass
@@ -154,7 +154,7 @@ class Eagle3Model(nn.Module):
         """(num_nodes,) tokens: the root, then, depth by depth, the draft's top-k at each node with children.
 
         Args:
-            tree: The ``MedusaTree`` to fill.
+            tree: The ``TokenTree`` to fill.
             accepted_inputs: (n, 3H) ``draft_inputs`` of the positions verified since the last call (the prompt's
                 at the first).
             accepted_tokens: (n,) the tokens at those positions.

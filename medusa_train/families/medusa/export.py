@@ -1,5 +1,5 @@
 """Writing Medusa heads in each layout the family writes: ``native``, ``medusa_v1`` (original Medusa / TensorRT-LLM)
-or ``vllm``. The layouts are defined, and read back, in ``model/layouts.py``; ``export/write.py`` is the command's
+or ``vllm``. The layouts are defined, and read back, in ``families/medusa/layouts.py``; ``export/write.py`` is the command's
 entry (it asks the family table which writer a folder needs).
 
 Every write goes to a temporary folder beside the target and is renamed into place; only a heads folder of ours is
@@ -14,23 +14,22 @@ from pathlib import Path
 
 import torch
 
-from medusa_train.model.config import check_fits
-from medusa_train.model.folder import check_output, read_chat_template, write_heads_folder
-from medusa_train.model.layouts import (
+from medusa_train.families.medusa.config import check_fits
+from medusa_train.families.medusa.layouts import (
     LAYOUTS,
     MEDUSA_V1_PT_NAME,
     MEDUSA_V1_WEIGHTS_NAME,
     SHARED_LM_HEAD_KEY,
     TOKEN_MAP_KEY,
     VLLM_WEIGHTS_NAME,
-    WEIGHTS_NAME,
     MedusaConfig,
     check_shared_lm_head,
-    check_tensors,
     layout_names,
     native_shapes,
     read_heads,
 )
+from medusa_train.model.files import WEIGHTS_NAME, check_tensors
+from medusa_train.model.folder import check_output, read_chat_template, write_heads_folder
 
 
 def export_heads(model, directory: str | os.PathLike, format: str, lm_head_pt: bool = False,

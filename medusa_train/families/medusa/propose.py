@@ -18,7 +18,7 @@ def heads_candidates(model, tree, accepted_hidden: torch.Tensor, root_token: int
 
     Args:
         model: A ``MedusaModel``.
-        tree: The ``MedusaTree``.
+        tree: The ``TokenTree``.
         accepted_hidden: (n, hidden) final hidden states of the positions accepted since the last
             step (the prompt at the first step).
         root_token: The base model's next token (node 0).

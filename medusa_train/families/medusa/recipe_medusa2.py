@@ -43,8 +43,8 @@ from medusa_train.backbone.load import load_backbone_for
 from medusa_train.backbone.lora import add_lora
 from medusa_train.config.train import TrainConfig
 from medusa_train.data.examples import load_examples
+from medusa_train.families.medusa.layouts import MEDUSA_PARAMETERS
 from medusa_train.model.family import captured_for
-from medusa_train.model.layouts import MEDUSA_PARAMETERS
 from medusa_train.training import loop, setup, validation
 from medusa_train.training.backbone_loss import (
     BaseMetrics,

@@ -8,8 +8,8 @@ residual, runs a gated MLP, and ``norm`` + ``lm_head`` score the draft vocabular
 ``i + d2t[i]``). This is the layout vLLM 0.32 loads (``LlamaForCausalLMEagle3``): the tensor names of
 ``Eagle3Draft.state_dict()`` are vLLM's, the target's embedding is shared (none stored).
 
-Attention is the caller's: decoding attends over a KV cache (``model/eagle3_model.py``), training over the steps of
-training-time test (``training/eagle3_loss.py``). ``Eagle3Draft.qkv`` and ``Eagle3Draft.finish`` are the layer
+Attention is the caller's: decoding attends over a KV cache (``families/eagle3/model.py``), training over the steps of
+training-time test (``families/eagle3/loss.py``). ``Eagle3Draft.qkv`` and ``Eagle3Draft.finish`` are the layer
 before and after it.
 """
 

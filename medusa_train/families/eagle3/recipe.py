@@ -24,10 +24,10 @@ from medusa_train.config.capture import capture_view
 from medusa_train.config.train import TrainConfig
 from medusa_train.data.capture.run import captured_already
 from medusa_train.data.examples import load_examples
-from medusa_train.model.eagle3 import captured_states
+from medusa_train.families.eagle3.config import captured_states
+from medusa_train.families.eagle3.loss import ttt_loss
 from medusa_train.model.family import captured_for
 from medusa_train.training import loop, setup, validation
-from medusa_train.training.eagle3_loss import ttt_loss
 from medusa_train.training.losses import LossResult
 
 
@@ -114,8 +114,8 @@ def draft_vocabulary(cfg: TrainConfig, backbone, train: list[dict]) -> tuple[tor
     ``train`` (every process computes the same map from the same data), and with ``eagle3.draft_vocab_size=auto`` a
     line saying why that K: each size's coverage of the training targets and the share of a plain step's weights a
     draft step reads (``draft_vocab.choose_draft_vocab``)."""
+    from medusa_train.families.eagle3.config import Eagle3Config
     from medusa_train.model.draft_vocab import choose_draft_vocab, label_counts, step_weights, top_tokens
-    from medusa_train.model.eagle3 import Eagle3Config
 
     e = cfg.eagle3
     vocab = backbone.get_output_embeddings().weight.shape[0]
@@ -137,7 +137,7 @@ def draft_vocabulary(cfg: TrainConfig, backbone, train: list[dict]) -> tuple[tor
 def build_draft(cfg: TrainConfig, backbone, device: torch.device, token_map: torch.Tensor | None):
     """A fresh float32 draft on ``backbone`` (frozen), scoring ``token_map``'s tokens (``draft_vocabulary``; ``None``:
     the whole vocabulary)."""
-    from medusa_train.model.eagle3_model import Eagle3Model
+    from medusa_train.families.eagle3.model import Eagle3Model
 
     e = cfg.eagle3
     backbone.requires_grad_(False)

@@ -12,22 +12,20 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from medusa_train.backbone.load import backbone_reference
-from medusa_train.model.config import check_fits
-from medusa_train.model.draft_vocab import DraftVocab
-from medusa_train.model.folder import write_heads_folder
-from medusa_train.model.heads import MedusaHead, path_tokens
-from medusa_train.model.layouts import (
+from medusa_train.families.medusa.config import check_fits
+from medusa_train.families.medusa.heads import MedusaHead, path_tokens
+from medusa_train.families.medusa.layouts import (
     SHARED_LM_HEAD_KEY,
     TOKEN_MAP_KEY,
-    WEIGHTS_NAME,
     MedusaConfig,
     check_shared_lm_head,
-    check_tensors,
     read_heads,
-    resolve_base_model,
 )
-from medusa_train.model.medusa_propose import heads_calibration_scores, heads_candidates
-from medusa_train.model.prefix_attention import PrefixAttention, PrefixCache
+from medusa_train.families.medusa.prefix_attention import PrefixAttention, PrefixCache
+from medusa_train.families.medusa.propose import heads_calibration_scores, heads_candidates
+from medusa_train.model.draft_vocab import DraftVocab
+from medusa_train.model.files import WEIGHTS_NAME, check_tensors, resolve_base_model
+from medusa_train.model.folder import write_heads_folder
 
 TokenSource = torch.Tensor | Callable[[], torch.Tensor] | None
 
@@ -329,7 +327,7 @@ class MedusaModel(nn.Module):
     def save_as(self, directory: str | os.PathLike, layout: str, chat_template: str | None = None,
                 option: str | None = None, **options) -> Path:
         """The heads in ``layout`` (native, medusa_v1 or vllm; ``model.medusa_export.export_heads``'s options)."""
-        from medusa_train.model.medusa_export import export_heads
+        from medusa_train.families.medusa.export import export_heads
 
         return export_heads(self, directory, layout, chat_template=chat_template, option=option, **options)
 
@@ -348,7 +346,7 @@ class MedusaModel(nn.Module):
         """Load heads saved by ``save_pretrained`` or ``export_heads`` (native, medusa_v1 or vllm).
 
         Args:
-            directory: A heads folder; its layout is read from ``config.json`` (see ``model/layouts.py``).
+            directory: A heads folder; its layout is read from ``config.json`` (see ``families/medusa/layouts.py``).
             backbone: The backbone to attach to; when ``None`` the one named in ``config.json`` is
                 loaded with ``load_backbone(**backbone_kwargs)``.
             stored_config: ``config.json`` as already read (``model.load.read_exported_heads``), not read again.
