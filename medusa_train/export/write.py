@@ -1,6 +1,5 @@
 """``medusa-train export``'s work: a draft folder converted to another layout of its family's, as the family table
-(``model/family.py``) says which layouts it has and which writer converts it (Medusa heads:
-``families/medusa/export.py``; an EAGLE-3 draft: ``families/eagle3/model.py``).
+(``model/family.py``) says which layouts it has, which writer converts it and which options those take.
 
     medusa-train export heads=out/run/export format=vllm output=out/heads-vllm
 """
@@ -10,20 +9,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from medusa_train.model.family import LAYOUTS, family_of, layout_problem
+from medusa_train.model.family import FAMILIES, LAYOUTS, family_of, layout_problem
 from medusa_train.model.files import read_config_json
 from medusa_train.model.folder import RECORD_NAMES, check_output
 
 
 def option_problems(format: str | None, lm_head_pt: bool = False, max_paths: int = 64, topk: int = 10) -> list[str]:
     """Every problem with the export options, each naming the option (``format=None``: not checked); the options
-    past ``format`` are Medusa layouts' (``model.medusa_export.option_problems``)."""
-    from medusa_train.families.medusa.export import option_problems as medusa_option_problems
-    from medusa_train.families.medusa.layouts import LAYOUTS as MEDUSA_LAYOUTS
-
+    past ``format`` are those some family's layouts take (``Family.option_problems``)."""
     known = format is None or format in LAYOUTS
     problems = [] if known else [f"format={format}: must be one of {', '.join(LAYOUTS)}"]
-    return problems + medusa_option_problems(format if format in MEDUSA_LAYOUTS else None, lm_head_pt, max_paths, topk)
+    for family in FAMILIES.values():
+        problems += [p for p in family.option_problems(format, lm_head_pt, max_paths, topk) if p not in problems]
+    return problems
 
 
 def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: str, lm_head_pt: bool = False,

@@ -19,7 +19,7 @@ from typing import Any
 from medusa_train.config.check import table_row
 from medusa_train.families.eagle3.config import Eagle3Config, eagle3_captured, eagle3_layout
 from medusa_train.families.medusa.config import MedusaConfig
-from medusa_train.families.medusa.layouts import medusa_layout
+from medusa_train.families.medusa.layouts import MEDUSA_FILES, medusa_layout
 from medusa_train.model.contract import CapturedStates, final_hidden_states
 
 
@@ -38,16 +38,24 @@ class Family:
     captured: Callable[[Any], CapturedStates]  #: its settings section -> what a capture stores for it
     #: ``module:function`` converting a folder of it to one of its layouts: ``(source, output, format, **options)``
     converter: str
+    files: tuple[str, ...] = ()  #: the files its layouts write besides config.json and model.safetensors
+    #: ``module:function`` checking ``medusa-train export``'s options for its layouts: ``(format or None, lm_head_pt,
+    #: max_paths, topk) -> [problem naming the option]`` (None: it takes none of them)
+    options: str | None = None
 
     def convert_folder(self, source, output, format: str, **options):
         """Write the folder ``source`` (any of its layouts) as ``format``, one of ``layouts``."""
-        module, name = self.converter.split(":")
-        return getattr(importlib.import_module(module), name)(source, output, format, **options)
+        return _imported(self.converter)(source, output, format, **options)
 
     def model_class(self) -> type:
         """The model class, imported now."""
-        module, name = self.model.split(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(self.model)
+
+    def option_problems(self, format: str | None, lm_head_pt: bool, max_paths: int, topk: int) -> list[str]:
+        """What is wrong with the export options for its layouts (``format`` not one of them: only the rest)."""
+        if self.options is None:
+            return []
+        return _imported(self.options)(format if format in self.layouts else None, lm_head_pt, max_paths, topk)
 
     @property
     def vllm_method(self) -> str:
@@ -68,11 +76,18 @@ class Family:
         return self.config.depth_in(config)
 
 
+def _imported(reference: str):
+    """What a ``module:name`` reference names, imported now."""
+    module, name = reference.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("medusa", config=MedusaConfig, model="medusa_train.families.medusa.model:MedusaModel",
            layouts=("native", "medusa_v1", "vllm"), served_layout="vllm", chains_any_k=False, detect=medusa_layout,
            captured=lambda settings: CapturedStates(final_hidden_states),
-           converter="medusa_train.families.medusa.export:export_medusa_folder"),
+           converter="medusa_train.families.medusa.export:export_medusa_folder", files=MEDUSA_FILES,
+           options="medusa_train.families.medusa.export:option_problems"),
     Family("eagle3", config=Eagle3Config, model="medusa_train.families.eagle3.model:Eagle3Model",
            layouts=("native", "vllm"), served_layout="vllm", chains_any_k=True, detect=eagle3_layout,
            captured=eagle3_captured, converter="medusa_train.families.eagle3.model:export_eagle3_folder"),

@@ -4,7 +4,7 @@ Every writer of a heads folder (``MedusaModel.save_pretrained``, ``export.write`
 ``export/run.py``) goes through ``replace_folder``: the files are written to a temporary folder beside the
 target, which is then renamed into place, replacing the previous one whole. Only a folder of our own is
 replaced: an existing, non-empty target must hold a ``config.json`` of a draft we read (any layout of any family:
-``family.family_of``) and nothing but the names our writers put there (``OUR_NAMES``). Any other
+``family.family_of``) and nothing but the names our writers put there (``OUR_NAMES`` and each family's ``files``). Any other
 file means the folder is someone else's, and the write is refused before anything is touched. A
 ``serving.json`` written by ``medusa-train choose-k`` into an export is carried over to the new one.
 
@@ -27,7 +27,6 @@ from medusa_train.backbone import assets
 from medusa_train.backbone.chat_template import resolve_chat_template
 from medusa_train.backbone.merge import ADAPTER_DIR, BACKBONE_INFO, MERGED_DIR
 from medusa_train.config.paths import unwritable
-from medusa_train.families.medusa.layouts import MEDUSA_V1_PT_NAME, MEDUSA_V1_WEIGHTS_NAME, VLLM_WEIGHTS_NAME
 from medusa_train.model.files import CONFIG_NAME, WEIGHTS_NAME
 
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
@@ -36,10 +35,10 @@ TRAINING_CONFIG_NAME = "training_config.json"  #: a run's export: the training c
 VALIDATION_FILE = "validation.json"  #: a run's export: the last validation walk's figures (training/validation.py)
 #: a run's record in its export, carried by a conversion of the folder (``export.write.export_folder``)
 RECORD_NAMES = (TRAINING_CONFIG_NAME, VALIDATION_FILE)
-#: Every name a writer of ours puts in a heads folder (a run's export: also the Medusa-2 backbone's files).
-OUR_NAMES = frozenset({CONFIG_NAME, WEIGHTS_NAME, VLLM_WEIGHTS_NAME, MEDUSA_V1_WEIGHTS_NAME, MEDUSA_V1_PT_NAME,
-                       CHAT_TEMPLATE_NAME, SERVING_NAME, TRAINING_CONFIG_NAME, VALIDATION_FILE, BACKBONE_INFO,
-                       ADAPTER_DIR, MERGED_DIR})
+#: Every name a writer of ours puts in any draft folder besides the family's own files (``Family.files``); a run's
+#: export also holds the Medusa-2 backbone's files
+OUR_NAMES = frozenset({CONFIG_NAME, WEIGHTS_NAME, CHAT_TEMPLATE_NAME, SERVING_NAME, TRAINING_CONFIG_NAME,
+                       VALIDATION_FILE, BACKBONE_INFO, ADAPTER_DIR, MERGED_DIR})
 KEPT_NAMES = (SERVING_NAME,)  #: written by another tool into our folder: carried over when it is replaced
 
 
@@ -47,7 +46,8 @@ KEPT_NAMES = (SERVING_NAME,)  #: written by another tool into our folder: carrie
 def foreign_entries(directory: str | os.PathLike) -> list[str]:
     """What makes ``directory`` a folder we must not replace: ``[]`` when it is absent, empty, or ours.
 
-    Ours: a ``config.json`` of a draft (any layout of any family) and nothing but ``OUR_NAMES``.
+    Ours: a ``config.json`` of a draft (any layout of any family) and nothing but ``OUR_NAMES`` and
+    ``family_files()``.
 
     Returns:
         The entries that are not ours (sorted): every one when there is no draft's ``config.json``;
@@ -61,7 +61,8 @@ def foreign_entries(directory: str | os.PathLike) -> list[str]:
     names = sorted(p.name for p in directory.iterdir())
     if names and not _is_draft_config(directory / CONFIG_NAME):
         return names  # not a heads folder: nothing in it is ours (a model's model.safetensors, say)
-    return [name for name in names if name not in OUR_NAMES]
+    ours = OUR_NAMES | family_files()
+    return [name for name in names if name not in ours]
 
 
 def output_problem(directory: str | os.PathLike, option: str | None = None) -> str | None:
@@ -89,6 +90,15 @@ def check_output(directory: str | os.PathLike, option: str | None = None) -> Non
     problem = output_problem(directory, option)
     if problem:
         raise ValueError(problem)
+
+
+def family_files() -> frozenset[str]:
+    """The files each family's layouts write besides ``OUR_NAMES`` (``Family.files``)."""
+    from medusa_train.model.family import (
+        FAMILIES,  # the family table imports the families, which write through here
+    )
+
+    return frozenset(name for family in FAMILIES.values() for name in family.files)
 
 
 def _is_draft_config(path: Path) -> bool:

@@ -120,22 +120,22 @@ def load_heads(heads_dir: str | os.PathLike | ExportedHeads, model: EvalModelCon
     model = model or EvalModelConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model.form == "adapter":  # Medusa-2: the 4-bit base + LoRA, as in training (peft and bitsandbytes)
-        medusa, tokenizer = load_adapted_export(read_exported_heads(heads_dir).path, "adapter", dtype=model.dtype, device_map=device,
+        draft, tokenizer = load_adapted_export(read_exported_heads(heads_dir).path, "adapter", dtype=model.dtype, device_map=device,
                                                 attn_implementation=model.attn_implementation,
                                                 export_template=export_template)
-        return medusa.eval(), _user_template(tokenizer, model.chat_template)
+        return draft.eval(), _user_template(tokenizer, model.chat_template)
     heads = read_exported_heads(heads_dir)
     name = model.name_or_path or heads.base_model
     backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
                                         attn_implementation=model.attn_implementation)
     backbone.to(device)
     use_row_kernel(backbone)  # a CPU float32 backbone's decoding steps: medusa_train/backbone/rows.py
-    medusa = load_draft(heads, backbone)
-    for part in medusa.draft_modules():
+    draft = load_draft(heads, backbone)
+    for part in draft.draft_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)
     if export_template:
         tokenizer = use_export_template(tokenizer, heads.path)
-    return medusa.eval(), _user_template(tokenizer, model.chat_template)
+    return draft.eval(), _user_template(tokenizer, model.chat_template)
 
 
 def load_draft(heads_dir: str | os.PathLike | ExportedHeads, backbone):

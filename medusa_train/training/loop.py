@@ -29,12 +29,12 @@ from medusa_train.backbone.processes import say
 from medusa_train.config.train import TrainConfig, to_dict
 from medusa_train.data.tokenize import IGNORE_INDEX
 from medusa_train.training import checkpoint, resume, run_folder
-from medusa_train.training.losses import LossResult, depthwise_loss_backward, head_weights
+from medusa_train.training.losses import LossResult, head_weights
 from medusa_train.training.one_backward import OneBackward
 from medusa_train.training.run_folder import RunFolder
 from medusa_train.training.setup import TrainData
 from medusa_train.training.shard import clip_gradients
-from medusa_train.training.targets import HeadTargets, inputs_and_targets
+from medusa_train.training.targets import HeadTargets
 from medusa_train.training.usage import trained_line
 
 R = TypeVar("R")
@@ -168,17 +168,6 @@ def hidden_states(run: Run, batch: dict, grad: bool = False) -> torch.Tensor:
         return batch["hidden"]
     with torch.set_grad_enabled(grad), run.accelerator.autocast():
         return run.model(batch["input_ids"], attention_mask=batch["attention_mask"]).hidden_states
-
-
-def heads_loss(run: Run, hidden: torch.Tensor, labels: torch.Tensor, backward, loss_scale: float = 1.0,
-               ) -> tuple[LossResult, HeadTargets]:
-    """The heads' loss on ``hidden`` (backpropagated through ``backward`` unless it is ``None``)."""
-    loss = run.cfg.loss
-    with run.accelerator.autocast():
-        features, targets = inputs_and_targets(loss.targets, run.model, hidden, labels)
-        result = depthwise_loss_backward(run.model.head_logits, features, targets, head_decay=loss.head_decay,
-                                      chunk_size=loss.chunk_size, backward=backward, loss_scale=loss_scale)
-    return result, targets
 
 
 def epoch_batches(run: Run, epoch: int) -> list[list[int]]:

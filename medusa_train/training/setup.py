@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,43 +76,6 @@ def load_without_layers_for(cfg: TrainConfig, accelerator):
         say(accelerator, f"hidden states already captured: backbone loaded without its decoder layers ({held:,} of "
                          f"{sum(p.numel() for p in backbone.parameters()):,} parameters: embeddings, norm, LM head)")
     return backbone
-
-
-def build_heads(cfg: TrainConfig, backbone, device: torch.device, train: list[dict]):
-    """Float32 trainable heads (and prefix layer) on ``backbone``: fresh, or from ``heads.init_from``.
-
-    With ``heads.draft_vocab_size=K`` fresh heads score the K tokens most often trained on in ``train`` (the
-    tokenised training examples), a map every process computes alike from the same data.
-    """
-    from medusa_train.families.medusa.model import MedusaModel
-    from medusa_train.model.draft_vocab import most_frequent_tokens
-
-    h = cfg.heads
-    features = {k: v for k, v in asdict(h).items() if k not in ("init_from", "draft_vocab_size")}  # MedusaConfig's
-    if h.init_from:
-        model = MedusaModel.from_pretrained(h.init_from, backbone=backbone)
-        wanted = features | {"draft_vocab_size": h.draft_vocab_size}
-        stored = {k: getattr(model.config, k) for k in wanted}
-        if stored != wanted:
-            differ = ", ".join(f"heads.{k}={_yaml(stored[k])}" for k in wanted if stored[k] != wanted[k])
-            raise ValueError(f"heads.init_from={h.init_from} holds heads with {differ}: set these to match")
-        for part in model.draft_modules():
-            part.float()
-        model.config.dtype = "float32"
-        model.config.base_model_name_or_path = str(cfg.model.name_or_path)
-    else:
-        vocab = backbone.get_output_embeddings().weight.shape[0]
-        token_map = None if h.draft_vocab_size is None else most_frequent_tokens(
-            (e["labels"] for e in train), h.draft_vocab_size, vocab)
-        model = MedusaModel.from_backbone(backbone, dtype="float32", token_map=token_map, **features)
-    for part in model.draft_modules():
-        part.requires_grad_(True)
-        part.to(device)
-    return model
-
-
-def _yaml(value) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass

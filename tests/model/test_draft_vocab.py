@@ -248,7 +248,7 @@ def test_training_with_heads_vocab_size_exports_the_data_s_most_frequent_tokens(
 def test_init_from_heads_of_another_vocabulary_size_is_refused_naming_the_key(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from medusa_train.training.setup import build_heads
+    from medusa_train.families.medusa.recipe import build_heads
 
     model_dir, data = make_model_dir(tmp_path / "model"), make_chat_jsonl(tmp_path / "chat.jsonl")
     backbone = AutoModelForCausalLM.from_pretrained(model_dir)

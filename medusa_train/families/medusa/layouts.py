@@ -48,6 +48,7 @@ LAYOUTS = ("native", "medusa_v1", "vllm")
 MEDUSA_V1_WEIGHTS_NAME = "medusa_lm_head.safetensors"
 MEDUSA_V1_PT_NAME = "medusa_lm_head.pt"
 VLLM_WEIGHTS_NAME = "model.safetensors"
+MEDUSA_FILES = (MEDUSA_V1_WEIGHTS_NAME, MEDUSA_V1_PT_NAME)  #: what its layouts write besides the files every family's do
 # vLLM heads saved with ``original_lm_head`` carry one copy of the shared LM head; ``read_heads``
 # returns it under this key so the loader can check it against the backbone's own.
 SHARED_LM_HEAD_KEY = "lm_head.weight"

@@ -21,6 +21,7 @@ from medusa_train.config.capture import capture_view
 from medusa_train.config.train import TrainConfig
 from medusa_train.data.capture.run import captured_already
 from medusa_train.data.examples import load_examples
+from medusa_train.families.medusa import recipe
 from medusa_train.model.family import captured_for
 from medusa_train.training import loop, setup, validation
 from medusa_train.training.losses import LossResult
@@ -48,7 +49,7 @@ class Medusa1Recipe:
             loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes).summary(acc.num_processes))
         elif backbone is None:
             backbone, _ = load_backbone_for(cfg.model, acc.device)
-        self.model = setup.build_heads(cfg, backbone, acc.device, train)
+        self.model = recipe.build_heads(cfg, backbone, acc.device, train)
         self.validation = validation.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), has_layers,
                                              sharded=sharded)
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
@@ -65,7 +66,7 @@ class Medusa1Recipe:
 
         def step() -> LossResult:
             hidden = loop.hidden_states(self.run, batch)
-            return loop.heads_loss(self.run, hidden, batch["labels"], self.accelerator.backward, loss_scale)[0]
+            return recipe.heads_loss(self.run, hidden, batch["labels"], self.accelerator.backward, loss_scale)[0]
 
         return loop.backward_step(self.run, step)
 
@@ -75,7 +76,7 @@ class Medusa1Recipe:
         acc = self.accelerator
         sums = loop.HeadEvalSums(self.model.num_heads)
         for batch in loop.eval_batches(self.run):
-            sums.add(*loop.heads_loss(self.run, loop.hidden_states(self.run, batch), batch["labels"], None))
+            sums.add(*recipe.heads_loss(self.run, loop.hidden_states(self.run, batch), batch["labels"], None))
         record = sums.record(self.run)
         record.update(validation.walk(self.validation, self.model, acc))
         self.run.metrics.write(record)

@@ -43,6 +43,7 @@ from medusa_train.backbone.load import load_backbone_for
 from medusa_train.backbone.lora import add_lora
 from medusa_train.config.train import TrainConfig
 from medusa_train.data.examples import load_examples
+from medusa_train.families.medusa import recipe
 from medusa_train.families.medusa.layouts import MEDUSA_PARAMETERS
 from medusa_train.model.family import captured_for
 from medusa_train.training import loop, setup, validation
@@ -123,7 +124,7 @@ class Medusa2Recipe:
             loop.say(acc, shard_backbone(backbone, acc.device, acc.num_processes, loaded_everywhere=True)
                      .summary(acc.num_processes))
         train, evals = load_examples(cfg.data, self.tokenizer, acc)
-        self.model = setup.build_heads(cfg, backbone, acc.device, train)
+        self.model = recipe.build_heads(cfg, backbone, acc.device, train)
         self.validation = validation.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), adapts=self.joint,
                                              sharded=sharded)
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
@@ -159,7 +160,7 @@ class Medusa2Recipe:
         backward through the backbone for the base loss and every head."""
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         if not self.joint:
-            return loop.backward_step(self.run, lambda: loop.heads_loss(
+            return loop.backward_step(self.run, lambda: recipe.heads_loss(
                 self.run, loop.hidden_states(self.run, batch), batch["labels"], self.accelerator.backward, loss_scale)[0])
         result = loop.backward_step(self.run, lambda: self.joint_step(batch, loss_scale))
         self.window.append(result)
@@ -179,7 +180,7 @@ class Medusa2Recipe:
                 base = base_loss_backward(self.model.base_logits, leaf, batch["labels"], cfg.loss.base, original,
                                           cfg.loss.chunk_size, backward=acc.backward, loss_scale=loss_scale)
         # a teacher reads the adapted model
-        heads, _ = loop.heads_loss(self.run, leaf, batch["labels"], acc.backward if lam > 0 else None,
+        heads, _ = recipe.heads_loss(self.run, leaf, batch["labels"], acc.backward if lam > 0 else None,
                                    loss_scale * lam)
         if leaf.grad is not None:
             hidden.backward(leaf.grad)  # one backward through the backbone for the base loss and every head
@@ -209,7 +210,7 @@ class Medusa2Recipe:
         for batch in loop.eval_batches(self.run):
             original = self.original_hidden_states(batch) if self.joint else None
             hidden = loop.hidden_states(self.run, batch)
-            sums.add(*loop.heads_loss(self.run, hidden, batch["labels"], None))
+            sums.add(*recipe.heads_loss(self.run, hidden, batch["labels"], None))
             if self.joint:
                 with acc.autocast():
                     base = base_loss_backward(self.model.base_logits, hidden, batch["labels"], None, original,
