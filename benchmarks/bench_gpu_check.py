@@ -1,7 +1,7 @@
 """The GPU check that fits a loan (``scripts/gpu_check.sh`` runs it on the device; any CUDA machine can run it):
 
-    python -m benchmarks gpu_check heads=<export> trees=<tree64.yaml>,<tree128.yaml> eagle3=<export> \
-        eagle3_tree=<tree.yaml> prompts=<validation prompts .jsonl> out=outputs/gpu-check
+    python -m benchmarks gpu_check heads=<export> trees=<tree64.yaml>,<tree128.yaml> draft=<an EAGLE-3 export> \
+        draft_tree=<tree.yaml> prompts=<validation prompts .jsonl> out=outputs/gpu-check
 
 Trees are fitted here beforehand (``build-tree nodes=64|128 lookup_depth=8``: the walk needs no GPU), so the device
 only decodes, in bfloat16, ``mtbench`` MT-Bench first turns of ``new_tokens`` tokens each:
@@ -80,7 +80,7 @@ def decode(heads: str, tree: str, folder: Path, device: str, limit: int, new_tok
             "expected": report.get("expected"), "mismatches": report["mismatches"]}
 
 
-def main(heads: str, trees: str, eagle3: str | None = None, eagle3_tree: str = "chain", prompts: str | None = None,
+def main(heads: str, trees: str, draft: str | None = None, draft_tree: str = "chain", prompts: str | None = None,
          out: str = "outputs/gpu-check", device: str | None = None, mtbench: str = "8", new_tokens: str = "128",
          parity_prompts: str = "8", budget_s: str = "420") -> int:
     import torch
@@ -89,10 +89,10 @@ def main(heads: str, trees: str, eagle3: str | None = None, eagle3_tree: str = "
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     summary: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else device,
-                     "torch": torch.__version__, "heads": heads, "eagle3": eagle3, "runs": {}}
+                     "torch": torch.__version__, "heads": heads, "draft": draft, "runs": {}}
     started = time.perf_counter()
     runs = [(f"heads, {Path(t).stem}", heads, t) for t in trees.split(",")]
-    runs += [(f"EAGLE-3, {Path(eagle3_tree).stem}", eagle3, eagle3_tree)] if eagle3 else []
+    runs += [(f"EAGLE-3, {Path(draft_tree).stem}", draft, draft_tree)] if draft else []
     for i, (name, draft, tree) in enumerate(runs):
         summary["runs"][name] = decode(draft, tree, folder / f"eval-{i}", device, int(mtbench), int(new_tokens),
                                        prompt_lookup=i == 0)

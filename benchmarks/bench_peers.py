@@ -36,6 +36,8 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 MODEL = "packaged:smollm2-135m-instruct"
@@ -108,7 +110,7 @@ class Examples:
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
-def collate(family: str, pad_id: int, answer_only: bool):
+def collate(targets: str, pad_id: int, answer_only: bool):
     """Right-padded batches (to the longest, not to the peer's ``training_seq_len``) in the form the peer's model
     reads: Medusa ``labels[t]`` = the token after ``t`` (its data pipeline's shift; its loss shifts 1 + i more for head
     i); EAGLE-3 ``loss_mask[t]`` = 1 where the token after ``t`` is supervised (its loss pairs position ``t`` of the
@@ -126,7 +128,7 @@ def collate(family: str, pad_id: int, answer_only: bool):
             target[i, :n] = torch.tensor(b["labels"]) if answer_only else ids[i, :n]
         shifted = torch.full_like(target, IGNORE)
         shifted[:, :-1] = target[:, 1:]
-        if family == "medusa":
+        if targets == "labels":
             return {"input_ids": ids, "attention_mask": mask, "labels": shifted}
         return {"input_ids": ids, "attention_mask": mask, "loss_mask": (shifted != IGNORE).long()}
 
@@ -143,7 +145,6 @@ def steps_for(n: int, h: dict) -> int:
 
 def train_run(name: str, opts: dict, folder: Path) -> dict:
     """Train run ``name`` in this process; write its folders; return its figures (RSS, time, steps, losses)."""
-    import modelopt.torch.speculative as mtsp
     import torch
     import transformers
 
@@ -156,32 +157,7 @@ def train_run(name: str, opts: dict, folder: Path) -> dict:
     hf_folder = resolve_model_path(opts["model"])[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype="auto", device_map="cpu")
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_folder)
-    if family == "medusa":
-        mtsp.convert(model, [("medusa", {"medusa_num_heads": h["medusa_num_heads"],
-                                         "medusa_num_layers": h["medusa_num_layers"]})])
-    else:
-        from modelopt.recipe.config import ModelOptEagleRecipe
-
-        eagle = ModelOptEagleRecipe().eagle  # the recipe's defaults (eagle3.yaml's eagle section)
-        eagle.eagle_ttt_steps = h["eagle_ttt_steps"]
-        eagle.eagle_use_torch_compile = opts["compile"] == "true"
-        cfg = eagle.model_dump()
-        # eagle3.yaml's `eagle_architecture_config: {}` over the EAGLE-3 default (config.py lines 41-53)
-        from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
-
-        cfg["eagle_architecture_config"] = {**EAGLE3_DEFAULT_CFG["config"]["eagle_architecture_config"],
-                                            **cfg["eagle_architecture_config"]}
-        mtsp.convert(model, [("eagle", cfg)])
-        # modelopt 0.47 builds the draft's rope with LlamaRotaryEmbedding(config=..., device=...) on its first forward
-        # (plugins/modeling_eagle.py line 84), which transformers 5.23 refuses (config only): built here instead
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        model.eagle_module.rotary_emb = LlamaRotaryEmbedding(config=model.eagle_module.config)
-        # modelopt 0.47 caches each training-time-test step's attention mask by step alone (plugins/hf_eagle.py lines
-        # 431-437), built for the first batch's length: its own pipeline pads every batch to training_seq_len, and a
-        # batch of another length fails ("size of tensor a (400) must match ... b (204)"). Keyed by length here (the
-        # same masks, _compute_ttt_attention_mask's, for each length; only the last length's kept).
-        model._get_ttt_attention_mask = ttt_masks_by_length(model)
+    PEER_METHODS[family].convert(model, h, opts)
     rows = torch.load(folder.parent / "data" / "train.pt")
     data = Examples(rows, int(opts["limit"]) if opts["limit"] else None)
     steps = steps_for(len(data), h)
@@ -195,13 +171,12 @@ def train_run(name: str, opts: dict, folder: Path) -> dict:
         save_strategy="no", logging_steps=max(1, steps // 20), report_to=[], remove_unused_columns=False,
         disable_tqdm=True, seed=0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                   data_collator=collate(family, tokenizer.pad_token_id, opts["answer_only"] == "true"))
+                                   data_collator=collate(PEER_METHODS[family].targets, tokenizer.pad_token_id, opts["answer_only"] == "true"))
     started = time.perf_counter()
     result = trainer.train()
     seconds = time.perf_counter() - started
     model.eval()
-    write = write_medusa if family == "medusa" else write_eagle3
-    written = write(model, folder, opts["model"])
+    written = PEER_METHODS[family].write(model, folder, opts["model"])
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     return {"run": name, "family": family, "hyper": {**h, "warmup_steps": warmup}, "examples": len(data),
             "steps": steps, "train_s": round(seconds, 1), "s_per_step": round(seconds / max(steps, 1), 2),
@@ -210,6 +185,41 @@ def train_run(name: str, opts: dict, folder: Path) -> dict:
             "last_loss": losses[-1] if losses else None, "written": written,
             "draft_params": sum(p.numel() for n, p in model.named_parameters()
                                 if n.startswith(("medusa_heads.", "eagle_module.")))}
+
+
+def convert_heads(model, h: dict, opts: dict) -> None:
+    """The peer's Medusa heads on ``model`` (its ``mtsp.convert``)."""
+    import modelopt.torch.speculative as mtsp
+
+    mtsp.convert(model, [("medusa", {"medusa_num_heads": h["medusa_num_heads"],
+                                     "medusa_num_layers": h["medusa_num_layers"]})])
+
+
+def convert_draft(model, h: dict, opts: dict) -> None:
+    """The peer's EAGLE-3 draft on ``model`` (its recipe's defaults), with the two fixes this benchmark needs."""
+    import modelopt.torch.speculative as mtsp
+    from modelopt.recipe.config import ModelOptEagleRecipe
+
+    eagle = ModelOptEagleRecipe().eagle  # the recipe's defaults (eagle3.yaml's eagle section)
+    eagle.eagle_ttt_steps = h["eagle_ttt_steps"]
+    eagle.eagle_use_torch_compile = opts["compile"] == "true"
+    cfg = eagle.model_dump()
+    # eagle3.yaml's `eagle_architecture_config: {}` over the EAGLE-3 default (config.py lines 41-53)
+    from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
+
+    cfg["eagle_architecture_config"] = {**EAGLE3_DEFAULT_CFG["config"]["eagle_architecture_config"],
+                                        **cfg["eagle_architecture_config"]}
+    mtsp.convert(model, [("eagle", cfg)])
+    # modelopt 0.47 builds the draft's rope with LlamaRotaryEmbedding(config=..., device=...) on its first forward
+    # (plugins/modeling_eagle.py line 84), which transformers 5.23 refuses (config only): built here instead
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    model.eagle_module.rotary_emb = LlamaRotaryEmbedding(config=model.eagle_module.config)
+    # modelopt 0.47 caches each training-time-test step's attention mask by step alone (plugins/hf_eagle.py lines
+    # 431-437), built for the first batch's length: its own pipeline pads every batch to training_seq_len, and a
+    # batch of another length fails ("size of tensor a (400) must match ... b (204)"). Keyed by length here (the
+    # same masks, _compute_ttt_attention_mask's, for each length; only the last length's kept).
+    model._get_ttt_attention_mask = ttt_masks_by_length(model)
 
 
 def ttt_masks_by_length(model):
@@ -228,7 +238,7 @@ def ttt_masks_by_length(model):
 
 
 # ---------------------------------------------------------------------------------------------- writing the drafts
-def write_medusa(model, folder: Path, base: str) -> dict:
+def write_heads(model, folder: Path, base: str) -> dict:
     """The peer's heads as the ``medusa_v1`` layout (``medusa_heads.{h}.{l}.linear.*`` and ``medusa_heads.{h}.{L}.weight``
     are that layout's names once the prefix goes)."""
     from medusa_train.model.folder import write_heads_folder
@@ -243,7 +253,7 @@ def write_medusa(model, folder: Path, base: str) -> dict:
     return {"export": str(path)}
 
 
-def write_eagle3(model, folder: Path, base: str) -> dict:
+def write_draft(model, folder: Path, base: str) -> dict:
     """The peer's draft twice: its own exporter's folder (``modelopt-export``, for vLLM), and our layout (``export``):
     ``layers.0.*`` renamed ``midlayer.*``, aux layers counted as vLLM counts them (the peer hooks layer i's output,
     transformers' ``hidden_states[i + 1]``), the rope it trained with (not the YaRN the peer's exporter writes)."""
@@ -275,6 +285,26 @@ def write_eagle3(model, folder: Path, base: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- stages
+
+
+@dataclass(frozen=True)
+class PeerMethod:
+    """What the peer trains for one of our draft families, and how this benchmark reads it."""
+
+    convert: Callable  #: ``(model, hyper-parameters, options)``: the peer's draft put on the model
+    targets: str  #: how its batches carry the targets: ``labels`` (shifted tokens) | ``loss_mask``
+    write: Callable  #: ``(model, folder, base) -> what was written``: the trained draft as a folder we read
+    chain: bool  #: evaluated with ``tree=chain`` (a chained draft)
+    export_for_vllm: bool  #: converted with ``medusa-train export format=vllm`` before vLLM serves it
+
+
+#: per family of ours (``model/family.py``), the peer's method that trains one
+PEER_METHODS = {
+    "medusa": PeerMethod(convert_heads, "labels", write_heads, chain=False, export_for_vllm=True),
+    "eagle3": PeerMethod(convert_draft, "loss_mask", write_draft, chain=True, export_for_vllm=False),
+}
+
+
 def save(folder: Path, summary: dict) -> None:
     (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"peers summary so far: {json.dumps(summary)}", flush=True)
@@ -296,10 +326,11 @@ def score_commands(out: Path, summary: dict) -> list[str]:
         export = out / name / "export"
         if not (export / "config.json").is_file():
             continue
-        chain = " tree=chain" if name.startswith("eagle3") else ""
+        method = PEER_METHODS[RUNS[name][0]]
+        chain = " tree=chain" if method.chain else ""
         lines += [f"medusa-train evaluate heads={export}{chain} output_dir={out / name / 'eval'}",
                   f"medusa-train evaluate heads={export} engine=vllm tree=chain output_dir={out / name / 'eval-vllm'}"]
-        if name.startswith("medusa"):
+        if method.export_for_vllm:
             lines.append(f"medusa-train export heads={export} format=vllm output={out / name / 'vllm'}")
     return lines
 

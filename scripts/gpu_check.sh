@@ -64,6 +64,6 @@ PY
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     # unfiltered and unbuffered: a pipe through grep would hold back what a timed-out call has printed
     PYTHONUNBUFFERED=1 python3 -m benchmarks gpu_check heads=$S/heads trees=$S/heads-tree64.yaml,$S/heads-tree128.yaml \
-        eagle3=$S/eagle3 eagle3_tree=$S/eagle3-tree64.yaml prompts=$S/validation_prompts.jsonl out="${OUT:-outputs}/gpu";;
+        draft=$S/eagle3 draft_tree=$S/eagle3-tree64.yaml prompts=$S/validation_prompts.jsonl out="${OUT:-outputs}/gpu";;
   *) sed -n 2,11p "$0"; exit 2;;
 esac

@@ -14,12 +14,17 @@ from typing import Any
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.data import DataConfig, check_data
 from medusa_train.config.dtype import parse_dtype
-from medusa_train.config.methods import METHODS, method_choices
+from medusa_train.config.methods import (
+    DRAFT_SETTINGS,
+    METHODS,
+    draft_settings_problems,
+    method_choices,
+    with_draft_settings,
+)
 from medusa_train.config.model import ModelConfig, check_model
-from medusa_train.families.eagle3.settings import Eagle3Settings, check_aux_layers
-from medusa_train.families.medusa.settings import HeadsConfig
 
 
+@with_draft_settings(after="data")  # each family's draft settings section (heads, eagle3: config/methods.py)
 @dataclass
 class CaptureConfig:
     """What the capture stage reads of the training config."""
@@ -27,24 +32,23 @@ class CaptureConfig:
     method: str = "medusa1"  #: a training method (``config/methods.py``): its family says which states are stored
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    heads: HeadsConfig = field(default_factory=HeadsConfig)
-    eagle3: Eagle3Settings = field(default_factory=Eagle3Settings)
     mixed_precision: str = "bfloat16"  #: the training config's trainer.mixed_precision (autocast while capturing)
 
 
 #: the training config's keys the capture stage reads (``trainer.mixed_precision`` becomes ``mixed_precision``)
-CAPTURE_SECTIONS = ("method", "model", "data", "heads", "eagle3")
+CAPTURE_SECTIONS = ("method", "model", "data", *DRAFT_SETTINGS)
 
 
 def capture_view(train: Any) -> CaptureConfig:
     """The capture stage's view of a parsed training config (any object with its sections)."""
-    return CaptureConfig(method=train.method, model=train.model, data=train.data, heads=train.heads,
-                         eagle3=train.eagle3, mixed_precision=train.trainer.mixed_precision)
+    return CaptureConfig(method=train.method, model=train.model, data=train.data,
+                         mixed_precision=train.trainer.mixed_precision,
+                         **{name: getattr(train, name) for name in DRAFT_SETTINGS})
 
 
 def draft_settings(c) -> Any:
     """The section of config ``c`` (a training or capture config) holding the settings of the draft its method
-    trains (``heads`` or ``eagle3``)."""
+    trains (``Method.settings``)."""
     return getattr(c, METHODS[c.method].settings)
 
 
@@ -68,7 +72,7 @@ def check_capture(c: CaptureConfig) -> list[str]:
     p += check_model(c.model)
     p += check_placement(c.model)
     p += check_data(c.data)
-    p += check_aux_layers(c.eagle3)
+    p += draft_settings_problems(c)
     p += check_mixed_precision(c)
     return p
 

@@ -11,10 +11,48 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 
 from medusa_train.config.check import one_of, table_row
-from medusa_train.families.eagle3.settings import eagle3_problems
+from medusa_train.families.eagle3.settings import Eagle3Settings, check_eagle3_settings, eagle3_problems
+from medusa_train.families.medusa.settings import HeadsConfig, check_heads_settings, stage_problems
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """A section of the training config holding one family's draft settings, a key the user sets by name
+    (``heads.num_heads``, ``eagle3.ttt_steps``): its schema and its own checks, which training and capture run."""
+
+    name: str  #: the section's key; ``Method.settings`` names the one a method's draft reads
+    schema: type  #: its dataclass (defaults included)
+    problems: Callable[[object], list[str]]  #: the section -> its problems, each naming its key
+
+
+#: every draft settings section, each declared by its family's ``settings`` module
+DRAFT_SETTINGS: dict[str, DraftSettings] = {s.name: s for s in (
+    DraftSettings("heads", HeadsConfig, check_heads_settings),
+    DraftSettings("eagle3", Eagle3Settings, check_eagle3_settings),
+)}
+
+
+def with_draft_settings(after: str) -> Callable[[type], type]:
+    """A decorator: the config dataclass with one field per draft settings section (``DRAFT_SETTINGS``), defaulted,
+    placed after its field ``after``: training's and capture's configs take every family's section, whichever the
+    method reads."""
+    def extend(cls: type) -> type:
+        own = [(f.name, f.type, f) for f in fields(cls)]
+        at = [name for name, _, _ in own].index(after) + 1
+        drafts = [(s.name, s.schema, field(default_factory=s.schema)) for s in DRAFT_SETTINGS.values()]
+        extended = make_dataclass(cls.__name__, own[:at] + drafts + own[at:], namespace={"__doc__": cls.__doc__})
+        extended.__module__, extended.__qualname__ = cls.__module__, cls.__qualname__  # its annotations resolve there
+        return extended
+
+    return extend
+
+
+def draft_settings_problems(c) -> list[str]:
+    """Every draft settings section's problems in config ``c`` (a training or capture config)."""
+    return [problem for s in DRAFT_SETTINGS.values() for problem in s.problems(getattr(c, s.name))]
 
 
 @dataclass(frozen=True)
@@ -46,7 +84,7 @@ class Method:
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("medusa1", family="medusa", recipe="medusa_train.families.medusa.recipe_medusa1:Medusa1Recipe", settings="heads"),
     Method("medusa2", family="medusa", recipe="medusa_train.families.medusa.recipe_medusa2:Medusa2Recipe", settings="heads",
-           adapts_backbone=True, demo_settings_from="medusa1"),
+           adapts_backbone=True, demo_settings_from="medusa1", problems=stage_problems),
     Method("eagle3", family="eagle3", recipe="medusa_train.families.eagle3.recipe:Eagle3Recipe", settings="eagle3",
            experiment="eagle3", problems=eagle3_problems),
 )}

@@ -14,10 +14,8 @@ from typing import Any
 from medusa_train.config.capture import check_mixed_precision, check_placement
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.data import DataConfig, check_data
-from medusa_train.config.methods import METHODS, method_choices
+from medusa_train.config.methods import METHODS, draft_settings_problems, method_choices, with_draft_settings
 from medusa_train.config.model import ModelConfig, check_model
-from medusa_train.families.eagle3.settings import Eagle3Settings
-from medusa_train.families.medusa.settings import HeadsConfig, check_heads_settings
 
 
 @dataclass
@@ -87,15 +85,14 @@ class LoggerConfig:
     tags: list[str] = field(default_factory=list)
 
 
+@with_draft_settings(after="data")  # each family's draft settings section (heads, eagle3: config/methods.py)
 @dataclass
 class TrainConfig:
-    #: medusa1 (heads, frozen backbone) | medusa2 (QLoRA backbone + heads) | eagle3 (a draft layer): config/methods.py
+    #: a training method, config/methods.py's table (medusa1, medusa2, eagle3)
     method: str = "medusa1"
     stage: int | None = None  #: a method that adapts the backbone (medusa2), in two stages: 1 = draft only, 2 = joint
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    heads: HeadsConfig = field(default_factory=HeadsConfig)
-    eagle3: Eagle3Settings = field(default_factory=Eagle3Settings)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -151,11 +148,9 @@ def check(c: TrainConfig) -> list[str]:
     p.need(c.stage in (None, 1, 2), "stage", c.stage, "must be null, 1 or 2")
     p.need(c.stage is None or m.adapts_backbone, "stage", c.stage,
            f"only applies to a method that adapts the backbone (+recipe={'|'.join(adapting)})")
-    p.need(not (m.adapts_backbone and c.stage == 2 and not c.heads.init_from), "heads.init_from", None,
-           "stage=2 starts from stage 1's heads: set heads.init_from=<stage-1 output_dir>/export")
     p += check_model(c.model)
     p += check_placement(c.model)
-    p += check_heads_settings(c.heads)
+    p += draft_settings_problems(c)
     p += check_data(c.data)
     p.need(not (c.data.cache_hidden_states and m.trains_backbone(c.stage)), "data.cache_hidden_states",
            True, "needs a frozen backbone: use it with +recipe=medusa1 (or medusa2 stage=1)")

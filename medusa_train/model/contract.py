@@ -3,8 +3,8 @@ on, so that none of them asks which family a draft belongs to.
 
 A draft family (Medusa heads, an EAGLE-3 draft; later MTP, P-EAGLE, DFlash) is a config class (``DraftConfig``), a
 model class on an unmodified backbone (``DraftModel``), the states a capture stores for it (``CapturedStates``) and a
-row of ``model/family.py``'s table. These are Protocols, checked by shape (``isinstance`` works: they are runtime
-checkable), not base classes: families share functions, never implementation by inheritance (as torchtune's
+row of ``model/family.py``'s table. These are Protocols, checked by shape (runtime checkable: every registered
+family's model and config pass ``isinstance`` in ``tests/model/test_families.py``), not base classes: families share functions, never implementation by inheritance (as torchtune's
 recipe interfaces do).
 """
 

@@ -2,8 +2,10 @@
 
 Loading, export, choose-k, capture and the demo ask this table (and training's ``config/methods.py``, which maps a
 training method to a family); nothing else branches on a family. What each family provides is the contract in
-``model/contract.py``. A new family (MTP, P-EAGLE, DFlash) is its config and model classes, a ``detect`` of its
-``config.json``, and a row here; ``tests/model/test_families.py`` then runs it through train, export, load and decode.
+``model/contract.py``. A new family (MTP, P-EAGLE, DFlash) is a folder ``families/<name>/`` (its settings, config and
+model classes, a ``detect`` of its ``config.json``, its layouts' converter, its recipe and loss), a row here, a row per
+method in ``config/methods.py`` (and its settings section there) and an oracle in ``tests/model/test_families.py``,
+which then runs it through train, export, load and decode.
 
     family, layout = family_of(read_config_json(folder))   # which family a folder holds, in which layout
     family.model_class().from_pretrained(folder, backbone=backbone)

@@ -171,7 +171,6 @@ def load_adapted_export(directory: str | os.PathLike, form: str = "merged", dtyp
     """
     from medusa_train.backbone.load import load_backbone
     from medusa_train.backbone.merge import read_backbone_info
-    from medusa_train.families.medusa.model import MedusaModel
 
     directory = Path(directory)
     info = read_backbone_info(directory)
@@ -193,7 +192,7 @@ def load_adapted_export(directory: str | os.PathLike, form: str = "merged", dtyp
             backbone = PeftModel.from_pretrained(backbone, str(directory / info["adapter"]))
     else:
         raise ValueError(f"form={form!r}: must be merged or adapter")
-    model = MedusaModel.from_pretrained(directory, backbone=backbone)
+    model = load_draft(directory, backbone)  # heads of the family its config.json names (Medusa-2's)
     if export_template:
         use_export_template(tokenizer, directory)
     return model.eval().requires_grad_(False), tokenizer

@@ -2,7 +2,8 @@
 written in each layout its family declares, loaded back through the family table, and decoded: greedy output is
 plain greedy decoding's, and the same draft made an oracle (its scores put the backbone's own continuation first)
 is accepted in full at every step, so a family whose proposals are garbage, or mapped to the wrong tokens or tree
-nodes, fails. A new family is tested by registering it (``model/family.py``) and giving it an oracle here."""
+nodes, fails. Each family's model and config are checked against the contract (``model/contract.py``'s runtime-checkable
+Protocols). A new family is tested by registering it (``model/family.py``) and giving it an oracle here."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from helpers.training import compose_config, make_chat_jsonl, make_model_dir, tr
 
 from medusa_train.config.methods import METHODS
 from medusa_train.decoding import TokenTree, tree_generate
-from medusa_train.model.family import FAMILIES, family_of, family_of_model
+from medusa_train.model.contract import CapturedStates, DraftConfig, DraftModel
+from medusa_train.model.family import FAMILIES, captured_for, family_of, family_of_model
 from medusa_train.model.files import read_config_json
 
 NEW_TOKENS = 40
@@ -112,6 +114,9 @@ def test_a_family_trains_exports_each_layout_loads_and_decodes_losslessly(name, 
         assert family_of(read_config_json(folder))[0] is family
         draft = load_draft(folder, backbone).eval()
         assert family_of_model(draft) is family
+        # the contract every family provides, checked by shape (model/contract.py)
+        assert isinstance(draft, DraftModel) and isinstance(draft.config, DraftConfig), (name, layout)
+        assert isinstance(captured_for(cfg), CapturedStates)
         tree = TokenTree.chain(draft.config.depth)
         out = tree_generate(draft, ids, tree, max_new_tokens=NEW_TOKENS, eos_token_id=[])
         assert torch.equal(out.sequences, plain), (name, layout)

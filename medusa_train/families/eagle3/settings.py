@@ -30,10 +30,8 @@ def check_aux_layers(e: Eagle3Settings) -> list[str]:
     return p
 
 
-def eagle3_problems(c) -> list[str]:
-    """What ``+recipe=eagle3`` needs of a training config ``c``: a frozen unquantized backbone on each process, the
-    backbone's distribution as target, a draft it can build."""
-    e = c.eagle3
+def check_eagle3_settings(e: Eagle3Settings) -> list[str]:
+    """Problems of an ``eagle3`` section, each naming its key."""
     p = Problems()
     p.need(e.ttt_steps >= 1, "eagle3.ttt_steps", e.ttt_steps, "must be >= 1")
     p.need(e.draft_vocab_size in (None, "auto") or (isinstance(e.draft_vocab_size, int) and e.draft_vocab_size >= 1),
@@ -42,6 +40,13 @@ def eagle3_problems(c) -> list[str]:
     p += check_aux_layers(e)
     p.need(e.intermediate_size is None or e.intermediate_size >= 1, "eagle3.intermediate_size", e.intermediate_size,
            "must be >= 1 or null")
+    return p
+
+
+def eagle3_problems(c) -> list[str]:
+    """What ``+recipe=eagle3`` needs of the rest of a training config ``c``: a frozen unquantized backbone on each
+    process, the backbone's distribution as target (its own section: ``check_eagle3_settings``)."""
+    p = Problems()
     p.need(c.loss.targets == "teacher", "loss.targets", c.loss.targets,
            "an EAGLE-3 draft learns the backbone's distribution: use loss.targets=teacher (+recipe=eagle3 sets it)")
     p.need(c.model.quantization is None, "model.quantization", c.model.quantization,

@@ -36,3 +36,11 @@ def check_heads_settings(h: HeadsConfig) -> list[str]:
     p.need(h.init_from is None or os.path.isdir(h.init_from), "heads.init_from", h.init_from,
            "must be an existing folder of exported heads")
     return p
+
+
+def stage_problems(c) -> list[str]:
+    """What Medusa-2's two stages need of a training config ``c``: stage 2 starts from stage 1's heads."""
+    p = Problems()
+    p.need(not (c.stage == 2 and not c.heads.init_from), "heads.init_from", None,
+           "stage=2 starts from stage 1's heads: set heads.init_from=<stage-1 output_dir>/export")
+    return p
