@@ -28,10 +28,10 @@ case "${1:-}" in
     # 94 MiB: 40 in call 1 beside the heads (16 MiB in bf16), the rest in call 2 (64 MiB a call)
     split -b 40M -d "$gguf" $G/model.part && mv $G/model.part00 $G/c1/ && mv $G/model.part0* $G/c2/
     for t in 64 128; do  # fitted here: the walk needs no GPU; a fixed size and chain need no timing
-      HF_HUB_OFFLINE=1 "$PY" -m medusa_train build-tree heads="$heads" nodes=$t lookup_depth=8 guard_prompts=0 \
+      HF_HUB_OFFLINE=1 "$PY" -m medusa_train build-tree draft="$heads" nodes=$t lookup_depth=8 guard_prompts=0 \
           model.dtype=bfloat16 output=$G/c3/heads-tree$t.yaml
     done
-    HF_HUB_OFFLINE=1 "$PY" -m medusa_train build-tree heads="$eagle3" nodes=64 lookup_depth=0 model.dtype=bfloat16 \
+    HF_HUB_OFFLINE=1 "$PY" -m medusa_train build-tree draft="$eagle3" nodes=64 lookup_depth=0 model.dtype=bfloat16 \
         output=$G/c3/eagle3-tree64.yaml
     "$PY" - "$heads" "$eagle3" <<'PY'
 import json, shutil, sys

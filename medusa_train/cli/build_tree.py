@@ -1,6 +1,6 @@
 """``medusa-train build-tree``: fit a Medusa tree to the heads' measured accuracies and write it as a tree YAML.
 
-    medusa-train build-tree heads=outputs/medusa1/export nodes=auto   # calibrated on the validation set
+    medusa-train build-tree draft=outputs/medusa1/export nodes=auto   # calibrated on the validation set
 
 Options: ``configs/commands/build_tree.yaml`` (schema: ``medusa_train.config.build_tree.BuildTreeConfig``);
 the work is ``medusa_train.tree.size.fit_and_write`` (calibrate, fit, size, write).
@@ -29,8 +29,8 @@ def check_build_tree_inputs(c: BuildTreeConfig) -> list[str]:
     """The checks that need the heads folder, the calibration file or the output (a file build-tree did not write is
     never replaced; a place that cannot be written is said before the work)."""
     p = Problems()
-    check_heads(c.heads, p)
-    if c.heads and (problem := tree_output_problem(tree_output(c))):
+    check_heads(c.draft, p)
+    if c.draft and (problem := tree_output_problem(tree_output(c))):
         p.append(problem)
     p.need(c.calibration in CONVERSATION_SOURCES or Path(c.calibration).expanduser().is_file(), "calibration",
            c.calibration, f"must be one of {', '.join(CONVERSATION_SOURCES)} or an existing .jsonl of prompts")
@@ -41,7 +41,7 @@ def run(cfg: BuildTreeConfig) -> dict:
     """Load the heads, then measure, build and write the tree (``medusa_train.tree.size.fit_and_write``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model, tokenizer = load_heads(cfg.heads, cfg.model, cfg.device)
+    model, tokenizer = load_heads(cfg.draft, cfg.model, cfg.device)
     return fit_and_write(cfg, model, tokenizer)
 
 

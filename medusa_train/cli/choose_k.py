@@ -1,6 +1,6 @@
 """``medusa-train choose-k``: measure vLLM's ``num_speculative_tokens`` (K) for a set of heads and keep the fastest.
 
-    medusa-train choose-k heads=<heads dir> dtype=bfloat16 [ks=[0,1,2]] [limit=24] [concurrency=8]
+    medusa-train choose-k draft=<heads dir> dtype=bfloat16 [ks=[0,1,2]] [limit=24] [concurrency=8]
 
 One vLLM server per K (0 = no speculation), MT-Bench first turns greedy at concurrency 1 and at ``concurrency``;
 the fastest K at concurrency 1 goes to ``serving.json`` in the vllm export, and the serve line printed here (and by
@@ -29,14 +29,14 @@ def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
     p = Problems()
     problem = bench_source_problem(c.source)
     p.need(problem is None, "source", c.source, problem)
-    num_heads, base = check_heads(c.heads, p)
+    num_heads, base = check_heads(c.draft, p)
     if num_heads is not None and not (c.model or base):
-        p.append(f"model: required; the heads' config.json ({c.heads}) names no base model: pass model=<base model>")
+        p.append(f"model: required; the heads' config.json ({c.draft}) names no base model: pass model=<base model>")
     # Medusa heads: vLLM builds the first K, so K > heads fails to load; a chained draft (EAGLE-3) takes any K
-    chains = num_heads is not None and read_exported_heads(c.heads).family.chains_any_k
+    chains = num_heads is not None and read_exported_heads(c.draft).family.chains_any_k
     p.extend(check_ks(c.ks, None if chains else num_heads))
-    if num_heads is not None and (reason := served_problem(c.heads)):
-        p.append(f"heads={c.heads}: vLLM cannot serve these heads: {reason}")
+    if num_heads is not None and (reason := served_problem(c.draft)):
+        p.append(f"draft={c.draft}: vLLM cannot serve these heads: {reason}")
     if c.output and (problem := record_output_problem(c.output)):
         p.append(problem)
     return p
@@ -59,10 +59,10 @@ def run(cfg: ChooseKConfig) -> dict:
     from medusa_train.export.serve import serve_command
     from medusa_train.model.load import read_export_config
 
-    num_heads, base = read_export_config(cfg.heads)
+    num_heads, base = read_export_config(cfg.draft)
     export, record = choose_k(cfg, num_heads, cfg.model or base)
     print(verdict(record))
-    print(serve_command(export, heads=cfg.heads))
+    print(serve_command(export, draft=cfg.draft))
     return record
 
 

@@ -236,13 +236,13 @@ def run(cfg: DemoConfig) -> None:
         times["train"] = train_in_stages(cfg, py, data, run_dir, paths["stage1"])
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
-        *py, "build-tree", f"heads={export}", f"nodes={tr.nodes}", f"num_prompts={_null(tr.num_prompts)}",
+        *py, "build-tree", f"draft={export}", f"nodes={tr.nodes}", f"num_prompts={_null(tr.num_prompts)}",
         f"lookup_depth={tr.lookup_depth}",
         f"model.dtype={e.dtype}", f"answer_tokens={e.max_new_tokens}", f"output={tree}"],
         done=newer(tree, export / "model.safetensors"))
 
     times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
-        *py, "evaluate", f"heads={export}", f"tree={tree}", f"bench.limit={e.limit}",
+        *py, "evaluate", f"draft={export}", f"tree={tree}", f"bench.limit={e.limit}",
         f"bench.turns={e.turns}", f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
         f"output_dir={report}", *(["drift.original=auto"] if method.adapts_backbone else [])], done=newer(report / "report.json", tree, export / "model.safetensors"))
 

@@ -1,7 +1,7 @@
 """The one Hydra entry helper every command goes through.
 
 Training composes ``configs/train.yaml`` with its config groups; every other command has its own
-config root (``configs/commands/``), so an option such as ``heads=`` or ``tree=`` is a plain key
+config root (``configs/commands/``), so an option such as ``draft=`` or ``tree=`` is a plain key
 there and never collides with training's groups. ``build`` parses and checks the composed config
 (``config.check.parse_config``): a ``ConfigError`` prints every problem with its key and exits 2
 before anything heavy loads (one the run finds later, e.g. a data source with no usable conversation, exits 2

@@ -1,8 +1,8 @@
 """``medusa-train evaluate``: measure heads on a benchmark against plain decoding and write the report.
 
-    medusa-train evaluate heads=outputs/medusa1/export                    # MT-Bench, 80 x 2 turns
-    medusa-train evaluate heads=outputs/medusa1/export bench.limit=5 generation.max_new_tokens=64
-    medusa-train evaluate heads=outputs/medusa1/export engine=vllm bench.limit=24 bench.turns=1   # + served
+    medusa-train evaluate draft=outputs/medusa1/export                    # MT-Bench, 80 x 2 turns
+    medusa-train evaluate draft=outputs/medusa1/export bench.limit=5 generation.max_new_tokens=64
+    medusa-train evaluate draft=outputs/medusa1/export engine=vllm bench.limit=24 bench.turns=1   # + served
 
 Options: ``configs/commands/evaluate.yaml`` (schema: ``medusa_train.config.evaluate.EvalConfig``).
 """
@@ -46,20 +46,20 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
     from medusa_train.decoding import ACCEPTANCE_METHODS
 
     p = Problems()
-    num_heads, base = check_heads(c.heads, p)
+    num_heads, base = check_heads(c.draft, p)
     if c.engine:  # vLLM builds K Medusa heads, so K is at most their count; a chained draft takes any K
-        chains = num_heads is not None and read_exported_heads(c.heads).family.chains_any_k
+        chains = num_heads is not None and read_exported_heads(c.draft).family.chains_any_k
         p.extend(check_served(c.served, None if chains else num_heads))
         p.need(c.model.form == "merged", "model.form", c.model.form, "engine=vllm serves a merged backbone")
     if num_heads is not None:
         p.need(bool(base or c.model.name_or_path), "model.name_or_path", None,
                "the heads' config.json names no base model; set model.name_or_path")
-    adapted = bool(c.heads) and (Path(c.heads).expanduser() / BACKBONE_INFO).is_file()  # a backbone trained too
+    adapted = bool(c.draft) and (Path(c.draft).expanduser() / BACKBONE_INFO).is_file()  # a backbone trained too
     p.need(c.model.form != "adapter" or adapted, "model.form", c.model.form,
            f"adapter needs a Medusa-2 export (no {BACKBONE_INFO} in heads=)")
     p.need(c.drift.original != "auto" or adapted, "drift.original", c.drift.original,
            f"auto needs a Medusa-2 export (no {BACKBONE_INFO} in heads=); name the original model instead")
-    p.extend(filter(None, [report_output_problem(c.output_dir or default_output_dir(c.heads))]))
+    p.extend(filter(None, [report_output_problem(c.output_dir or default_output_dir(c.draft))]))
     problem = bench_source_problem(c.bench.source)
     p.need(problem is None, "bench.source", c.bench.source, problem)
     p.need(c.bench.pick in BENCH_PICKS, "bench.pick", c.bench.pick, f"must be one of {', '.join(BENCH_PICKS)}")
@@ -91,17 +91,17 @@ def run(cfg: EvalConfig) -> dict:
     ``mean accepted length: X.XX`` and ``speedup: Y.YYx``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    heads = read_exported_heads(cfg.heads)  # its config.json, read once and handed along
+    heads = read_exported_heads(cfg.draft)  # its config.json, read once and handed along
     model, tokenizer = load_heads(heads, cfg.model, cfg.device)
-    prompts = bench_prompts(cfg.bench.source, cfg.heads, tokenizer, cfg.bench.limit, cfg.bench.pick)
+    prompts = bench_prompts(cfg.bench.source, cfg.draft, tokenizer, cfg.bench.limit, cfg.bench.pick)
     if model.lm_head.weight.device.type == "cpu":
         busy_cpu_note()
-    output_dir = cfg.output_dir or default_output_dir(cfg.heads)
-    settings = {"heads": str(cfg.heads), "model": model.backbone.name_or_path, "bench": asdict(cfg.bench),
+    output_dir = cfg.output_dir or default_output_dir(cfg.draft)
+    settings = {"draft_folder": str(cfg.draft), "model": model.backbone.name_or_path, "bench": asdict(cfg.bench),
                 "attn_implementation": cfg.model.attn_implementation}
     extra = {}
     if cfg.drift.original:
-        extra["drift"] = measure_drift(model.backbone, tokenizer, prompts, cfg.drift, cfg.heads, cfg.model)
+        extra["drift"] = measure_drift(model.backbone, tokenizer, prompts, cfg.drift, cfg.draft, cfg.model)
         d = extra["drift"]
         print(f"backbone drift from {d['original']}: mean KL {d['mean_kl']:.4f} per token, greedy agreement "
               f"{d['greedy_agreement']:.1%} over {d['num_tokens']} tokens of {d['prompts']} prompts", flush=True)

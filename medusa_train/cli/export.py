@@ -1,6 +1,6 @@
 """``medusa-train export``: convert a draft (heads or EAGLE-3 draft) to another checkpoint layout of its family's.
 
-    medusa-train export heads=<heads dir> format=native|medusa_v1|vllm output=<dir>
+    medusa-train export draft=<heads dir> format=native|medusa_v1|vllm output=<dir>
 
 Options: ``configs/commands/export.yaml`` (schema: ``medusa_train.config.export.ExportConfig``); the
 work is ``medusa_train.export.write.export_folder``.
@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from medusa_train.config.check import parse_config
 from medusa_train.config.export import ExportConfig, check_export_config
+from medusa_train.config.paths import DRAFT_ALIAS
 
 
 def build_export_config(raw) -> ExportConfig:
@@ -41,13 +42,13 @@ def run(cfg: ExportConfig) -> None:
     from medusa_train.export.write import export_folder
 
     try:
-        path = export_folder(**asdict(cfg))
+        path = export_folder(**{k: v for k, v in asdict(cfg).items() if k != DRAFT_ALIAS})
     except (ValueError, FileNotFoundError) as err:
         print(err, file=sys.stderr)
         sys.exit(2)
-    print(f"wrote {cfg.format} heads from {cfg.heads} to {path}")
+    print(f"wrote {cfg.format} heads from {cfg.draft} to {path}")
     if serve_command_applies(path):
-        print(serve_command(path, heads=cfg.heads))
+        print(serve_command(path, draft=cfg.draft))
 
 
 def main() -> None:

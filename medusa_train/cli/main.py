@@ -4,10 +4,10 @@
     medusa-train capture +recipe=medusa1 data.source=...          # the frozen backbone's states, once
     medusa-train train +recipe=medusa1 data.source=...            # Medusa heads (+recipe=medusa2: with QLoRA)
     medusa-train train +recipe=eagle3 data.source=...             # an EAGLE-3 draft (= accelerate launch train.py ...)
-    medusa-train build-tree heads=outputs/medusa1/export nodes=auto
-    medusa-train evaluate heads=outputs/medusa1/export
-    medusa-train export heads=outputs/medusa1/export format=vllm output=outputs/medusa1/vllm
-    medusa-train choose-k heads=outputs/medusa1/vllm dtype=bfloat16    # vLLM's K: one server per K, fastest kept
+    medusa-train build-tree draft=outputs/medusa1/export nodes=auto
+    medusa-train evaluate draft=outputs/medusa1/export
+    medusa-train export draft=outputs/medusa1/export format=vllm output=outputs/medusa1/vllm
+    medusa-train choose-k draft=outputs/medusa1/vllm dtype=bfloat16    # vLLM's K: one server per K, fastest kept
     medusa-train demo                                              # all of it on the packaged model
 
 Each command composes its own configs (``configs/train.yaml`` for train and capture, ``configs/commands/<name>.yaml``

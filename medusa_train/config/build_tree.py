@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from medusa_train.config.check import Problems
 from medusa_train.config.dtype import parse_dtype
 from medusa_train.config.model import EvalModelConfig, check_decoder_attention
+from medusa_train.config.paths import take_draft_alias
 
 
 @dataclass
 class BuildTreeConfig:
-    heads: str | None = None  #: folder of exported heads
+    draft: str | None = None  #: a draft folder: exported Medusa heads or an EAGLE-3 draft (``draft=`` also)
+    heads: str | None = None  #: ``draft=``'s other name (config/paths.py ``DRAFT_ALIAS``)
     #: tree size, root included; auto: the size (up to max_nodes) with the most expected tokens per second,
     #: from a cost curve measured here, on this device and dtype (medusa_train/tree/cost.py)
     nodes: int | str = 64
@@ -57,8 +59,9 @@ class BuildTreeConfig:
 def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
     """Range checks that need only the values; every problem names its key."""
     p = Problems()
-    if not c.heads:
-        p.append("heads: required; pass heads=<folder of exported heads>")
+    p += take_draft_alias(c)
+    if not c.draft:
+        p.append("draft: required; pass draft=<a draft folder: exported heads or an EAGLE-3 draft>")
     p.need(c.nodes == "auto" or (isinstance(c.nodes, int) and c.nodes >= 1), "nodes", c.nodes,
            "must be >= 1 (the root) or auto")
     p.need(c.max_nodes >= 1, "max_nodes", c.max_nodes, "must be >= 1")

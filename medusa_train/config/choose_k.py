@@ -11,11 +11,14 @@ from dataclasses import dataclass, field
 from medusa_train.config.check import Problems
 from medusa_train.config.dtype import parse_dtype
 from medusa_train.config.engine import ServerConfig, check_server
+from medusa_train.config.paths import take_draft_alias
 
 
 @dataclass
 class ChooseKConfig:
-    heads: str | None = None  #: folder of heads, any layout (not a vllm export: one is written to <heads>/../vllm-export-<dtype>)
+    #: a draft folder, any layout (not a vllm export: one is written to <draft>/../vllm-export-<dtype>); ``draft=`` also
+    draft: str | None = None
+    heads: str | None = None  #: ``draft=``'s other name (config/paths.py ``DRAFT_ALIAS``)
     model: str | None = None  #: base model to serve (null: the heads' base_model_name_or_path)
     dtype: str = "bfloat16"  #: float32 | bfloat16 | float16: the served dtype (the serve line repeats it)
     ks: list[int] | None = None  #: K values served, e.g. [0,1,2] (0 = no speculation; null: 0..heads)
@@ -31,8 +34,9 @@ class ChooseKConfig:
 def check_choose_k_config(c: ChooseKConfig) -> list[str]:
     """Range checks that need only the values; every problem names its key."""
     p = Problems()
-    if not c.heads:
-        p.append("heads: required; pass heads=<folder of heads>")
+    p += take_draft_alias(c)
+    if not c.draft:
+        p.append("draft: required; pass draft=<a draft folder>")
     parse_dtype(p, c, "dtype")  # stored canonical: the export folder, vLLM's --dtype and the serve line use it
     p.need(c.limit >= 1, "limit", c.limit, "must be >= 1")
     p.need(c.max_tokens >= 1, "max_tokens", c.max_tokens, "must be >= 1")

@@ -85,7 +85,7 @@ class DemoConfig:
     model: str = "packaged:smollm2-135m-instruct"
     threads: int | None = None  #: torch threads per stage (null = all cores)
     #: medusa1 | medusa2 | eagle3 (an EAGLE-3 draft, with train.experiment=eagle3: the same data, compared with the
-    #: heads in our decoder; served in vLLM by ``medusa-train evaluate heads=<its export> engine=vllm``)
+    #: heads in our decoder; served in vLLM by ``medusa-train evaluate draft=<its export> engine=vllm``)
     recipe: str = "medusa1"
     distill: DistillStage = field(default_factory=DistillStage)
     train: TrainStage = field(default_factory=TrainStage)

@@ -15,7 +15,7 @@ from medusa_train.config.check import Problems
 from medusa_train.config.dtype import parse_dtype
 from medusa_train.config.engine import ServedConfig, ServerConfig, check_server
 from medusa_train.config.model import EvalModelConfig, check_decoder_attention
-from medusa_train.config.paths import heads_name
+from medusa_train.config.paths import heads_name, take_draft_alias
 
 
 @dataclass
@@ -64,7 +64,8 @@ class DriftConfig:
 
 @dataclass
 class EvalConfig:
-    heads: str | None = None  #: folder of exported heads
+    draft: str | None = None  #: a draft folder: exported Medusa heads or an EAGLE-3 draft (``draft=`` also)
+    heads: str | None = None  #: ``draft=``'s other name (config/paths.py ``DRAFT_ALIAS``)
     tree: str = "default"  #: default | chain | small | path to a tree YAML
     model: EvalModelConfig = field(default_factory=EvalModelConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
@@ -81,8 +82,9 @@ class EvalConfig:
     served: ServedConfig = field(default_factory=ServedConfig)  #: what is measured in it
 
 
-def default_output_dir(heads: str | None) -> str:
-    """``outputs/eval/<name>``: the heads folder's name, or its run's name for ``<run>/export``."""
+def default_output_dir(draft: str | None, heads: str | None = None) -> str:
+    """``outputs/eval/<name>``: the draft folder's name, or its run's name for ``<run>/export`` (``heads``: the alias)."""
+    heads = draft or heads
     if not heads:
         return "outputs/eval"
     return str(Path("outputs") / "eval" / heads_name(heads))
@@ -91,8 +93,9 @@ def default_output_dir(heads: str | None) -> str:
 def check_eval_config(c: EvalConfig) -> list[str]:
     """Range checks of an ``EvalConfig`` that need only its values; returns every problem found."""
     p = Problems()
-    if not c.heads:
-        p.append("heads: required; pass heads=<folder of exported heads>")
+    p += take_draft_alias(c)
+    if not c.draft:
+        p.append("draft: required; pass draft=<a draft folder: exported heads or an EAGLE-3 draft>")
     p += check_decoder_attention(c.model)
     parse_dtype(p, c.model, "model.dtype")  # stored canonical: vLLM's --dtype takes bfloat16, not bf16
     p.need(c.model.form in ("merged", "adapter"), "model.form", c.model.form, "must be merged or adapter")

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 
 from medusa_train.config.check import Problems
 from medusa_train.config.dtype import parse_dtype
+from medusa_train.config.paths import take_draft_alias
 
 
 @dataclass
 class ExportConfig:
-    heads: str | None = None  #: folder of heads to convert, any layout (usually <trainer.output_dir>/export)
+    draft: str | None = None  #: a draft folder to convert, any layout (usually <trainer.output_dir>/export); ``draft=`` also
+    heads: str | None = None  #: ``draft=``'s other name (config/paths.py ``DRAFT_ALIAS``)
     format: str | None = None  #: native | medusa_v1 (original Medusa / TensorRT-LLM) | vllm
     #: folder to write (a temporary one, then renamed); an existing one is replaced only if it holds heads of ours
     #: and nothing else (its serving.json kept), else refused: nothing of yours is deleted
@@ -29,7 +31,8 @@ class ExportConfig:
 def check_export_config(c: ExportConfig) -> list[str]:
     """The keys every export needs; every problem names its key."""
     p = Problems()
-    for key, hint in (("heads", "<folder of heads to convert>"), ("format", "native|medusa_v1|vllm"),
+    p += take_draft_alias(c)
+    for key, hint in (("draft", "<a draft folder to convert>"), ("format", "native|medusa_v1|vllm"),
                       ("output", "<folder to write>")):
         if not getattr(c, key):
             p.append(f"{key}: required; pass {key}={hint}")

@@ -36,3 +36,19 @@ def unwritable(folder: str | os.PathLike) -> Path | None:
     folder = Path(folder).expanduser().absolute()
     nearest = next(p for p in (folder, *folder.parents) if p.exists())
     return None if nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK) else nearest
+
+
+#: ``heads=``: the name ``draft=`` had before EAGLE-3 drafts existed, kept as an alias on every command that reads a draft
+DRAFT_ALIAS = "heads"
+
+
+def take_draft_alias(c) -> list[str]:
+    """Fold ``heads=`` (``DRAFT_ALIAS``) into ``draft=`` on command config ``c`` (a draft folder: exported Medusa heads
+    or an EAGLE-3 draft); a problem naming both when they disagree."""
+    alias = getattr(c, DRAFT_ALIAS)
+    if alias is not None:
+        if c.draft is not None and c.draft != alias:
+            return [f"{DRAFT_ALIAS}={alias} and draft={c.draft}: {DRAFT_ALIAS}= is draft='s other name; give one"]
+        c.draft = alias
+        setattr(c, DRAFT_ALIAS, None)
+    return []

@@ -1,6 +1,6 @@
 """Choose vLLM's ``num_speculative_tokens`` (K) by measuring it: one server per K, the same prompts each time.
 
-    medusa-train choose-k heads=<heads> dtype=bfloat16      # what ``medusa_train.cli.choose_k`` runs
+    medusa-train choose-k draft=<heads> dtype=bfloat16      # what ``medusa_train.cli.choose_k`` runs
 
 vLLM fixes K at start-up and fails to load K above the head count, so each K (0..heads by default; 0 is the
 server without speculation) is served in turn, sent MT-Bench first turns greedily at concurrency 1 and at
@@ -118,7 +118,7 @@ def vllm_export(cfg: ChooseKConfig) -> Path:
     from medusa_train.export.write import export_folder
     from medusa_train.model.load import read_exported_heads
 
-    heads = read_exported_heads(cfg.heads)
+    heads = read_exported_heads(cfg.draft)
     if heads.served_as_is:
         return heads.path
     export = heads.path.parent / f"vllm-export-{cfg.dtype}"
@@ -170,7 +170,7 @@ def choose_k(cfg: ChooseKConfig, num_heads: int, base_model: str,
     export = vllm_export(cfg)
     tokenizer, eos, _, served_model = load_without_weights(base_model)
     conversations = [[{"role": "user", "content": p.turns[0]}]
-                     for p in bench_prompts(cfg.source, cfg.heads, tokenizer, cfg.limit)]
+                     for p in bench_prompts(cfg.source, cfg.draft, tokenizer, cfg.limit)]
     rows = []
     for k in ks_to_serve(cfg.ks, num_heads):
         progress(f"[medusa_train] choose-k: serving K={k} ({served_model}, dtype {cfg.dtype}) ...")

@@ -1,7 +1,7 @@
 """Measure Medusa heads: accepted length, per-head acceptance, speedup over plain decoding, losslessness.
 
-    medusa-train evaluate heads=outputs/medusa1/export                    # MT-Bench, 80 x 2 turns
-    medusa-train evaluate heads=outputs/medusa1/export bench.limit=5 generation.max_new_tokens=64
+    medusa-train evaluate draft=outputs/medusa1/export                    # MT-Bench, 80 x 2 turns
+    medusa-train evaluate draft=outputs/medusa1/export bench.limit=5 generation.max_new_tokens=64
 
 Every prompt goes through the tokenizer's chat template (``add_generation_prompt=True``; the heads'
 own template when their export carries one) and is decoded, one method after the other, by the

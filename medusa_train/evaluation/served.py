@@ -1,6 +1,6 @@
 """What a running vLLM accepts and how fast it serves: the same conversations through the engine's chat API.
 
-    medusa-train evaluate heads=<export> engine=vllm      # the report's served section
+    medusa-train evaluate draft=<export> engine=vllm      # the report's served section
 
 For each server (the backbone without speculation, with vLLM's n-gram speculation, and with the ``vllm``
 export as its Medusa speculator when the heads have one), started one after another and always stopped, or

@@ -14,11 +14,11 @@ from medusa_train.model.folder import CHAT_TEMPLATE_NAME, SERVING_NAME
 from medusa_train.model.load import read_exported_heads
 
 
-def serve_command(path, heads=None) -> str:
+def serve_command(path, draft=None) -> str:
     """How to serve a vllm export: ``vllm serve`` with the base model's folder (``packaged:`` names resolved,
     a folder as its absolute path), the export's dtype and ``--speculative-config``; K is the fastest measured
     by ``medusa-train choose-k`` when it ran (``serving.json``), else 1 (vLLM's own per-step cost makes more a
-    loss until measured). ``heads``: the folder the export was made from, where a Medusa-2 export's base
+    loss until measured). ``draft``: the folder the export was made from, where a Medusa-2 export's base
     (``merged``, relative to it) lies. An export that carries the chat template its heads were trained with
     (``chat_template.jinja``) is served with it (``--chat-template``)."""
     path = Path(path)
@@ -26,7 +26,7 @@ def serve_command(path, heads=None) -> str:
     config, heads_count = found.config, found.num_heads
     measured = json.loads((path / SERVING_NAME).read_text()) if (path / SERVING_NAME).is_file() else None
     k = (measured or {}).get("recommended_num_speculative_tokens")
-    base = served_base(config.get("base_model_name_or_path"), [d for d in (heads, path) if d is not None])
+    base = served_base(config.get("base_model_name_or_path"), [d for d in (draft, path) if d is not None])
     # the dtype K was measured in (the heads' own dtype until then)
     dtype = (measured or {}).get("settings", {}).get("dtype") or config.get("torch_dtype", "auto")
     lines = []
@@ -42,7 +42,7 @@ def serve_command(path, heads=None) -> str:
     else:
         k = 1
         lines.append(f"K=1 until measured: choose K in 1..{heads_count} with `medusa-train choose-k "
-                     f"heads={path}` (one server per K; it writes {SERVING_NAME} here)")
+                     f"draft={path}` (one server per K; it writes {SERVING_NAME} here)")
     spec = json.dumps({"method": found.family.vllm_method, "model": str(path.resolve()), "num_speculative_tokens": k})
     template = path / CHAT_TEMPLATE_NAME
     template = f" --chat-template {template.resolve()}" if template.is_file() else ""

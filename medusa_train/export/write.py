@@ -1,7 +1,7 @@
 """``medusa-train export``'s work: a draft folder converted to another layout of its family's, as the family table
 (``model/family.py``) says which layouts it has, which writer converts it and which options those take.
 
-    medusa-train export heads=out/run/export format=vllm output=out/heads-vllm
+    medusa-train export draft=out/run/export format=vllm output=out/heads-vllm
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ def option_problems(format: str | None, lm_head_pt: bool = False, max_paths: int
     return problems
 
 
-def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: str, lm_head_pt: bool = False,
+def export_folder(draft: str | os.PathLike, output: str | os.PathLike, format: str, lm_head_pt: bool = False,
                   max_paths: int = 64, topk: int = 10, model: str | None = None, dtype: str | None = None) -> Path:
     """Convert a draft folder (any layout of any family) to ``format``; what ``medusa-train export`` runs.
 
     Args:
-        heads: Folder to read (heads or draft).
+        draft: The draft folder to read (Medusa heads or an EAGLE-3 draft, any layout).
         output: Folder to write; an existing one is replaced whole if it is a folder of ours (its ``serving.json``
             kept), and refused, naming ``output=``, if it holds anything else. The source's record of the run that
             trained it (``training_config.json``, ``validation.json``) is written with it, also in place.
@@ -45,13 +45,13 @@ def export_folder(heads: str | os.PathLike, output: str | os.PathLike, format: s
     """
     problems = option_problems(format, lm_head_pt, max_paths, topk)
     if problems:
-        raise ValueError("cannot export heads: " + "; ".join(problems))
+        raise ValueError("cannot export the draft: " + "; ".join(problems))
     check_output(output, "output")
-    family, _ = family_of(read_config_json(heads))
+    family, _ = family_of(read_config_json(draft))
     if format not in family.layouts:
-        raise ValueError(f"format={format}: {heads} holds {layout_problem(family, None, format)}")
-    record = {name: (Path(heads) / name).read_bytes() for name in RECORD_NAMES if (Path(heads) / name).is_file()}
-    written = family.convert_folder(heads, output, format, lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk,
+        raise ValueError(f"format={format}: {draft} holds {layout_problem(family, None, format)}")
+    record = {name: (Path(draft) / name).read_bytes() for name in RECORD_NAMES if (Path(draft) / name).is_file()}
+    written = family.convert_folder(draft, output, format, lm_head_pt=lm_head_pt, max_paths=max_paths, topk=topk,
                                     model=model, dtype=dtype)
     for name, content in record.items():  # the run's record goes with its draft (in place too: read before)
         if not (written / name).exists():

@@ -5,7 +5,7 @@ build-tree, export).
   ``model.layouts.read_config_json``): its layout, head count (a draft's default depth) and base model, handed on to
   ``load_heads`` / ``load_draft`` and the served evaluation so none reads it again; ``read_export_config``:
   ``(num_heads, base model)`` of it;
-- ``check_heads``: the same as config problems (``heads=<dir>``), for a command's checks;
+- ``check_heads``: the same as config problems (``draft=<dir>``), for a command's checks;
 - ``load_heads``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given), the
   tokenizer rendering chats with the template the heads were trained with (``read_chat_template``);
 - ``load_adapted_export``: the same for a Medusa-2 export, its backbone merged or as trained (4-bit + LoRA).
@@ -61,10 +61,10 @@ def read_exported_heads(heads_dir: str | os.PathLike | ExportedHeads) -> Exporte
     try:
         family, layout = family_of(raw)
     except ValueError as err:
-        raise ValueError(f"heads={heads_dir}: {err}") from err
+        raise ValueError(f"draft={heads_dir}: {err}") from err
     num_heads = family.depth_in(raw)
     if not isinstance(num_heads, int):
-        raise ValueError(f"heads={heads_dir}: config.json does not say how many heads there are")
+        raise ValueError(f"draft={heads_dir}: config.json does not say how many heads there are")
     return ExportedHeads(path, raw, num_heads, resolve_base_model(path, raw.get("base_model_name_or_path")), family,
                          layout)
 
@@ -76,11 +76,11 @@ def read_export_config(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
 
 
 def check_heads(heads: str | None, p: Problems) -> tuple[int | None, str | None]:
-    """Adds the problems of ``heads=`` to ``p``; returns ``(num_heads, base model)`` when the folder reads."""
+    """Adds the problems of ``draft=`` to ``p``; returns ``(num_heads, base model)`` when the folder reads."""
     if not heads:
         return None, None  # the schema check says it is required
     if not (Path(heads).expanduser() / CONFIG_NAME).is_file():
-        p.append(f"heads={heads}: not a folder of exported heads (no config.json)")
+        p.append(f"draft={heads}: not a folder of exported heads (no config.json)")
         return None, None
     try:
         return read_export_config(Path(heads).expanduser())

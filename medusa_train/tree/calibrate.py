@@ -1,6 +1,6 @@
 """Fit a Medusa tree to measured head accuracies.
 
-    medusa-train build-tree heads=outputs/medusa1/export nodes=64 calibration=packaged:sharegpt-v3
+    medusa-train build-tree draft=outputs/medusa1/export nodes=64 calibration=packaged:sharegpt-v3
 
 Rank accuracies are measured where the heads will be used: on the backbone's own greedy
 continuations of calibration prompts (user turns through the chat template). For head k (0-based)

@@ -41,15 +41,15 @@ def calibrate(cfg: BuildTreeConfig, model, tokenizer) -> tuple[list[str], list, 
     Returns ``(prompts, sequences, ranks, rank accuracies, positions per head)``."""
     from medusa_train.training.run_folder import read_training_config
 
-    if cfg.exclude_training_data and read_training_config(cfg.heads) is None:
-        print(f"note: {cfg.heads} carries no training_config.json (the record of the run that trained it), so its "
+    if cfg.exclude_training_data and read_training_config(cfg.draft) is None:
+        print(f"note: {cfg.draft} carries no training_config.json (the record of the run that trained it), so its "
               "training prompts are unknown and cannot be left out of calibration: if they are among the calibration "
               "prompts, the expected figures come out high. Converted with medusa-train export, a draft keeps it.")
     if cfg.calibration == VALIDATION:
-        source, v, predates = heads_validation(cfg.heads)
+        source, v, predates = heads_validation(cfg.draft)
         prompts = validation_prompts(source, v.size or 64, v.seed)
         if predates and cfg.exclude_training_data:
-            seen = training_prompts(cfg.heads)
+            seen = training_prompts(cfg.draft)
             prompts = [p for p in prompts if normalise_prompt(p) not in seen]
         texts = continuations(model.backbone, tokenizer, prompts, cfg.max_new_tokens, cfg.max_prompt_tokens)
         prompts, sequences = texts.prompts[:cfg.num_prompts], texts.sequences[:cfg.num_prompts]
@@ -57,7 +57,7 @@ def calibrate(cfg: BuildTreeConfig, model, tokenizer) -> tuple[list[str], list, 
               + (" (the heads' training predates validation sets: their training prompts passed over)" if predates
                  else " (held out of the heads' training)") + f"; continuations: {texts.summary()}")
     else:
-        seen = training_prompts(cfg.heads) if cfg.exclude_training_data else set()
+        seen = training_prompts(cfg.draft) if cfg.exclude_training_data else set()
         prompts = calibration_prompts(cfg.calibration, tokenizer, cfg.num_prompts or 16, cfg.max_prompt_tokens,
                                       cfg.exclude, seen)
         if seen:
@@ -74,7 +74,7 @@ def calibrate(cfg: BuildTreeConfig, model, tokenizer) -> tuple[list[str], list, 
 
 def tree_output(cfg: BuildTreeConfig) -> str:
     """Where the tree goes: ``output``, by default ``outputs/trees/<heads name>-n<nodes>.yaml``."""
-    return cfg.output or str(Path("outputs") / "trees" / f"{heads_name(cfg.heads)}-n{cfg.nodes}.yaml")
+    return cfg.output or str(Path("outputs") / "trees" / f"{heads_name(cfg.draft)}-n{cfg.nodes}.yaml")
 
 
 def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
@@ -83,7 +83,7 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
     prompts, sequences, ranks, accuracies, counts = calibrate(cfg, model, tokenizer)
     split = LookupSplit(cfg, accuracies, ranks, sequences)
     output = tree_output(cfg)
-    command = (f"medusa-train build-tree heads={cfg.heads} nodes={cfg.nodes} calibration={cfg.calibration} "
+    command = (f"medusa-train build-tree draft={cfg.draft} nodes={cfg.nodes} calibration={cfg.calibration} "
                f"num_prompts={cfg.num_prompts} max_new_tokens={cfg.max_new_tokens} top_k={cfg.top_k} "
                f"model.dtype={cfg.model.dtype}"
                + (f" cost_context={cfg.cost_context} answer_tokens={cfg.answer_tokens}" if cfg.nodes == "auto" else "")
@@ -102,7 +102,7 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
     gains = split.gains(heads_nodes)[:depth]
     lookup = {"lookup_depth": depth, "lookup_ngram": list(cfg.lookup_ngram),
               "lookup_gains": [round(g, 4) for g in gains]} if depth else {}
-    comments = [command, f"use: medusa-train evaluate heads={cfg.heads} tree={output}",
+    comments = [command, f"use: medusa-train evaluate draft={cfg.draft} tree={output}",
                 f"{nodes} nodes (root + paths), most likely path first, fitted to rank accuracies measured on "
                 f"{len(sequences)} greedy continuations ({counts[0]} positions for head 1)"
                 + (f"; then a lookup chain of {depth} nodes (lookup_gains: per chain node, the share of "

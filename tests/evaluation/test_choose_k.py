@@ -107,7 +107,7 @@ def test_an_output_file_choose_k_did_not_write_is_refused_before_any_server_star
     notes = tmp_path / "notes.json"
     notes.write_text('{"mine": true}')
     with pytest.raises(ConfigError) as err:
-        build_choose_k_config(compose_config("choose_k", [f"heads={export}", f"output={notes}"]))
+        build_choose_k_config(compose_config("choose_k", [f"draft={export}", f"output={notes}"]))
     assert err.value.problems == [f"output={notes}: exists and is not a record choose-k wrote; nothing was changed: "
                                   "choose another output= (or move the file away)"]
     with pytest.raises(ValueError, match="is not a record choose-k wrote"):
@@ -122,19 +122,19 @@ def test_ks_default_to_every_k_from_no_speculation_to_every_head():
 
 def test_heads_not_in_the_vllm_layout_are_exported_beside_them(heads):
     native, export = heads
-    assert vllm_export(ChooseKConfig(heads=str(export))) == export
-    written = vllm_export(ChooseKConfig(heads=str(native), dtype="float32"))
+    assert vllm_export(ChooseKConfig(draft=str(export))) == export
+    written = vllm_export(ChooseKConfig(draft=str(native), dtype="float32"))
     assert written == native.parent / "vllm-export-float32"
     assert json.loads((written / "config.json").read_text())["num_heads"] == 2
 
 
 def test_config_composes_and_refuses_k_above_the_heads(heads):
     native, export = heads
-    cfg = build_choose_k_config(compose_config("choose_k", [f"heads={export}", "ks=[0,2]", "server.kv_cache_gib=4"]))
-    assert (cfg.heads, cfg.ks, cfg.dtype, cfg.server.kv_cache_gib) == (str(export), [0, 2], "bfloat16", 4)
+    cfg = build_choose_k_config(compose_config("choose_k", [f"draft={export}", "ks=[0,2]", "server.kv_cache_gib=4"]))
+    assert (cfg.draft, cfg.ks, cfg.dtype, cfg.server.kv_cache_gib) == (str(export), [0, 2], "bfloat16", 4)
     for folder in (native, export):
         with pytest.raises(ConfigError) as err:
-            build_choose_k_config(compose_config("choose_k", [f"heads={folder}", "ks=[0,1,3]"]))
+            build_choose_k_config(compose_config("choose_k", [f"draft={folder}", "ks=[0,1,3]"]))
         assert err.value.problems == ["ks=[0, 1, 3]: [3] above the heads' 2 (vLLM fails to load more)"]
 
 
@@ -146,8 +146,8 @@ def test_heads_vllm_cannot_serve_are_refused_naming_why(heads, tmp_path):
     backbone, _ = load_backbone(str(native.parent / "model"), dtype="float32")
     reading = MedusaModel.from_backbone(backbone, 2, next_token_input=True).save_pretrained(tmp_path / "reading")
     with pytest.raises(ConfigError) as err:
-        build_choose_k_config(compose_config("choose_k", [f"heads={reading}"]))
-    assert err.value.problems == [f"heads={reading}: vLLM cannot serve these heads: the heads also read the next "
+        build_choose_k_config(compose_config("choose_k", [f"draft={reading}"]))
+    assert err.value.problems == [f"draft={reading}: vLLM cannot serve these heads: the heads also read the next "
                                   "token's embedding (heads.next_token_input): only the native layout holds that"]
 
 
@@ -157,9 +157,9 @@ def test_every_bad_key_is_named():
     with pytest.raises(ConfigError) as err:
         build_choose_k_config(compose_config("choose_k", overrides))
     keys = [p.split("=")[0].split(":")[0] for p in err.value.problems]
-    assert keys == ["colour", "heads", "dtype", "limit", "max_tokens", "concurrency", "server.port", "source", "ks"], keys
+    assert keys == ["colour", "draft", "dtype", "limit", "max_tokens", "concurrency", "server.port", "source", "ks"], keys
     with pytest.raises(ConfigError, match="ks=\\[-1, 'x'\\]: must list whole numbers"):
-        build_choose_k_config(compose_config("choose_k", ["heads=nowhere", "ks=[-1,x]"]))
+        build_choose_k_config(compose_config("choose_k", ["draft=nowhere", "ks=[-1,x]"]))
 
 
 def test_medusa_train_lists_the_command():
@@ -173,10 +173,10 @@ def test_the_command_checks_before_it_serves(heads):
     _, export = heads
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MEDUSA_TRAIN_VLLM_PYTHON": "/nonexistent/python"}
     run = [sys.executable, "-m", "medusa_train", "choose-k"]
-    done = subprocess.run([*run, f"heads={export}", "ks=[1,5]"], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([*run, f"draft={export}", "ks=[1,5]"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "ks=[1, 5]: [5] above the heads' 2" in done.stderr
     helped = subprocess.run([*run, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert helped.returncode == 0 and "medusa-train choose-k heads=<heads dir>" in helped.stdout
-    assert all(f"\n{key}:" in helped.stdout for key in ("heads", "dtype", "ks", "limit", "concurrency", "server"))
+    assert helped.returncode == 0 and "medusa-train choose-k draft=<heads dir>" in helped.stdout
+    assert all(f"\n{key}:" in helped.stdout for key in ("draft", "dtype", "ks", "limit", "concurrency", "server"))

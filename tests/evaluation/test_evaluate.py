@@ -278,10 +278,10 @@ def test_config_errors_are_reported_together(tmp_path):
                            "bench": {"turns": 0, "source": str(tmp_path / "none.jsonl")},
                            "generation": {"max_new_tokens": 0, "acceptance": "maybe"}, "colour": "red"})
     text = str(err.value)
-    for key in ("heads=", "tree=nope", "model.dtype='int3'", "model.chat_template='no.jinja'", "bench.turns=0", "bench.source=",
+    for key in ("draft=", "tree=nope", "model.dtype='int3'", "model.chat_template='no.jinja'", "bench.turns=0", "bench.source=",
                 "generation.max_new_tokens=0", "generation.acceptance='maybe'", "colour: unknown key"):
         assert key in text, key
-    with pytest.raises(ConfigError, match="heads: required"):
+    with pytest.raises(ConfigError, match="draft: required"):
         build_eval_config({})
 
 
@@ -290,10 +290,10 @@ def test_command_line_names():
 
     from medusa_train.config.compose import compose_config
 
-    # heads= and tree= are plain keys of the command's own config root, not training's config groups
+    # draft= and tree= are plain keys of the command's own config root, not training's config groups
     OmegaConf.register_new_resolver("default_output_dir", default_output_dir, replace=True)
-    raw = compose_config("evaluate", ["heads=/x/run/export", "tree=t.yaml", "bench.limit=2"])
-    assert (raw.heads, raw.tree, raw.bench.limit) == ("/x/run/export", "t.yaml", 2)
+    raw = compose_config("evaluate", ["draft=/x/run/export", "tree=t.yaml", "bench.limit=2"])
+    assert (raw.draft, raw.tree, raw.bench.limit) == ("/x/run/export", "t.yaml", 2)
     assert raw.output_dir == os.path.join("outputs", "eval", "run")
     assert default_output_dir("/runs/medusa1/export") == os.path.join("outputs", "eval", "medusa1")
     assert default_output_dir("/runs/my-heads") == os.path.join("outputs", "eval", "my-heads")
@@ -347,3 +347,27 @@ def test_heads_only_our_decoder_loads_get_no_engine_figure_and_say_why(loaded):
         assert rows[name]["mean_accepted_length"] is None
         assert "read the next token's embedding (heads.next_token_input)" in rows[name]["reason"]
     assert rows["native"] == {"mean_accepted_length": 1.5, "verifies": rows["native"]["verifies"], "reason": None}
+
+
+@pytest.mark.parametrize("command", ["evaluate", "build_tree", "choose_k", "export"])
+def test_heads_is_drafts_other_name_on_every_command_that_reads_a_draft(command, tmp_path):
+    """``heads=`` (the key's first name) reads as ``draft=``; both given and different is an error naming both."""
+    import importlib
+
+    from omegaconf import OmegaConf
+
+    from medusa_train.config.compose import compose_config
+    from medusa_train.config.paths import take_draft_alias
+
+    OmegaConf.register_new_resolver("default_output_dir", default_output_dir, replace=True)
+    schema = {"evaluate": "EvalConfig", "build_tree": "BuildTreeConfig", "choose_k": "ChooseKConfig",
+              "export": "ExportConfig"}[command]
+    cls = getattr(importlib.import_module(f"medusa_train.config.{command}"), schema)
+    for given in (["heads=/x/run/export"], ["draft=/x/run/export"], ["heads=/x/run/export", "draft=/x/run/export"]):
+        raw = OmegaConf.to_container(compose_config(command, given), resolve=True)
+        c = cls(**{k: v for k, v in raw.items() if k in ("draft", "heads")})
+        assert take_draft_alias(c) == [] and (c.draft, c.heads) == ("/x/run/export", None), given
+    c = cls(draft="/a/export", heads="/b/export")
+    assert take_draft_alias(c) == ["heads=/b/export and draft=/a/export: heads= is draft='s other name; give one"]
+    if command == "evaluate":  # and the output folder is named after it either way
+        assert compose_config(command, ["heads=/x/run/export"]).output_dir == os.path.join("outputs", "eval", "run")

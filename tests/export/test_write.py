@@ -417,5 +417,5 @@ def test_script_help_and_option_errors():
     assert done.returncode == 0 and "medusa-train export heads=<heads dir>" in done.stdout and "max_paths: 64" in done.stdout
     done = _run_script("format=onnx", "topk=0")
     assert done.returncode == 2
-    assert "heads: required; pass heads=" in done.stderr and "output: required" in done.stderr
+    assert "draft: required; pass draft=" in done.stderr and "output: required" in done.stderr
     assert "format=onnx: must be one of native, medusa_v1, vllm" in done.stderr and "topk=0" in done.stderr

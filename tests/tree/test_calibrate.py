@@ -145,7 +145,7 @@ def test_script_run_writes_a_tree_evaluate_can_use(heads_dir, tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(r"expected accepted length: \d+\.\d{3} tokens per step \(walked over the calibration text\)", last)
     text = out.read_text()
-    assert text.startswith(f"# medusa-train build-tree heads={heads_dir} nodes=8 calibration={source}")
+    assert text.startswith(f"# medusa-train build-tree draft={heads_dir} nodes=8 calibration={source}")
     tree = TokenTree.from_name(str(out), num_heads=3)
     assert tree.num_nodes == len(result["choices"]) + 1 + result["lookup_depth"] <= 8
     assert tree.lookup_depth == result["lookup_depth"]
