@@ -77,7 +77,9 @@ def walk(opts: dict, folder: Path) -> dict:
     model, tokenizer = load_heads(heads, EvalModelConfig(name_or_path=opts["model"], dtype=opts["dtype"]),
                                   device=str(acc.device))
     walked = validation.prepare(cfg, acc, tokenizer, model.backbone, heads.family.captured(model.config))
+    served = walked.first(int(opts["prompts"])).record(model, acc)  # the prompts choose-k serves
     return {**walked.record(model, acc), "depth": model.config.depth, "family": heads.family.name,
+            "on_served_prompts": {k: v for k, v in served.items() if k.startswith("validation/K")},
             "walked_with": f"+recipe={recipe} experiment={experiment}'s data.validation, {opts['dtype']}"}
 
 
@@ -129,7 +131,10 @@ def training_figures(folder: Path) -> dict:
 def row(label: str, folder: Path, opts: dict) -> dict:
     walked = json.loads((folder / "walk.json").read_text()) if (folder / "walk.json").is_file() else {}
     r = {"draft": label, "folder": str(folder), **training_figures(folder),
-         "walked": {k: walked.get(f"validation/K{k}") for k in ks_of(opts, walked.get("depth", 9))}}
+         "walked": {k: walked.get(f"validation/K{k}") for k in ks_of(opts, walked.get("depth", 9))},
+         # walked on the prompts served on the validation set (the first ``prompts``): compared like with like
+         "walked_served_prompts": {k: (walked.get("on_served_prompts") or {}).get(f"validation/K{k}")
+                                   for k in ks_of(opts, walked.get("depth", 9))}}
     logged = folder / "export" / "validation.json"
     if logged.is_file():
         figures = json.loads(logged.read_text())
@@ -154,14 +159,16 @@ def markdown(rows: list[dict], opts: dict) -> str:
     def cells(d: dict | None):
         return [f"{d[k]:.3f}" if d and d.get(k) is not None else "" for k in ks]
 
-    head = ["draft", "train min", "peak GiB", *[f"walked K={k}" for k in ks], *[f"served val K={k}" for k in ks],
+    head = ["draft", "train min", "peak GiB", *[f"walked K={k}" for k in ks],
+            *[f"walked on the served prompts K={k}" for k in ks], *[f"served val K={k}" for k in ks],
             *[f"served MT-Bench K={k}" for k in ks], "ours decoding MT-Bench (K, tokens/step, speedup, unexplained)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         d = r.get("decoded_mtbench")
         decoded = f"K={d['k']}: {d['tokens_per_step']:.3f}, {d['speedup']:.2f}x, {d['unexplained']}" if d else ""
         lines.append("| " + " | ".join([r["draft"], str(r.get("train_min") or ""), str(r.get("peak_gib") or ""),
-                                         *cells(r.get("walked")), *cells(r.get("served_validation")),
+                                         *cells(r.get("walked")), *cells(r.get("walked_served_prompts")),
+                                         *cells(r.get("served_validation")),
                                          *cells(r.get("served_mtbench")), decoded]) + " |")
     return "\n".join(lines) + "\n"
 

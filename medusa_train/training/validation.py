@@ -36,6 +36,15 @@ class ValidationWalk:
     cfg: object  #: the run's ``TrainConfig``
     last: dict = field(default_factory=dict)  #: the last walk's record, for the export (``validation.json``)
 
+    def first(self, n: int) -> ValidationWalk:
+        """The walk over the first ``n`` continuations only: the prompts ``evaluate bench.source=validation
+        bench.limit=n`` and ``choose-k source=validation limit=n`` serve (``tree/calibrate.validation_bench``: the
+        same prompts, in the same order), so that walked and served figures compare on the same prompts."""
+        c = self.continuations
+        kept = Continuations(c.prompts[:n], c.sequences[:n], c.too_long, c.path, c.from_cache)
+        return ValidationWalk(kept, None if self.states is None else self.states[:n],
+                              f"{self.against}, the first {len(kept.sequences)} prompts", self.cfg)
+
     @torch.no_grad()
     def record(self, model, accelerator) -> dict:
         """The walk's figures as metric keys (``validation/K<k>``, ``validation/tree<n>``, ...), logged in one line."""

@@ -54,11 +54,12 @@ def decoded(model, tokenizer, prompts, tree) -> list:
 
 def test_the_training_logs_walk_is_what_decoding_the_validation_prompts_accepts(trained):
     from medusa_train.config.model import EvalModelConfig
-    from medusa_train.data.validation import greedy_replies
+    from medusa_train.data.validation import continuations, greedy_replies, validation_prompts
     from medusa_train.decoding import TokenTree
     from medusa_train.model.load import load_heads
     from medusa_train.model.walk import heads_depths, measure_ranks, walked_steps
-    from medusa_train.tree.calibrate import validation_bench
+    from medusa_train.training.validation import ValidationWalk
+    from medusa_train.tree.calibrate import heads_validation, validation_bench
 
     record = [r for r in read_metrics(trained) if r.get("split") == "eval"][-1]
     logged = {k: v for k, v in record.items() if k.startswith("validation/")}
@@ -71,6 +72,13 @@ def test_the_training_logs_walk_is_what_decoding_the_validation_prompts_accepts(
     assert len(prompts) >= PROMPTS - 2
     _, walked_texts = greedy_replies(model.backbone, tokenizer, [p.turns[0] for p in prompts], NEW_TOKENS,
                                      progress=False)  # the continuations the training log walked
+    # the walk on the first n prompts (what benchmarks compare with what is served) walks the first n served
+    source, v, _ = heads_validation(export)
+    texts = continuations(model.backbone, tokenizer, validation_prompts(source, v.size, v.seed), v.max_new_tokens,
+                          v.max_prompt_tokens, progress=False)
+    first = ValidationWalk(texts, None, "", None).first(3)
+    assert first.continuations.prompts == [p.turns[0] for p in validation_bench(export, tokenizer, limit=3)]
+    assert [ids.tolist() for ids, _ in first.continuations.sequences] == [t.tolist() for t, _ in walked_texts[:3]]
     trees = {f"validation/K{k}": TokenTree.chain(k) for k in (1, 2, 3)}
     trees["validation/tree16"] = TokenTree.from_name("default").truncated(max_nodes=16, max_depth=3)
     ranks = measure_ranks(model, walked_texts, top_k=10)
