@@ -7,7 +7,7 @@ Trees are fitted here beforehand (``build-tree nodes=64|128 lookup_depth=8``: th
 only decodes, in bfloat16, ``mtbench`` MT-Bench first turns of ``new_tokens`` tokens each:
 
 1. the heads with the first tree (a hybrid: heads' nodes and a lookup chain) beside HF ``generate`` and HF prompt
-   lookup, the heads alone and the lookup alone (the report's rows), tokens per forward and tokens/s;
+   lookup, the draft alone and the lookup chain alone (the report's rows), tokens per forward and tokens/s;
 2. the heads with each further tree (``generate`` beside it);
 3. the EAGLE-3 draft with its tree (``generate`` beside it);
 4. with the time left under ``budget_s``: figures before decoding in float32 (the backbone's greedy continuations of
@@ -31,10 +31,10 @@ def parity(heads: str, prompts: list[str], count: int, device: str, new_tokens: 
     from medusa_train.config.model import EvalModelConfig
     from medusa_train.data.validation import continuations
     from medusa_train.decoding import TokenTree, tree_generate
-    from medusa_train.model.load import load_heads
+    from medusa_train.model.load import load_exported_draft
     from medusa_train.model.walk import walk_figures
 
-    model, tokenizer = load_heads(heads, EvalModelConfig(dtype="float32"), device)
+    model, tokenizer = load_exported_draft(heads, EvalModelConfig(dtype="float32"), device)
     sequences = continuations(model.backbone, tokenizer, prompts, new_tokens, root=out / "continuations").sequences[:count]
     depth = min(model.config.depth, 3)
     tree16 = TokenTree.from_name("default").truncated(max_nodes=16, max_depth=depth)

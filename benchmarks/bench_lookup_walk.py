@@ -21,7 +21,7 @@ import yaml
 
 from benchmarks.bench_options import bench_options
 from medusa_train.cli.build_tree import build_build_tree_config
-from medusa_train.model.load import load_heads
+from medusa_train.model.load import load_exported_draft
 from medusa_train.tree.fit import build_tree, expected_accept_length
 from medusa_train.tree.size import LookupSplit, calibrate
 
@@ -42,7 +42,7 @@ def main(**overrides) -> int:
     if not curve:
         print(f"tree={opts['tree']}: no cost_curve; pass a tree YAML written by build-tree nodes=auto")
         return 2
-    model, tokenizer = load_heads(cfg.heads, cfg.model)
+    model, tokenizer = load_exported_draft(cfg.heads, cfg.model)
     _, sequences, ranks, accuracies, _ = calibrate(cfg, model, tokenizer)
     split = LookupSplit(cfg, accuracies, ranks, sequences)
     rows = []

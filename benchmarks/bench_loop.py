@@ -30,7 +30,7 @@ from medusa_train.config.model import EvalModelConfig
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, load_benchmark
 from medusa_train.decoding.generate import tree_generate
 from medusa_train.evaluation.evaluate import resolve_tree
-from medusa_train.model.load import load_heads
+from medusa_train.model.load import load_exported_draft
 from medusa_train.tree.cost import DecodeSteps, median_times
 
 DEFAULTS = dict(heads=None, tree=None, dtype="bfloat16", prompts=8, max_new_tokens=128, rounds=3, repeats=10,
@@ -64,7 +64,7 @@ def main(**overrides) -> int:
         print("heads=<exported heads> and tree=<tree YAML or name> are required")
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_heads(opts["heads"], EvalModelConfig(dtype=opts["dtype"]), device)
+    model, tokenizer = load_exported_draft(opts["heads"], EvalModelConfig(dtype=opts["dtype"]), device)
     tree = resolve_tree(opts["tree"], model.config.depth)
     eos = eos_token_ids(model.backbone)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)

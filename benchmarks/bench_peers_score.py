@@ -7,7 +7,7 @@ the same commands on the same prompts. Runs in the project's environment (``.ven
 Each draft is a run folder holding ``export/`` (a peer run of ``benchmarks/bench_peers.py``, or one of our training
 runs); per draft, each stage skipped when its file exists in the run folder:
 
-1. ``walk.json``: our validation walk (``training/validation.py``, as training logs it) of the export on the
+1. ``walk.json``: our validation walk (``training/validation_walk.py``, as training logs it) of the export on the
    validation prompts, with the validation settings of the matching experiment of ours (``eagle3`` for an EAGLE-3
    draft, ``served`` for Medusa heads): tokens per step at K = 1..3 as a chain, what the training log would promise.
 2. ``served.json``: ``medusa-train choose-k source=validation ks=[1,2,3]`` on the first ``prompts`` validation prompts
@@ -64,19 +64,19 @@ def walk(opts: dict, folder: Path) -> dict:
     from medusa_train.config.compose import compose_config
     from medusa_train.config.evaluate import EvalModelConfig
     from medusa_train.config.train import build_config
-    from medusa_train.model.load import load_heads, read_exported_heads
-    from medusa_train.training import validation
+    from medusa_train.model.load import load_exported_draft, read_exported_draft
+    from medusa_train.training import validation_walk
 
-    heads = read_exported_heads(folder / "export")
+    heads = read_exported_draft(folder / "export")
     recipe, experiment = EXPERIMENTS[heads.family.name]
     cfg = build_config(compose_config("train", [f"+recipe={recipe}", f"experiment={experiment}",
                                                 f"data.source={opts['data']}", f"model.name_or_path={opts['model']}",
                                                 f"model.dtype={opts['dtype']}"]))
     bf16 = opts["dtype"] == "bfloat16"
     acc = accelerate.Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if bf16 else "no")
-    model, tokenizer = load_heads(heads, EvalModelConfig(name_or_path=opts["model"], dtype=opts["dtype"]),
+    model, tokenizer = load_exported_draft(heads, EvalModelConfig(name_or_path=opts["model"], dtype=opts["dtype"]),
                                   device=str(acc.device))
-    walked = validation.prepare(cfg, acc, tokenizer, model.backbone, heads.family.captured(model.config))
+    walked = validation_walk.prepare(cfg, acc, tokenizer, model.backbone, heads.family.captured(model.config))
     served = walked.first(int(opts["prompts"])).record(model, acc)  # the prompts choose-k serves
     return {**walked.record(model, acc), "depth": model.config.depth, "family": heads.family.name,
             "on_served_prompts": {k: v for k, v in served.items() if k.startswith("validation/K")},

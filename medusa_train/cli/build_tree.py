@@ -14,7 +14,7 @@ import torch
 
 from medusa_train.config.build_tree import BuildTreeConfig, check_build_tree_config
 from medusa_train.config.check import Problems, parse_config
-from medusa_train.model.load import check_heads, load_heads
+from medusa_train.model.load import check_draft_folder, load_exported_draft
 from medusa_train.tree.calibrate import CONVERSATION_SOURCES, tree_output_problem
 from medusa_train.tree.size import fit_and_write, tree_output
 
@@ -29,7 +29,7 @@ def check_build_tree_inputs(c: BuildTreeConfig) -> list[str]:
     """The checks that need the heads folder, the calibration file or the output (a file build-tree did not write is
     never replaced; a place that cannot be written is said before the work)."""
     p = Problems()
-    check_heads(c.draft, p)
+    check_draft_folder(c.draft, p)
     if c.draft and (problem := tree_output_problem(tree_output(c))):
         p.append(problem)
     p.need(c.calibration in CONVERSATION_SOURCES or Path(c.calibration).expanduser().is_file(), "calibration",
@@ -41,7 +41,7 @@ def run(cfg: BuildTreeConfig) -> dict:
     """Load the heads, then measure, build and write the tree (``medusa_train.tree.size.fit_and_write``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model, tokenizer = load_heads(cfg.draft, cfg.model, cfg.device)
+    model, tokenizer = load_exported_draft(cfg.draft, cfg.model, cfg.device)
     return fit_and_write(cfg, model, tokenizer)
 
 

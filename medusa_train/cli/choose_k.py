@@ -23,17 +23,17 @@ def build_choose_k_config(raw) -> ChooseKConfig:
 def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
     """The checks that need the heads folder (or files: the prompts' source)."""
     from medusa_train.evaluation.choose_k import record_output_problem
-    from medusa_train.model.load import check_heads, read_exported_heads
+    from medusa_train.model.load import check_draft_folder, read_exported_draft
     from medusa_train.tree.calibrate import bench_source_problem
 
     p = Problems()
     problem = bench_source_problem(c.source)
     p.need(problem is None, "source", c.source, problem)
-    num_heads, base = check_heads(c.draft, p)
+    num_heads, base = check_draft_folder(c.draft, p)
     if num_heads is not None and not (c.model or base):
         p.append(f"model: required; the heads' config.json ({c.draft}) names no base model: pass model=<base model>")
     # Medusa heads: vLLM builds the first K, so K > heads fails to load; a chained draft (EAGLE-3) takes any K
-    chains = num_heads is not None and read_exported_heads(c.draft).family.chains_any_k
+    chains = num_heads is not None and read_exported_draft(c.draft).family.chains_any_k
     p.extend(check_ks(c.ks, None if chains else num_heads))
     if num_heads is not None and (reason := served_problem(c.draft)):
         p.append(f"draft={c.draft}: vLLM cannot serve these heads: {reason}")
@@ -45,9 +45,9 @@ def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
 def served_problem(heads: str) -> str | None:
     """Why vLLM cannot serve the draft in ``heads`` (a native export with a feature only our decoder has)."""
     from medusa_train.evaluation.engines import vllm_reason
-    from medusa_train.model.load import read_exported_heads
+    from medusa_train.model.load import read_exported_draft
 
-    found = read_exported_heads(heads)
+    found = read_exported_draft(heads)
     if found.layout != found.family.layouts[0]:  # only its native layout holds what vLLM cannot serve
         return None
     return vllm_reason(found.family.config.from_dict(found.config))

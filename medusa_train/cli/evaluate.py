@@ -23,7 +23,7 @@ from medusa_train.evaluation.evaluate import evaluate, resolve_tree
 from medusa_train.evaluation.report import headline_lines, report_output_problem
 from medusa_train.evaluation.served import served_runner
 from medusa_train.evaluation.served_report import print_served
-from medusa_train.model.load import check_heads, load_heads, read_exported_heads
+from medusa_train.model.load import check_draft_folder, load_exported_draft, read_exported_draft
 from medusa_train.tree.calibrate import bench_prompts, bench_source_problem
 
 
@@ -46,9 +46,9 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
     from medusa_train.decoding import ACCEPTANCE_METHODS
 
     p = Problems()
-    num_heads, base = check_heads(c.draft, p)
+    num_heads, base = check_draft_folder(c.draft, p)
     if c.engine:  # vLLM builds K Medusa heads, so K is at most their count; a chained draft takes any K
-        chains = num_heads is not None and read_exported_heads(c.draft).family.chains_any_k
+        chains = num_heads is not None and read_exported_draft(c.draft).family.chains_any_k
         p.extend(check_served(c.served, None if chains else num_heads))
         p.need(c.model.form == "merged", "model.form", c.model.form, "engine=vllm serves a merged backbone")
     if num_heads is not None:
@@ -91,8 +91,8 @@ def run(cfg: EvalConfig) -> dict:
     ``mean accepted length: X.XX`` and ``speedup: Y.YYx``)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    heads = read_exported_heads(cfg.draft)  # its config.json, read once and handed along
-    model, tokenizer = load_heads(heads, cfg.model, cfg.device)
+    heads = read_exported_draft(cfg.draft)  # its config.json, read once and handed along
+    model, tokenizer = load_exported_draft(heads, cfg.model, cfg.device)
     prompts = bench_prompts(cfg.bench.source, cfg.draft, tokenizer, cfg.bench.limit, cfg.bench.pick)
     if model.lm_head.weight.device.type == "cpu":
         busy_cpu_note()

@@ -31,9 +31,9 @@ def build_export_config(raw) -> ExportConfig:
 
 def serve_command_applies(path) -> bool:
     """Whether vLLM serves the folder written as it is (its family's served layout)."""
-    from medusa_train.model.load import read_exported_heads
+    from medusa_train.model.load import read_exported_draft
 
-    return read_exported_heads(path).served_as_is
+    return read_exported_draft(path).served_as_is
 
 
 def run(cfg: ExportConfig) -> None:

@@ -39,10 +39,10 @@ class BuildTreeConfig:
     #: nodes of the tree's lookup chain (guesses copied from the text so far, medusa_train/decoding/lookup.py), part
     #: of ``nodes``; auto: the split of nodes between heads and lookup with the most expected tokens per second
     #: (nodes=auto) or per step (a fixed nodes), greedy decoding walked step by step over the calibration text, then
-    #: checked by decoding (``guard_prompts``): the hybrid is kept only if it beats the heads alone and the lookup
-    #: alone by ``guard_margin`` in tokens/s; 0: the heads alone
+    #: checked by decoding (``guard_prompts``): the hybrid is kept only if it beats the draft alone and the lookup
+    #: chain alone by ``guard_margin`` in tokens/s; 0: the draft alone
     lookup_depth: int | str = "auto"
-    #: with lookup_depth=auto: validation prompts decoded with the hybrid, the heads alone and the lookup alone
+    #: with lookup_depth=auto: validation prompts decoded with the hybrid, the draft alone and the lookup chain alone
     #: (interleaved, tokens/s here) before a hybrid is kept; 0: no guard (the walk's choice stands)
     guard_prompts: int = 16
     guard_margin: float = 0.03  #: the hybrid must beat both by this share of tokens/s; within it the smaller tree wins

@@ -65,8 +65,8 @@ class TreeStage:
     nodes: int | str = "auto"  #: auto: the size with the most expected tokens/s on this machine (medusa-train build-tree)
     num_prompts: int | None = None  #: validation prompts calibrated on (null: the whole validation set)
     #: nodes of the tree's lookup chain (guesses copied from the text so far, beside the heads'); auto: as many as
-    #: pay by the walk over the validation prompts, kept only if decoding 16 of them beats the heads alone and the
-    #: lookup alone (build-tree's guard); 0: the heads alone. With a chain, the report adds the heads-only and
+    #: pay by the walk over the validation prompts, kept only if decoding 16 of them beats the draft alone and the
+    #: lookup chain alone (build-tree's guard); 0: the draft alone. With a chain, the report adds the heads-only and
     #: lookup-only rows
     lookup_depth: int | str = "auto"
 

@@ -22,7 +22,7 @@ from transformers import DynamicCache, StaticCache
 
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
-from medusa_train.decoding.lookup import ContextLookup
+from medusa_train.decoding.lookup import LookupChain
 from medusa_train.decoding.tree import TokenTree, fill_step_mask, tree_from_config
 
 # the verify step's phases, in the order the loop runs them (``tree_generate``'s ``wrap_phase`` sees these names)
@@ -148,7 +148,7 @@ def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new
     accepted_inputs, accepted_tokens = out.draft_inputs[0], input_ids[0]  # the positions the draft has not read yet
     next_token = first_token(model.base_logits(out.hidden_states[:, -1])[0], acceptance, **sampling)
     # the text so far with the root (the token just decided), indexed for the lookup chain
-    context = ContextLookup(tree.lookup_ngram[1], tree.lookup_ngram[0], [*input_ids[0].tolist(), next_token]) \
+    context = LookupChain(tree.lookup_ngram[1], tree.lookup_ngram[0], [*input_ids[0].tolist(), next_token]) \
         if tree.lookup_depth else None
     prefill_s = _now(device) - start
 
@@ -294,7 +294,7 @@ def tree_pass(model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: tor
 
 
 def candidates(model, tree: TokenTree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor,
-               root_token: int, state, context: ContextLookup | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               root_token: int, state, context: LookupChain | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(num_nodes,) candidate tokens for one verify step and which nodes hold a guess (``None``: all).
 
     The draft fills the heads' nodes (``propose``); a lookup chain gets what followed the text's last tokens

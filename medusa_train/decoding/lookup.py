@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-class ContextLookup:
+class LookupChain:
     """The context (prompt and generated tokens) and its n-gram index.
 
     Args:

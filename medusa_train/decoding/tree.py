@@ -44,7 +44,7 @@ class TokenTree:
         top_k: When given, a rank outside ``[0, top_k)`` is an error.
         lookup_depth: Nodes in the lookup chain (0: none).
         lookup_ngram: ``(shortest, longest)`` suffix of the text that the chain's lookup matches
-            (``decoding.lookup.ContextLookup``; the longest is tried first).
+            (``decoding.lookup.LookupChain``; the longest is tried first).
 
     Attributes:
         choices: The paths as tuples, in node order (node ``i + 1`` is ``choices[i]``).

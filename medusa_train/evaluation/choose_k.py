@@ -116,9 +116,9 @@ def vllm_export(cfg: ChooseKConfig) -> Path:
     """The folder the servers load: ``heads`` when vLLM loads it as it is (its family's served layout), else that
     layout written beside it (``<heads>/../vllm-export-<dtype>``, replaced whole)."""
     from medusa_train.export.write import export_folder
-    from medusa_train.model.load import read_exported_heads
+    from medusa_train.model.load import read_exported_draft
 
-    heads = read_exported_heads(cfg.draft)
+    heads = read_exported_draft(cfg.draft)
     if heads.served_as_is:
         return heads.path
     export = heads.path.parent / f"vllm-export-{cfg.dtype}"
@@ -131,9 +131,9 @@ def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[l
     """Serve the base model with the first ``k`` heads (``k=0``: without speculation), measure it, stop it."""
     from medusa_train.engine import serve
     from medusa_train.evaluation.served import COUNTER_SETTLE_S, WARMUP_TOKENS, measure_phase
-    from medusa_train.model.load import read_exported_heads
+    from medusa_train.model.load import read_exported_draft
 
-    method = read_exported_heads(export).family.vllm_method
+    method = read_exported_draft(export).family.vllm_method
     spec = {"method": method, "model": str(export.resolve()), "num_speculative_tokens": k} if k else None
     template = export / CHAT_TEMPLATE_NAME  # the template the heads were trained with, as the serve line says
     extra = [*cfg.server.args, *(["--chat-template", str(template.resolve())]

@@ -135,11 +135,11 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: TokenTree, gen:
 
 def split_tree(tree: TokenTree) -> dict[str, TokenTree]:
     """For a tree with a lookup chain, its two branches alone: ``draft_only`` (the draft's nodes) and
-    ``context_lookup`` (the root and the chain); nothing for a tree without one."""
+    ``lookup_chain`` (the root and the chain); nothing for a tree without one."""
     if not tree.lookup_depth:
         return {}
     return {"draft_only": tree.heads_tree,
-            "context_lookup": TokenTree([], lookup_depth=tree.lookup_depth, lookup_ngram=tree.lookup_ngram)}
+            "lookup_chain": TokenTree([], lookup_depth=tree.lookup_depth, lookup_ngram=tree.lookup_ngram)}
 
 
 # ------------------------------------------------------------------------------------------- prompt lookup
@@ -185,7 +185,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     """Run a benchmark with the heads, plain decoding and prompt lookup, and return the report.
 
     Args:
-        model: A ``MedusaModel`` (see ``medusa_train.model.load.load_heads``).
+        model: A ``MedusaModel`` (see ``medusa_train.model.load.load_exported_draft``).
         tokenizer: Its tokenizer (with a chat template).
         prompts: ``BenchPrompt``s, or a source for ``load_benchmark``.
         tree: Tree name, YAML path or ``TokenTree`` (see ``resolve_tree``).

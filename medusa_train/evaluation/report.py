@@ -98,10 +98,10 @@ def headline_lines(report: dict) -> list[str]:
                        "tokens per forward)") if lookup else ""
         ours = draft = _draft(report)
         if "draft_only" in methods:  # a tree with a lookup chain: the hybrid, and each branch alone beside it
-            hybrid = f"{draft} and context lookup in one tree"
+            hybrid = f"{draft} and lookup chain in one tree"
             ours = hybrid if best_key == "draft" else f"{draft} alone (faster here than {hybrid})"
             beside = (("draft_only", f"{draft} alone") if best_key == "draft" else ("draft", hybrid),
-                      ("context_lookup", "our lookup alone"))
+                      ("lookup_chain", "our lookup chain alone"))
             lookup_part = "".join(f"; {label} {methods[key]['speedup']:.2f}x ({_num(methods[key]['tokens_per_forward'])}"
                                   " tokens per forward)" for key, label in beside) + lookup_part
         lines.append(f"In this process, against {(report.get('settings') or {}).get('plain_decoding', 'HF generate')} "
@@ -219,14 +219,14 @@ def render_markdown(report: dict) -> str:
         "",
         "## Per category",
         "",
-        "| category | count | accepted length | speedup | " + ("draft alone | our lookup alone | " if split else "")
+        "| category | count | accepted length | speedup | " + ("draft alone | our lookup chain alone | " if split else "")
         + "prompt lookup's speedup | mismatches |",
         "|---|---|---|---|" + ("---|---|" if split else "") + "---|---|",
     ]
     for name, c in report["per_category"].items():
         lookup = f"{c['prompt_lookup_speedup']:.2f}x" if c.get("prompt_lookup_speedup") is not None else "n/a"
         branches = "".join(f"{c[f'{k}_speedup']:.2f}x ({_num(c[f'{k}_tokens_per_forward'])}) | "
-                           for k in ("draft_only", "context_lookup")) if split else ""
+                           for k in ("draft_only", "lookup_chain")) if split else ""
         lines.append(f"| {name} | {c['count']} | {c['accepted_length']:.2f} | {c['speedup']:.2f}x | {branches}{lookup} | "
                      f"{'n/a' if c['mismatches'] is None else c['mismatches']} |")
     if report.get("engines"):

@@ -200,7 +200,7 @@ def _reply_tokens(token_ids: list[int] | None, eos: Sequence[int]) -> list[int] 
 
 def served_runner(cfg, heads, model, tokenizer, output_dir: str):
     """``served(conversations, servable)`` for ``evaluate`` (``cfg``: its ``EvalConfig``; ``heads``: the
-    ``model.load.ExportedHeads`` evaluated): the backbone's folder (``packaged:`` names resolved) served in the
+    ``model.load.ExportedDraft`` evaluated): the backbone's folder (``packaged:`` names resolved) served in the
     evaluation's dtype without speculation and with n-gram speculation, and, when the draft is ``servable``, with it in
     its family's served layout (the folder itself when it is in it). Started servers render prompts
     with the template the evaluation renders with (the heads' own when they carry one) unless ``server.args``

@@ -21,11 +21,11 @@ from collections import Counter
 
 #: in-process methods: record-key prefix, what the row decodes with ({draft}: what proposes the tree's tokens, its
 #: config's ``draft_name``: the heads, or an EAGLE-3 draft)
-METHODS = {
+DECODE_ROWS = {
     "plain": "HF transformers generate, greedy (one token per forward)",
     "prompt_lookup": "HF transformers generate with prompt lookup (drafts copied from the context; no training)",
     "draft_only": "medusa-train tree decoder, the tree's nodes from {draft} alone (no lookup chain)",
-    "context_lookup": "medusa-train tree decoder, the tree's lookup chain alone (no {draft}; no training)",
+    "lookup_chain": "medusa-train tree decoder, the tree's lookup chain alone (no {draft}; no training)",
     "draft": "medusa-train tree decoder with {draft}",
 }
 #: the draft row's description when its tree has a lookup chain
@@ -43,7 +43,7 @@ def _method_counts(records: list[dict], method: str) -> dict | None:
         return {"tokens": sum(r["new_tokens"] for r in records), "forwards": sum(r["steps"] for r in records),
                 "wall_s": sum(r["draft_s"]["wall_s"] for r in records),
                 "decode_s": sum(r["draft_s"]["decode_s"] for r in records)}
-    if method in ("draft_only", "context_lookup"):
+    if method in ("draft_only", "lookup_chain"):
         if any(method not in r for r in records):
             return None
         return {k: sum(r[method][f] for r in records)
@@ -63,7 +63,7 @@ def method_rows(records: list[dict], draft: str = "the heads") -> dict[str, dict
     ``draft`` names what proposes the tree's tokens in the descriptions."""
     n = len(records)
     rows = {}
-    for method, what in METHODS.items():
+    for method, what in DECODE_ROWS.items():
         c = _method_counts(records, method)
         if c is None:
             continue
@@ -77,7 +77,7 @@ def method_rows(records: list[dict], draft: str = "the heads") -> dict[str, dict
     for method, row in rows.items():
         row["speedup"] = row["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
         row["decode_speedup"] = row["decode_tokens_per_s"] / max(plain["decode_tokens_per_s"], 1e-9)
-        if method in ("draft_only", "context_lookup"):
+        if method in ("draft_only", "lookup_chain"):
             checked = [r[method]["match"] for r in records if r[method]["match"] is not None]
         else:
             match_key = {"plain": None, "prompt_lookup": "prompt_lookup_match", "draft": "match"}[method]
@@ -113,7 +113,7 @@ def _totals(records: list[dict], rows: dict[str, dict] | None = None) -> dict:
                                       for r in checked) if checked else None,
         "new_tokens": {"draft": tokens, "plain": plain["tokens"]}, "steps": steps,
     }
-    for method in ("prompt_lookup", "draft_only", "context_lookup"):
+    for method in ("prompt_lookup", "draft_only", "lookup_chain"):
         if method in rows:
             totals[f"{method}_speedup"] = rows[method]["speedup"]
             totals[f"{method}_tokens_per_forward"] = rows[method]["tokens_per_forward"]

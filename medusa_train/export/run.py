@@ -2,9 +2,9 @@
 
 - Medusa-1: the heads (native layout) and ``training_config.json``; EAGLE-3: the draft (vLLM's layout, ``families/eagle3/config.py``)
   and ``training_config.json``.
-- Every draft: ``validation.json``, the last validation walk's tokens per step (``training/validation.py``).
+- Every draft: ``validation.json``, the last validation walk's tokens per step (``training/validation_walk.py``).
 - Both: ``chat_template.jinja``, the template the run rendered its data with (``data.chat_template`` when set,
-  else the tokenizer's), which ``model.load.load_heads`` sets on the tokenizer again.
+  else the tokenizer's), which ``model.load.load_exported_draft`` sets on the tokenizer again.
 - Medusa-2: the heads, the LoRA adapter (``adapter/``, peft), ``backbone.json`` (how to rebuild the backbone:
   base model, quantization, adapter, merged folder), and with ``trainer.merge_export=true`` a standalone
   backbone (``merged/``: the LoRA merged into the original weights, or with ``trainer.merge_into=dequantized``

@@ -11,7 +11,7 @@ from pathlib import Path
 from medusa_train.backbone.merge import MERGED_DIR
 from medusa_train.model.files import resolve_base_model
 from medusa_train.model.folder import CHAT_TEMPLATE_NAME, SERVING_NAME
-from medusa_train.model.load import read_exported_heads
+from medusa_train.model.load import read_exported_draft
 
 
 def serve_command(path, draft=None) -> str:
@@ -22,7 +22,7 @@ def serve_command(path, draft=None) -> str:
     (``merged``, relative to it) lies. An export that carries the chat template its heads were trained with
     (``chat_template.jinja``) is served with it (``--chat-template``)."""
     path = Path(path)
-    found = read_exported_heads(path)
+    found = read_exported_draft(path)
     config, heads_count = found.config, found.num_heads
     measured = json.loads((path / SERVING_NAME).read_text()) if (path / SERVING_NAME).is_file() else None
     k = (measured or {}).get("recommended_num_speculative_tokens")

@@ -9,7 +9,7 @@ file means the folder is someone else's, and the write is refused before anythin
 ``serving.json`` written by ``medusa-train choose-k`` into an export is carried over to the new one.
 
 ``chat_template.jinja`` (what Hugging Face tokenizers also save) holds the template of the run that trained the
-heads: ``read_chat_template`` is the one reader of it (``model.load.load_heads`` sets it on the tokenizer).
+heads: ``read_chat_template`` is the one reader of it (``model.load.load_exported_draft`` sets it on the tokenizer).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from medusa_train.model.files import CONFIG_NAME, WEIGHTS_NAME
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 SERVING_NAME = "serving.json"  #: written into a vllm export by ``medusa-train choose-k`` (the measured K)
 TRAINING_CONFIG_NAME = "training_config.json"  #: a run's export: the training config that made it
-VALIDATION_FILE = "validation.json"  #: a run's export: the last validation walk's figures (training/validation.py)
+VALIDATION_FILE = "validation.json"  #: a run's export: the last validation walk's figures (training/validation_walk.py)
 #: a run's record in its export, carried by a conversion of the folder (``export.write.export_folder``)
 RECORD_NAMES = (TRAINING_CONFIG_NAME, VALIDATION_FILE)
 #: Every name a writer of ours puts in any draft folder besides the family's own files (``Family.files``); a run's

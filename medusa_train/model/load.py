@@ -1,12 +1,12 @@
 """Loading an export: heads + backbone from a heads folder, for every command that reads one (evaluate,
 build-tree, export).
 
-- ``read_exported_heads``: a heads folder with its ``config.json`` read once (any layout, by
+- ``read_exported_draft``: a heads folder with its ``config.json`` read once (any layout, by
   ``model.layouts.read_config_json``): its layout, head count (a draft's default depth) and base model, handed on to
-  ``load_heads`` / ``load_draft`` and the served evaluation so none reads it again; ``read_export_config``:
+  ``load_exported_draft`` / ``load_draft`` and the served evaluation so none reads it again; ``read_export_config``:
   ``(num_heads, base model)`` of it;
-- ``check_heads``: the same as config problems (``draft=<dir>``), for a command's checks;
-- ``load_heads``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given), the
+- ``check_draft_folder``: the same as config problems (``draft=<dir>``), for a command's checks;
+- ``load_exported_draft``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given), the
   tokenizer rendering chats with the template the heads were trained with (``read_chat_template``);
 - ``load_adapted_export``: the same for a Medusa-2 export, its backbone merged or as trained (4-bit + LoRA).
 """
@@ -25,13 +25,13 @@ from medusa_train.model.family import Family, family_of
 from medusa_train.model.files import CONFIG_NAME, read_config_json, resolve_base_model
 from medusa_train.model.folder import read_chat_template
 
-__all__ = ["ExportedHeads", "check_heads", "load_draft", "load_heads", "load_adapted_export", "read_chat_template",
-           "read_export_config", "read_exported_heads", "use_export_template"]
+__all__ = ["ExportedDraft", "check_draft_folder", "load_draft", "load_exported_draft", "load_adapted_export", "read_chat_template",
+           "read_export_config", "read_exported_draft", "use_export_template"]
 
 
 @dataclass(frozen=True)
-class ExportedHeads:
-    """A draft folder (heads or draft) and its ``config.json`` as stored, read once (``read_exported_heads``)."""
+class ExportedDraft:
+    """A draft folder (heads or draft) and its ``config.json`` as stored, read once (``read_exported_draft``)."""
 
     path: Path
     config: dict  #: ``config.json`` as stored (any layout)
@@ -46,15 +46,15 @@ class ExportedHeads:
         return self.family.serves_as_is(self.layout)
 
 
-def read_exported_heads(heads_dir: str | os.PathLike | ExportedHeads) -> ExportedHeads:
-    """``heads_dir`` with its ``config.json`` read (an ``ExportedHeads`` is returned as it is); a base model stored
+def read_exported_draft(heads_dir: str | os.PathLike | ExportedDraft) -> ExportedDraft:
+    """``heads_dir`` with its ``config.json`` read (an ``ExportedDraft`` is returned as it is); a base model stored
     relative to the heads (Medusa-2's ``merged``) comes back as its path.
 
     Raises:
         FileNotFoundError: no ``config.json``.
         ValueError: it does not say how many heads there are.
     """
-    if isinstance(heads_dir, ExportedHeads):
+    if isinstance(heads_dir, ExportedDraft):
         return heads_dir
     path = Path(heads_dir).expanduser()
     raw = read_config_json(path)
@@ -65,17 +65,17 @@ def read_exported_heads(heads_dir: str | os.PathLike | ExportedHeads) -> Exporte
     num_heads = family.depth_in(raw)
     if not isinstance(num_heads, int):
         raise ValueError(f"draft={heads_dir}: config.json does not say how many heads there are")
-    return ExportedHeads(path, raw, num_heads, resolve_base_model(path, raw.get("base_model_name_or_path")), family,
+    return ExportedDraft(path, raw, num_heads, resolve_base_model(path, raw.get("base_model_name_or_path")), family,
                          layout)
 
 
 def read_export_config(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
-    """``(num_heads, base model)`` of ``read_exported_heads(heads_dir)``."""
-    heads = read_exported_heads(heads_dir)
+    """``(num_heads, base model)`` of ``read_exported_draft(heads_dir)``."""
+    heads = read_exported_draft(heads_dir)
     return heads.num_heads, heads.base_model
 
 
-def check_heads(heads: str | None, p: Problems) -> tuple[int | None, str | None]:
+def check_draft_folder(heads: str | None, p: Problems) -> tuple[int | None, str | None]:
     """Adds the problems of ``draft=`` to ``p``; returns ``(num_heads, base model)`` when the folder reads."""
     if not heads:
         return None, None  # the schema check says it is required
@@ -98,13 +98,13 @@ def use_export_template(tokenizer, heads_dir: str | os.PathLike):
     return tokenizer
 
 
-def load_heads(heads_dir: str | os.PathLike | ExportedHeads, model: EvalModelConfig | None = None,
+def load_exported_draft(heads_dir: str | os.PathLike | ExportedDraft, model: EvalModelConfig | None = None,
                device: str | None = None, export_template: bool = True):
     """Load a backbone and the heads in ``heads_dir``, in the backbone's dtype, on ``device``.
 
     Args:
         heads_dir: Folder of exported heads (any layout ``MedusaModel.from_pretrained`` reads, or an EAGLE-3
-            draft), or the ``ExportedHeads`` read of it.
+            draft), or the ``ExportedDraft`` read of it.
         model: Backbone settings; its ``name_or_path`` defaults to the base model of the heads.
         device: ``cuda`` when available, else ``cpu`` by default.
         export_template: Render chats with the template the heads were trained with, when the folder records
@@ -120,11 +120,11 @@ def load_heads(heads_dir: str | os.PathLike | ExportedHeads, model: EvalModelCon
     model = model or EvalModelConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model.form == "adapter":  # Medusa-2: the 4-bit base + LoRA, as in training (peft and bitsandbytes)
-        draft, tokenizer = load_adapted_export(read_exported_heads(heads_dir).path, "adapter", dtype=model.dtype, device_map=device,
+        draft, tokenizer = load_adapted_export(read_exported_draft(heads_dir).path, "adapter", dtype=model.dtype, device_map=device,
                                                 attn_implementation=model.attn_implementation,
                                                 export_template=export_template)
         return draft.eval(), _user_template(tokenizer, model.chat_template)
-    heads = read_exported_heads(heads_dir)
+    heads = read_exported_draft(heads_dir)
     name = model.name_or_path or heads.base_model
     backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
                                         attn_implementation=model.attn_implementation)
@@ -138,10 +138,10 @@ def load_heads(heads_dir: str | os.PathLike | ExportedHeads, model: EvalModelCon
     return draft.eval(), _user_template(tokenizer, model.chat_template)
 
 
-def load_draft(heads_dir: str | os.PathLike | ExportedHeads, backbone):
+def load_draft(heads_dir: str | os.PathLike | ExportedDraft, backbone):
     """The draft in ``heads_dir`` on ``backbone``, of the family its ``config.json`` names (read once, handed to its
     model class's ``from_pretrained``)."""
-    heads = read_exported_heads(heads_dir)
+    heads = read_exported_draft(heads_dir)
     return heads.family.model_class().from_pretrained(heads.path, backbone=backbone, stored_config=heads.config)
 
 
@@ -167,7 +167,7 @@ def load_adapted_export(directory: str | os.PathLike, form: str = "merged", dtyp
         dtype: Backbone dtype (default: the training ``model.dtype``).
         device_map: Passed to ``from_pretrained`` for the quantized load.
         attn_implementation: ``sdpa`` / ``eager``; ``None`` keeps transformers' default.
-        export_template: See ``load_heads``.
+        export_template: See ``load_exported_draft``.
     """
     from medusa_train.backbone.load import load_backbone
     from medusa_train.backbone.merge import read_backbone_info

@@ -7,7 +7,7 @@ beside it a lookup chain's run, ``tree.calibrate.lookup_runs``), and the next st
 counts as every decoder row does (``evaluation/summary.py``): tokens after each reply's first per forward after its
 prefill, the reply's last step included. For a K-chain this is what vLLM accepts serving the draft with
 ``num_speculative_tokens=K``; for any tree, what our decoder accepts (greedy, the same dtype: rounding aside, the same
-text). Training's validation (``training/validation.py``), build-tree's calibration and expectation (``tree/``) and
+text). Training's validation (``training/validation_walk.py``), build-tree's calibration and expectation (``tree/``) and
 the GPU check walk with these functions.
 """
 

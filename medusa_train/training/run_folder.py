@@ -143,7 +143,7 @@ class TrainedRun:
     model: object  #: the draft on its backbone (``model.contract.DraftModel``)
     chat_template: str | None  #: the template its data was rendered with
     adapted: AdaptedBackbone | None = None  #: when the backbone trained too
-    #: the last validation walk's figures (``training/validation.py``), recorded in the export as validation.json
+    #: the last validation walk's figures (``training/validation_walk.py``), recorded in the export as validation.json
     validation: dict | None = None
 
 

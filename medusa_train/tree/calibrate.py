@@ -151,12 +151,12 @@ def lookup_runs(sequences: Sequence[tuple[torch.Tensor, int]], max_depth: int,
     ``max_depth`` tokens would be right: at position t the root is the token at t + 1, the chain guesses from
     the text up to it (``decoding.lookup``, suffixes of ``ngram = (min, max)`` tokens), and its i-th token is
     right when it and the ones before it equal the text's."""
-    from medusa_train.decoding.lookup import ContextLookup
+    from medusa_train.decoding.lookup import LookupChain
 
     runs = []
     for ids, prompt_len in sequences:
         tokens = ids[0].tolist()
-        lookup = ContextLookup(ngram[1], ngram[0], tokens[:prompt_len + 1])
+        lookup = LookupChain(ngram[1], ngram[0], tokens[:prompt_len + 1])
         row = []
         for t in range(prompt_len - 1, len(tokens) - 2):  # as head 0's positions
             guess = lookup.propose(max_depth)

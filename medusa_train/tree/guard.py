@@ -1,4 +1,4 @@
-"""The guard before a hybrid tree ships: decode it, the heads alone and the lookup chain alone, and keep it only if
+"""The guard before a hybrid tree ships: decode it, the draft alone and the lookup chain alone, and keep it only if
 it is faster than both.
 
 The walk (``tree/size.py``) sizes the heads' nodes and the lookup chain from what each accepts on the calibration
@@ -16,7 +16,7 @@ import torch
 
 from medusa_train.decoding.tree import TokenTree
 
-HYBRID, HEADS, LOOKUP = "hybrid", "heads alone", "lookup alone"
+HYBRID, DRAFT, LOOKUP = "hybrid", "draft alone", "lookup chain alone"
 
 
 @torch.no_grad()
@@ -53,7 +53,7 @@ def decode_rates(model, sequences: Sequence[tuple[torch.Tensor, int]], trees: di
 
 
 def choose(rates: dict[str, float], nodes: dict[str, int], margin: float) -> tuple[str, str]:
-    """``(kept, why)``: the hybrid when its tokens/s beat the heads alone and the lookup alone by ``margin``; else the
+    """``(kept, why)``: the hybrid when its tokens/s beat the draft alone and the lookup chain alone by ``margin``; else the
     faster of those two, the one with fewer nodes when they are within ``margin`` of each other."""
     others = [n for n in rates if n != HYBRID]
     best_other = max(rates[n] for n in others)

@@ -142,20 +142,20 @@ def fit_and_write(cfg: BuildTreeConfig, model, tokenizer) -> dict:
 def run_guard(cfg: BuildTreeConfig, model, sequences, accuracies, heads_nodes: int, depth: int,
               split: LookupSplit) -> dict:
     """Decode ``cfg.guard_prompts`` calibration prompts with the hybrid (``heads_nodes`` heads' nodes and a ``depth``
-    chain), the heads alone (all its nodes theirs) and the lookup alone (the root and the chain) and keep the one
+    chain), the draft alone (all its nodes the draft's) and the lookup chain alone (the root and the chain) and keep the one
     ``guard.choose`` keeps. Returns what the tree YAML records, with the kept split (``heads_nodes``,
     ``lookup_nodes``)."""
     from medusa_train.backbone.generation import eos_token_ids
-    from medusa_train.tree.guard import HEADS, HYBRID, LOOKUP, choose, decode_rates
+    from medusa_train.tree.guard import DRAFT, HYBRID, LOOKUP, choose, decode_rates
 
     nodes = heads_nodes + depth
     fitted = build_tree(accuracies, nodes)
-    shapes = {HYBRID: (heads_nodes, depth), HEADS: (nodes, 0), LOOKUP: (1, depth)}
+    shapes = {HYBRID: (heads_nodes, depth), DRAFT: (nodes, 0), LOOKUP: (1, depth)}
     trees = {name: TokenTree(fitted[:h - 1], lookup_depth=d, lookup_ngram=cfg.lookup_ngram)
              for name, (h, d) in shapes.items()}
     prompts = sequences[:cfg.guard_prompts]
     print(f"guard: decoding {len(prompts)} calibration prompts with the hybrid ({heads_nodes} heads' nodes + "
-          f"{depth} lookup), the heads alone ({nodes} nodes) and the lookup alone (1 + {depth}), interleaved", flush=True)
+          f"{depth} lookup), the draft alone ({nodes} nodes) and the lookup chain alone (1 + {depth}), interleaved", flush=True)
     rates, same_text = decode_rates(model, prompts, trees, cfg.max_new_tokens, eos_token_ids(model.backbone))
     kept, why = choose({n: r["tokens_per_s"] for n, r in rates.items()}, {n: trees[n].num_nodes for n in trees},
                        cfg.guard_margin)

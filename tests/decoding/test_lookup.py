@@ -28,7 +28,7 @@ from medusa_train.decoding.acceptance import (
     rejection_accept,
     typical_accept,
 )
-from medusa_train.decoding.lookup import ContextLookup
+from medusa_train.decoding.lookup import LookupChain
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -45,24 +45,24 @@ def rescan(tokens: list[int], length: int, max_n: int, min_n: int) -> list[int]:
 
 
 def test_lookup_finds_the_most_recent_continuation_of_the_longest_suffix():
-    lookup = ContextLookup(max_ngram=3, min_ngram=1, tokens=[5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+    lookup = LookupChain(max_ngram=3, min_ngram=1, tokens=[5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
     assert lookup.propose(2) == [9, 2]  # "6 7" last occurred before "9 2" (not "8 1"): the most recent
     lookup.extend([9])
     assert lookup.propose(4) == [2, 6, 7, 9]  # "6 7 9" matched whole; the continuation may run into the suffix
     lookup.extend([3])
     assert lookup.propose(4) == []  # 3 never occurred before
-    assert ContextLookup(2, 2, [4, 4]).propose(3) == []  # "4 4" has not occurred before with a token after it
-    assert ContextLookup(1, 1, [4, 4]).propose(3) == [4]
-    assert ContextLookup(1, 1, [1, 2, 1]).propose(0) == []
+    assert LookupChain(2, 2, [4, 4]).propose(3) == []  # "4 4" has not occurred before with a token after it
+    assert LookupChain(1, 1, [4, 4]).propose(3) == [4]
+    assert LookupChain(1, 1, [1, 2, 1]).propose(0) == []
     with pytest.raises(ValueError, match="min=2, max=1"):
-        ContextLookup(max_ngram=1, min_ngram=2)
+        LookupChain(max_ngram=1, min_ngram=2)
 
 
 def test_the_index_built_as_tokens_arrive_equals_a_rescan():
     rng = random.Random(0)
     for trial in range(40):
         max_n, min_n = rng.choice([(3, 1), (2, 2), (4, 2), (1, 1)])
-        lookup = ContextLookup(max_n, min_n)
+        lookup = LookupChain(max_n, min_n)
         tokens: list[int] = []
         for _ in range(60):
             new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]

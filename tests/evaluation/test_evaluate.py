@@ -54,9 +54,9 @@ def heads_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(heads_dir):
-    from medusa_train.model.load import load_heads
+    from medusa_train.model.load import load_exported_draft
 
-    return load_heads(heads_dir, device="cpu")
+    return load_exported_draft(heads_dir, device="cpu")
 
 
 def test_report_numbers_recompute_from_per_prompt(loaded):
@@ -125,9 +125,9 @@ def test_a_tree_with_a_lookup_chain_is_reported_with_each_branch_alone(loaded):
     report = evaluate(model, tokenizer, PROMPTS, {"choices": TREE, "lookup_depth": 3}, max_new_tokens=12,
                       progress=False, warmup=False)
     rows, methods = report["per_prompt"], report["methods"]
-    assert list(methods) == ["plain", "prompt_lookup", "draft_only", "context_lookup", "draft"]
+    assert list(methods) == ["plain", "prompt_lookup", "draft_only", "lookup_chain", "draft"]
     assert "lookup chain in one tree" in methods["draft"]["decodes_with"]
-    for name in ("draft_only", "context_lookup"):
+    for name in ("draft_only", "lookup_chain"):
         tokens, steps = sum(r[name]["new_tokens"] for r in rows), sum(r[name]["steps"] for r in rows)
         assert methods[name]["tokens_per_forward"] == pytest.approx((tokens - len(rows)) / steps)
         assert methods[name]["speedup"] == pytest.approx(
@@ -141,10 +141,10 @@ def test_a_tree_with_a_lookup_chain_is_reported_with_each_branch_alone(loaded):
     # TensorRT-LLM's static tree has no lookup chain: it would accept what the heads' nodes alone do
     assert report["engines"]["trtllm"]["mean_accepted_length"] == methods["draft_only"]["tokens_per_forward"]
     assert report["engines"]["native"]["mean_accepted_length"] == report["mean_accepted_length"]
-    assert set(report["per_category"]["writing"]) >= {"draft_only_speedup", "context_lookup_tokens_per_forward"}
+    assert set(report["per_category"]["writing"]) >= {"draft_only_speedup", "lookup_chain_tokens_per_forward"}
     markdown = render_markdown(report)
-    assert "the heads and context lookup in one tree" in markdown and "the heads alone" in markdown
-    assert "| category | count | accepted length | speedup | draft alone | our lookup alone |" in markdown
+    assert "the heads and lookup chain in one tree" in markdown and "the heads alone" in markdown
+    assert "| category | count | accepted length | speedup | draft alone | our lookup chain alone |" in markdown
     plain_tree = evaluate(model, tokenizer, PROMPTS[:1], TREE, max_new_tokens=8, progress=False, warmup=False)
     assert "draft_only" not in plain_tree["methods"] and plain_tree["lookup_acceptance"] is None
 

@@ -56,9 +56,9 @@ def test_the_training_logs_walk_is_what_decoding_the_validation_prompts_accepts(
     from medusa_train.config.model import EvalModelConfig
     from medusa_train.data.validation import continuations, greedy_replies, validation_prompts
     from medusa_train.decoding import TokenTree
-    from medusa_train.model.load import load_heads
+    from medusa_train.model.load import load_exported_draft
     from medusa_train.model.walk import heads_depths, measure_ranks, walked_steps
-    from medusa_train.training.validation import ValidationWalk
+    from medusa_train.training.validation_walk import ValidationWalk
     from medusa_train.tree.calibrate import heads_validation, validation_bench
 
     record = [r for r in read_metrics(trained) if r.get("split") == "eval"][-1]
@@ -67,7 +67,7 @@ def test_the_training_logs_walk_is_what_decoding_the_validation_prompts_accepts(
     assert json.loads((export / "validation.json").read_text()) == logged  # the export records the last walk
     assert logged["validation/K1"] > 1.05, logged  # heads that accept: the comparison can fail
     assert 0 < logged["validation/outside_draft_vocab"] < 0.5  # counted as misses, and said
-    model, tokenizer = load_heads(export, EvalModelConfig(dtype="float32"), "cpu")
+    model, tokenizer = load_exported_draft(export, EvalModelConfig(dtype="float32"), "cpu")
     prompts = validation_bench(export, tokenizer)
     assert len(prompts) >= PROMPTS - 2
     _, walked_texts = greedy_replies(model.backbone, tokenizer, [p.turns[0] for p in prompts], NEW_TOKENS,
@@ -109,21 +109,21 @@ def test_build_trees_walk_for_the_tree_it_chose_is_what_evaluate_measures(traine
         "generation": {"max_new_tokens": NEW_TOKENS}, "model": {"dtype": "float32"}, "device": "cpu",
         "warmup": False, "progress": False, "baselines": {"prompt_lookup": False},
         "output_dir": str(tmp_path / "report")}))
-    # the guard decoded the hybrid, the heads alone and the lookup alone: each as its walk expected (float32, the
+    # the guard decoded the hybrid, the draft alone and the lookup chain alone: each as its walk expected (float32, the
     # same text), and it kept what its rule says of the rates it measured, and wrote that tree
     from medusa_train.tree.guard import choose
 
     guard = fitted["guard"]
     measured = guard["measured"]
-    assert set(measured) == {"hybrid", "heads alone", "lookup alone"}
+    assert set(measured) == {"hybrid", "draft alone", "lookup chain alone"}
     for name, m in measured.items():
         assert m["tokens_per_step"] == pytest.approx(m["expected_tokens_per_step"], abs=1e-4), (name, measured)
     rates = {n: m["tokens_per_s"] for n, m in measured.items()}
     assert guard["kept"] == choose(rates, {n: m["nodes"] for n, m in measured.items()}, guard["margin"])[0], guard
     written = len(fitted["choices"]) + 1 + fitted["lookup_depth"]
     assert written == measured[guard["kept"]]["nodes"], (written, guard)
-    assert (fitted["lookup_depth"] == 0) == (guard["kept"] == "heads alone")
-    assert (len(fitted["choices"]) == 0) == (guard["kept"] == "lookup alone")
+    assert (fitted["lookup_depth"] == 0) == (guard["kept"] == "draft alone")
+    assert (len(fitted["choices"]) == 0) == (guard["kept"] == "lookup chain alone")
     assert report["expected"]["tokens_per_forward"] == pytest.approx(fitted["expected_accept_length"], abs=1e-4)
     assert report["expected"]["gap"] == pytest.approx(0, abs=2e-4), (report["expected"], report["mean_accepted_length"])
     assert report["mismatches"] == 0

@@ -10,7 +10,7 @@ from medusa_train.backbone.generation import encode_chat
 from medusa_train.cli.train import run
 from medusa_train.config.model import EvalModelConfig
 from medusa_train.export.write import export_folder
-from medusa_train.model.load import load_heads, read_chat_template
+from medusa_train.model.load import load_exported_draft, read_chat_template
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -30,12 +30,12 @@ def test_a_trained_export_carries_its_custom_template_and_load_heads_renders_wit
     assert read_chat_template(export) == TEMPLATE
 
     messages = [{"role": "user", "content": "Count from one."}]
-    _, tokenizer = load_heads(export, EvalModelConfig(), device="cpu")
+    _, tokenizer = load_exported_draft(export, EvalModelConfig(), device="cpu")
     assert MARKER in tokenizer.decode(encode_chat(tokenizer, messages)[0])
-    _, own = load_heads(export, EvalModelConfig(), device="cpu", export_template=False)
+    _, own = load_exported_draft(export, EvalModelConfig(), device="cpu", export_template=False)
     assert MARKER not in own.decode(encode_chat(own, messages)[0])  # the tokenizer's template, when asked
 
-    _, other = load_heads(export, EvalModelConfig(chat_template=CHATML_TEMPLATE), device="cpu")
+    _, other = load_exported_draft(export, EvalModelConfig(chat_template=CHATML_TEMPLATE), device="cpu")
     assert MARKER not in other.decode(encode_chat(other, messages)[0])  # model.chat_template= over the heads' own
 
     # the evaluate command renders its prompts with the run's template: the input ids it decoded are those
@@ -52,7 +52,7 @@ def test_a_trained_export_carries_its_custom_template_and_load_heads_renders_wit
         != encode_chat(own, messages).shape[1]
 
     export_folder(export, tmp_path / "vllm", "vllm")  # a conversion keeps it
-    _, tokenizer = load_heads(tmp_path / "vllm", EvalModelConfig(), device="cpu")
+    _, tokenizer = load_exported_draft(tmp_path / "vllm", EvalModelConfig(), device="cpu")
     assert MARKER in tokenizer.decode(encode_chat(tokenizer, messages)[0])
 
     (export / "precious.txt").write_text("mine")  # a second run into it must not delete the user's file

@@ -8,7 +8,7 @@ import pytest
 
 from medusa_train.config.check import Problems
 from medusa_train.model.files import read_config_json
-from medusa_train.model.load import check_heads, read_export_config
+from medusa_train.model.load import check_draft_folder, read_export_config
 
 
 def test_read_export_config_gives_the_head_count_and_resolves_a_base_beside_the_heads(tmp_path):
@@ -23,15 +23,15 @@ def test_read_export_config_gives_the_head_count_and_resolves_a_base_beside_the_
 
 def test_check_heads_names_a_missing_folder_and_a_config_without_a_head_count(tmp_path):
     p = Problems()
-    assert check_heads(str(tmp_path), p) == (None, None)
+    assert check_draft_folder(str(tmp_path), p) == (None, None)
     assert "no config.json" in str(p)
     (tmp_path / "config.json").write_text(json.dumps({"base_model_name_or_path": "org/model"}))
     p = Problems()
-    assert check_heads(str(tmp_path), p) == (None, None)
+    assert check_draft_folder(str(tmp_path), p) == (None, None)
     assert "not a draft we know" in str(p)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "medusa", "base_model_name_or_path": "org/model"}))
     p = Problems()
-    assert check_heads(str(tmp_path), p) == (None, None)
+    assert check_draft_folder(str(tmp_path), p) == (None, None)
     assert "how many heads" in str(p)
 
 

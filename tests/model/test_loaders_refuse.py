@@ -22,7 +22,7 @@ from medusa_train.evaluation.report import report_output_problem
 from medusa_train.export.write import export_folder
 from medusa_train.families.eagle3.model import Eagle3Model
 from medusa_train.families.medusa.model import MedusaModel
-from medusa_train.model.load import load_heads, read_exported_heads
+from medusa_train.model.load import load_exported_draft, read_exported_draft
 from medusa_train.tree.calibrate import TREE_MARK, tree_output_problem, write_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,7 +55,7 @@ def test_a_config_json_that_is_not_json_is_named(tmp_path):
     with pytest.raises(FileProblem, match=rf"^{folder / 'config.json'}: cannot be read as JSON"):
         export_folder(folder, tmp_path / "out", "vllm")
     with pytest.raises(FileProblem, match="config.json: cannot be read as JSON"):
-        read_exported_heads(folder)
+        read_exported_draft(folder)
 
 
 def test_an_in_place_conversion_keeps_the_runs_record(tmp_path):
@@ -79,7 +79,7 @@ def test_a_draft_records_its_backbone_as_an_absolute_path(tmp_path, monkeypatch)
     recorded = json.loads((folder / "config.json").read_text())["base_model_name_or_path"]
     assert recorded == str((tmp_path / "model").resolve())
     monkeypatch.chdir(tmp_path / "heads")  # another folder: the draft still finds its backbone
-    model, _ = load_heads(folder, EvalModelConfig(dtype="float32"), "cpu")
+    model, _ = load_exported_draft(folder, EvalModelConfig(dtype="float32"), "cpu")
     assert model.config.base_model_name_or_path == recorded
 
 

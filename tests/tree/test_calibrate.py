@@ -17,7 +17,7 @@ from medusa_train.cli.build_tree import build_build_tree_config, run
 from medusa_train.config.check import ConfigError
 from medusa_train.data.benchmarks import normalise_prompt
 from medusa_train.decoding import TokenTree
-from medusa_train.model.load import load_heads
+from medusa_train.model.load import load_exported_draft
 from medusa_train.tree.calibrate import (
     calibration_prompts,
     greedy_continuations,
@@ -79,7 +79,7 @@ def write_prompts(path: Path, prompts: list[str]) -> Path:
 
 def test_rank_accuracies_line_up_with_tokens_k_plus_2_ahead(heads_dir, monkeypatch):
     """Heads that put the true token k+2 ahead at rank k must score exactly 1.0 at [k][k]."""
-    model, tokenizer = load_heads(heads_dir, device="cpu")
+    model, tokenizer = load_exported_draft(heads_dir, device="cpu")
     sequences = greedy_continuations(model, tokenizer, ["Hello there!", "def add(a, b):"], 10)
     lookup = {}
     for ids, _ in sequences:
@@ -109,7 +109,7 @@ def test_rank_accuracies_line_up_with_tokens_k_plus_2_ahead(heads_dir, monkeypat
 
 
 def test_calibration_prompts_skip_benchmark_and_long_prompts(heads_dir, tmp_path):
-    _, tokenizer = load_heads(heads_dir, device="cpu")
+    _, tokenizer = load_exported_draft(heads_dir, device="cpu")
     bench = write_prompts(tmp_path / "bench.jsonl", ["Write a poem."])
     source = write_prompts(tmp_path / "calib.jsonl", ["Hello there!", "write a  POEM.", "word " * 300, "Bye", "More"])
     assert calibration_prompts(str(source), tokenizer, 2, 64, exclude=str(bench)) == ["Hello there!", "Bye"]
@@ -126,7 +126,7 @@ def test_prompts_the_heads_were_trained_on_are_not_calibration_prompts(heads_dir
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]})
                             + "\n" for q in ["hello  THERE!", "Bye"]))
     (heads / "training_config.json").write_text(json.dumps({"data": {"source": str(data), "max_samples": None}}))
-    _, tokenizer = load_heads(heads, device="cpu")
+    _, tokenizer = load_exported_draft(heads, device="cpu")
     seen = training_prompts(heads)
     assert seen == {normalise_prompt("Hello there!"), normalise_prompt("bye")}
     source = write_prompts(tmp_path / "calib.jsonl", ["Hello there!", "Bye", "More", "Again"])

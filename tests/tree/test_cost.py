@@ -77,10 +77,10 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     rate = {n: data["sizes"][str(n)]["expected_tokens_per_s"] for n in sizes}
     assert data["chosen_nodes"] == max(sizes, key=lambda n: rate[n])
     # each size's expectation is the walk over the calibration text (the heads' depths at each step)
-    from medusa_train.model.load import load_heads
+    from medusa_train.model.load import load_exported_draft
     from medusa_train.tree.calibrate import greedy_continuations, heads_depths, measure_ranks, tokens_per_step
 
-    model, tokenizer = load_heads(str(heads), device=device)
+    model, tokenizer = load_exported_draft(str(heads), device=device)
     ranks = measure_ranks(model, greedy_continuations(model, tokenizer, ["Hello there!", "def add(a, b):", "One two"],
                                                       12), 10)
     for n in sizes:

@@ -1,5 +1,5 @@
-"""The product chooses by measurement: a hybrid tree ships only when decoding shows it beating the heads alone and
-the lookup alone, and where extra nodes are dear the size chosen is the root, never a tree that loses."""
+"""The product chooses by measurement: a hybrid tree ships only when decoding shows it beating the draft alone and
+the lookup chain alone, and where extra nodes are dear the size chosen is the root, never a tree that loses."""
 
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ import torch
 from medusa_train.config.build_tree import BuildTreeConfig
 from medusa_train.tree import size
 from medusa_train.tree.cost import CostCurve
-from medusa_train.tree.guard import HEADS, HYBRID, LOOKUP, choose
+from medusa_train.tree.guard import DRAFT, HYBRID, LOOKUP, choose
 
-NODES = {HYBRID: 12, HEADS: 12, LOOKUP: 6}
+NODES = {HYBRID: 12, DRAFT: 12, LOOKUP: 6}
 
 
 def test_the_hybrid_is_kept_only_when_it_beats_both_alternatives_by_the_margin():
-    assert choose({HYBRID: 110.0, HEADS: 100.0, LOOKUP: 90.0}, NODES, 0.03)[0] == HYBRID
-    kept, why = choose({HYBRID: 102.0, HEADS: 100.0, LOOKUP: 90.0}, NODES, 0.03)  # within the margin: not kept
-    assert kept == HEADS and "did not beat" in why
-    assert choose({HYBRID: 80.0, HEADS: 70.0, LOOKUP: 95.0}, NODES, 0.03)[0] == LOOKUP  # the hybrid lost: never it
+    assert choose({HYBRID: 110.0, DRAFT: 100.0, LOOKUP: 90.0}, NODES, 0.03)[0] == HYBRID
+    kept, why = choose({HYBRID: 102.0, DRAFT: 100.0, LOOKUP: 90.0}, NODES, 0.03)  # within the margin: not kept
+    assert kept == DRAFT and "did not beat" in why
+    assert choose({HYBRID: 80.0, DRAFT: 70.0, LOOKUP: 95.0}, NODES, 0.03)[0] == LOOKUP  # the hybrid lost: never it
 
 
 def test_within_the_margin_the_smaller_tree_wins():
-    kept, why = choose({HYBRID: 90.0, HEADS: 100.0, LOOKUP: 98.5}, NODES, 0.03)
+    kept, why = choose({HYBRID: 90.0, DRAFT: 100.0, LOOKUP: 98.5}, NODES, 0.03)
     assert kept == LOOKUP and "smaller" in why  # 6 nodes against 12, 1.5% slower
-    assert choose({HYBRID: 90.0, HEADS: 100.0, LOOKUP: 95.0}, NODES, 0.03)[0] == HEADS  # 5% slower: not a tie
+    assert choose({HYBRID: 90.0, DRAFT: 100.0, LOOKUP: 95.0}, NODES, 0.03)[0] == DRAFT  # 5% slower: not a tie
 
 
 def looping_texts(n: int, length: int, seed: int = 0) -> list[tuple[torch.Tensor, int]]:

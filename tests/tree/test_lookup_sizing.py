@@ -109,7 +109,7 @@ def test_build_tree_shares_the_nodes_between_heads_and_lookup_by_what_each_adds(
 
     from medusa_train import load_backbone
     from medusa_train.cli.build_tree import build_build_tree_config, run
-    from medusa_train.model.load import load_heads
+    from medusa_train.model.load import load_exported_draft
     from medusa_train.tree.calibrate import greedy_continuations
 
     backbone, _ = load_backbone(str(make_model_dir(tmp_path / "model")), dtype="float32")
@@ -124,7 +124,7 @@ def test_build_tree_shares_the_nodes_between_heads_and_lookup_by_what_each_adds(
         "cost_repeats": 1, "lookup_depth": "auto", "lookup_max_depth": 4,
         "guard_prompts": 0}))  # the walk's split as it stands (the guard's decoding: tests/tree/test_guard.py)
     data = yaml.safe_load(out.read_text())
-    model, tokenizer = load_heads(str(heads), device="cpu")
+    model, tokenizer = load_exported_draft(str(heads), device="cpu")
     sequences = greedy_continuations(model, tokenizer, prompts, 24)
     ranks = measure_ranks(model, sequences, 10)
     accuracies, _ = rank_accuracies_from(ranks, 3, 10)

@@ -27,7 +27,7 @@ from medusa_train.data.examples import load_examples
 from medusa_train.families.eagle3.config import captured_states
 from medusa_train.families.eagle3.loss import ttt_loss
 from medusa_train.model.family import captured_for
-from medusa_train.training import loop, setup, validation
+from medusa_train.training import loop, setup, validation_walk
 from medusa_train.training.losses import LossResult
 
 
@@ -55,7 +55,7 @@ class Eagle3Recipe:
         c = self.model.config
         loop.say(acc, f"EAGLE-3 draft: reads layers {c.aux_layer_ids} of {c.num_target_layers}, "
                       f"{c.draft_vocab_size:,}-token draft vocabulary, {cfg.eagle3.ttt_steps} chained steps trained")
-        self.validation = validation.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), has_layers)
+        self.validation = validation_walk.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), has_layers)
         states = captured_states(backbone, self.model.config.aux_layer_ids) if cfg.data.cache_hidden_states else None
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals, states)
         trainable = [p for p in self.model.draft.parameters() if p.requires_grad]
@@ -92,7 +92,7 @@ class Eagle3Recipe:
         for batch in loop.eval_batches(self.run):
             sums.add(self.loss(batch))
         record = sums.record(self.run)
-        record.update(validation.walk(self.validation, self.model, self.accelerator))
+        record.update(validation_walk.walk(self.validation, self.model, self.accelerator))
         self.run.metrics.write(record)
         loop.say(self.accelerator, f"eval @ step {self.run.step}: loss {record['loss']:.4f}, top-1 by draft step "
                                    f"{loop.top1_summary(record, steps)}")
@@ -103,7 +103,7 @@ class Eagle3Recipe:
         from medusa_train.training.run_folder import TrainedRun, run_chat_template
 
         return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer),
-                          validation=validation.last(self.validation))
+                          validation=validation_walk.last(self.validation))
 
     def cleanup(self) -> None:
         loop.finish(self.run)

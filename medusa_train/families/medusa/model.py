@@ -349,7 +349,7 @@ class MedusaModel(nn.Module):
             directory: A heads folder; its layout is read from ``config.json`` (see ``families/medusa/layouts.py``).
             backbone: The backbone to attach to; when ``None`` the one named in ``config.json`` is
                 loaded with ``load_backbone(**backbone_kwargs)``.
-            stored_config: ``config.json`` as already read (``model.load.read_exported_heads``), not read again.
+            stored_config: ``config.json`` as already read (``model.load.read_exported_draft``), not read again.
 
         Raises:
             ValueError: the backbone's hidden size or vocabulary differs from the heads', a

@@ -23,7 +23,7 @@ from medusa_train.data.capture.run import captured_already
 from medusa_train.data.examples import load_examples
 from medusa_train.families.medusa import recipe
 from medusa_train.model.family import captured_for
-from medusa_train.training import loop, setup, validation
+from medusa_train.training import loop, setup, validation_walk
 from medusa_train.training.losses import LossResult
 from medusa_train.training.shard import shard_backbone
 
@@ -50,7 +50,7 @@ class Medusa1Recipe:
         elif backbone is None:
             backbone, _ = load_backbone_for(cfg.model, acc.device)
         self.model = recipe.build_heads(cfg, backbone, acc.device, train)
-        self.validation = validation.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), has_layers,
+        self.validation = validation_walk.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), has_layers,
                                              sharded=sharded)
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -78,7 +78,7 @@ class Medusa1Recipe:
         for batch in loop.eval_batches(self.run):
             sums.add(*recipe.heads_loss(self.run, loop.hidden_states(self.run, batch), batch["labels"], None))
         record = sums.record(self.run)
-        record.update(validation.walk(self.validation, self.model, acc))
+        record.update(validation_walk.walk(self.validation, self.model, acc))
         self.run.metrics.write(record)
         kept = " ".join(f"{record[f'head{k + 1}/kept']:.0%}" for k in range(self.model.num_heads)) \
             if "head1/kept" in record else ""
@@ -92,7 +92,7 @@ class Medusa1Recipe:
         from medusa_train.training.run_folder import TrainedRun, run_chat_template
 
         return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer),
-                          validation=validation.last(self.validation))
+                          validation=validation_walk.last(self.validation))
 
     def cleanup(self) -> None:
         loop.finish(self.run)

@@ -46,7 +46,7 @@ from medusa_train.data.examples import load_examples
 from medusa_train.families.medusa import recipe
 from medusa_train.families.medusa.layouts import MEDUSA_PARAMETERS
 from medusa_train.model.family import captured_for
-from medusa_train.training import loop, setup, validation
+from medusa_train.training import loop, setup, validation_walk
 from medusa_train.training.backbone_loss import (
     BaseMetrics,
     base_loss_backward,
@@ -125,7 +125,7 @@ class Medusa2Recipe:
                      .summary(acc.num_processes))
         train, evals = load_examples(cfg.data, self.tokenizer, acc)
         self.model = recipe.build_heads(cfg, backbone, acc.device, train)
-        self.validation = validation.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), adapts=self.joint,
+        self.validation = validation_walk.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), adapts=self.joint,
                                              sharded=sharded)
         data = setup.build_data(cfg, self.tokenizer, self.model, acc, train, evals)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -229,7 +229,7 @@ class Medusa2Recipe:
             message = (f"eval @ step {self.run.step}: loss {record['loss']:.4f}; backbone KL to original {base.kl:.5f}, "
                        f"CE {base.ce:.4f}, top-1 agreement {base.agreement:.4f}")
         loop.say(acc, f"{message}; top-1 by head {loop.top1_summary(record, k_heads)}")
-        record.update(validation.walk(self.validation, self.model, acc))
+        record.update(validation_walk.walk(self.validation, self.model, acc))
         self.run.metrics.write(record)
         return record
 
@@ -247,7 +247,7 @@ class Medusa2Recipe:
 
         adapted = AdaptedBackbone(self.joint, self.peft_model, self.tokenizer, self.whole_adapter)
         return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer), adapted,
-                          validation.last(self.validation))
+                          validation_walk.last(self.validation))
 
     def cleanup(self) -> None:
         loop.finish(self.run)
