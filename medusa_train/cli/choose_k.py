@@ -29,13 +29,13 @@ def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
     p = Problems()
     problem = bench_source_problem(c.source)
     p.need(problem is None, "source", c.source, problem)
-    num_heads, base = check_draft_folder(c.draft, p)
-    if num_heads is not None and not (c.model or base):
+    depth, base = check_draft_folder(c.draft, p)
+    if depth is not None and not (c.model or base):
         p.append(f"model: required; the heads' config.json ({c.draft}) names no base model: pass model=<base model>")
     # Medusa heads: vLLM builds the first K, so K > heads fails to load; a chained draft (EAGLE-3) takes any K
-    chains = num_heads is not None and read_exported_draft(c.draft).family.chains_any_k
-    p.extend(check_ks(c.ks, None if chains else num_heads))
-    if num_heads is not None and (reason := served_problem(c.draft)):
+    chains = depth is not None and read_exported_draft(c.draft).family.chains_any_k
+    p.extend(check_ks(c.ks, None if chains else depth))
+    if depth is not None and (reason := served_problem(c.draft)):
         p.append(f"draft={c.draft}: vLLM cannot serve these heads: {reason}")
     if c.output and (problem := record_output_problem(c.output)):
         p.append(problem)
@@ -59,8 +59,8 @@ def run(cfg: ChooseKConfig) -> dict:
     from medusa_train.export.serve import serve_command
     from medusa_train.model.load import read_export_config
 
-    num_heads, base = read_export_config(cfg.draft)
-    export, record = choose_k(cfg, num_heads, cfg.model or base)
+    depth, base = read_export_config(cfg.draft)
+    export, record = choose_k(cfg, depth, cfg.model or base)
     print(verdict(record))
     print(serve_command(export, draft=cfg.draft))
     return record

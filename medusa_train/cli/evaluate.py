@@ -46,12 +46,12 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
     from medusa_train.decoding import ACCEPTANCE_METHODS
 
     p = Problems()
-    num_heads, base = check_draft_folder(c.draft, p)
+    depth, base = check_draft_folder(c.draft, p)
     if c.engine:  # vLLM builds K Medusa heads, so K is at most their count; a chained draft takes any K
-        chains = num_heads is not None and read_exported_draft(c.draft).family.chains_any_k
-        p.extend(check_served(c.served, None if chains else num_heads))
+        chains = depth is not None and read_exported_draft(c.draft).family.chains_any_k
+        p.extend(check_served(c.served, None if chains else depth))
         p.need(c.model.form == "merged", "model.form", c.model.form, "engine=vllm serves a merged backbone")
-    if num_heads is not None:
+    if depth is not None:
         p.need(bool(base or c.model.name_or_path), "model.name_or_path", None,
                "the heads' config.json names no base model; set model.name_or_path")
     adapted = bool(c.draft) and (Path(c.draft).expanduser() / BACKBONE_INFO).is_file()  # a backbone trained too
@@ -70,7 +70,7 @@ def check_eval_inputs(c: EvalConfig) -> list[str]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a built-in tree cut to the heads' depth is said once, at run time
-            resolve_tree(c.tree, num_heads)
+            resolve_tree(c.tree, depth)
     except (ValueError, FileNotFoundError) as err:
         p.append(str(err) if str(err).startswith("tree") else f"tree={c.tree}: {err}")
     return p

@@ -45,8 +45,8 @@ def check_choose_k_config(c: ChooseKConfig) -> list[str]:
     return p
 
 
-def check_ks(ks: list[int] | None, num_heads: int | None) -> list[str]:
-    """``ks`` against the heads' count: whole numbers in 0..num_heads, at least one that speculates."""
+def check_ks(ks: list[int] | None, depth: int | None) -> list[str]:
+    """``ks`` against the heads' count: whole numbers in 0..depth, at least one that speculates."""
     p = Problems()
     if ks is None:
         return p
@@ -54,6 +54,6 @@ def check_ks(ks: list[int] | None, num_heads: int | None) -> list[str]:
         p.need(False, "ks", ks, "must list whole numbers >= 0 (0 = no speculation), e.g. ks=[0,1,2]")
         return p
     p.need(any(k >= 1 for k in ks), "ks", ks, "must hold at least one K >= 1 to choose from")
-    above = [k for k in ks if num_heads and k > num_heads]
-    p.need(not above, "ks", ks, f"{above} above the heads' {num_heads} (vLLM fails to load more)")
+    above = [k for k in ks if depth and k > depth]
+    p.need(not above, "ks", ks, f"{above} above the heads' {depth} (vLLM fails to load more)")
     return p

@@ -63,13 +63,13 @@ def check_server(s: ServerConfig, prefix: str = "server") -> list[str]:
     return p
 
 
-def check_served(s: ServedConfig, num_heads: int | None) -> list[str]:
+def check_served(s: ServedConfig, depth: int | None) -> list[str]:
     p = Problems()
     p.need(s.num_speculative_tokens is None or s.num_speculative_tokens >= 1, "served.num_speculative_tokens",
            s.num_speculative_tokens, "must be >= 1 or null (every head)")
-    if num_heads and s.num_speculative_tokens:
-        p.need(s.num_speculative_tokens <= num_heads, "served.num_speculative_tokens", s.num_speculative_tokens,
-               f"must be at most the heads' {num_heads} (vLLM fails to load more)")
+    if depth and s.num_speculative_tokens:
+        p.need(s.num_speculative_tokens <= depth, "served.num_speculative_tokens", s.num_speculative_tokens,
+               f"must be at most the heads' {depth} (vLLM fails to load more)")
     p.need(s.concurrency >= 1, "served.concurrency", s.concurrency, "must be >= 1")
     p.need(s.sampled_temperature >= 0, "served.sampled_temperature", s.sampled_temperature, "must be >= 0")
     p.need(s.ngram_tokens >= 1, "served.ngram_tokens", s.ngram_tokens, "must be >= 1")

@@ -23,9 +23,9 @@ from medusa_train.config.paths import unwritable
 from medusa_train.model.folder import CHAT_TEMPLATE_NAME, SERVING_NAME
 
 
-def ks_to_serve(ks: Sequence[int] | None, num_heads: int) -> list[int]:
-    """The K values served, in order: ``ks`` as given, or 0 (no speculation) then every K up to ``num_heads``."""
-    return list(ks) if ks is not None else list(range(0, num_heads + 1))
+def ks_to_serve(ks: Sequence[int] | None, depth: int) -> list[int]:
+    """The K values served, in order: ``ks`` as given, or 0 (no speculation) then every K up to ``depth``."""
+    return list(ks) if ks is not None else list(range(0, depth + 1))
 
 
 def choose(rows: Sequence[dict]) -> tuple[dict, dict | None, bool]:
@@ -154,13 +154,13 @@ def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[l
             "per_position_acceptance": one["per_position_acceptance"], "tokens": one["tokens"]}
 
 
-def choose_k(cfg: ChooseKConfig, num_heads: int, base_model: str,
+def choose_k(cfg: ChooseKConfig, depth: int, base_model: str,
              progress: Callable[[str], None] = lambda line: print(line, flush=True)) -> tuple[Path, dict]:
     """Serve every K, measure each, write ``serving.json`` (and ``cfg.output``); returns ``(export, record)``.
 
     Args:
-        cfg: A validated ``ChooseKConfig`` (``ks`` within 0..num_heads).
-        num_heads: The heads' count (K's default range).
+        cfg: A validated ``ChooseKConfig`` (``ks`` within 0..depth).
+        depth: The heads' count (K's default range).
         base_model: The base model (``cfg.model``, else the heads' ``base_model_name_or_path`` resolved).
         progress: Gets each row's table line as it is measured.
     """
@@ -172,7 +172,7 @@ def choose_k(cfg: ChooseKConfig, num_heads: int, base_model: str,
     conversations = [[{"role": "user", "content": p.turns[0]}]
                      for p in bench_prompts(cfg.source, cfg.draft, tokenizer, cfg.limit)]
     rows = []
-    for k in ks_to_serve(cfg.ks, num_heads):
+    for k in ks_to_serve(cfg.ks, depth):
         progress(f"[medusa_train] choose-k: serving K={k} ({served_model}, dtype {cfg.dtype}) ...")
         rows.append(measure_k(k, export, str(served_model), conversations, eos, cfg))
         progress(format_row(rows[-1], cfg.concurrency))

@@ -38,7 +38,7 @@ COUNTER_SETTLE_S = 1.0
 SUFFIX = {"method": "suffix", "suffix_decoding_max_cached_requests": 0}
 
 
-def speculative_configs(export_dir: str | Path | None, num_heads: int, served: ServedConfig,
+def speculative_configs(export_dir: str | Path | None, depth: int, served: ServedConfig,
                         method: str = "medusa", suffix: bool = True) -> dict[str, dict | None]:
     """``{row: --speculative-config}``: ``plain`` (none), ``ngram``, ``suffix`` (when ``suffix``: the engine has
     it), ``draft`` (the trained draft's row: the export, served with vLLM's ``method``, its family's; left out when
@@ -55,7 +55,7 @@ def speculative_configs(export_dir: str | Path | None, num_heads: int, served: S
     if export_dir is not None or served.draft_url:
         model = str(Path(export_dir).resolve()) if export_dir is not None else None
         configs["draft"] = {"method": method, "model": model,
-                             "num_speculative_tokens": served.num_speculative_tokens or num_heads}
+                             "num_speculative_tokens": served.num_speculative_tokens or depth}
     return configs
 
 
@@ -109,7 +109,7 @@ def measure_server(client: EngineClient, conversations: Sequence[list[dict]], ma
     return phases
 
 
-def serve_and_measure(base_model: str, export_dir: str | Path | None, num_heads: int,
+def serve_and_measure(base_model: str, export_dir: str | Path | None, depth: int,
                       conversations: Sequence[list[dict]], *, dtype: str, max_tokens: int, eos: Sequence[int],
                       served: ServedConfig, server: ServerConfig, log_dir: str | Path, seed: int = 0,
                       chat_template: str | Path | None = None, progress: bool = True, method: str = "medusa") -> dict:
@@ -130,7 +130,7 @@ def serve_and_measure(base_model: str, export_dir: str | Path | None, num_heads:
         not_served["suffix"] = why
         if progress:
             print(f"[medusa_train] vLLM suffix: not served: {why}", flush=True)
-    for name, spec in speculative_configs(export_dir, num_heads, served, method, "suffix" not in not_served).items():
+    for name, spec in speculative_configs(export_dir, depth, served, method, "suffix" not in not_served).items():
         url = served.url(name)
         if url:
             client = attach(url, timeout=server.request_timeout)

@@ -23,7 +23,7 @@ def serve_command(path, draft=None) -> str:
     (``chat_template.jinja``) is served with it (``--chat-template``)."""
     path = Path(path)
     found = read_exported_draft(path)
-    config, heads_count = found.config, found.num_heads
+    config, depth = found.config, found.depth
     measured = json.loads((path / SERVING_NAME).read_text()) if (path / SERVING_NAME).is_file() else None
     k = (measured or {}).get("recommended_num_speculative_tokens")
     base = served_base(config.get("base_model_name_or_path"), [d for d in (draft, path) if d is not None])
@@ -36,12 +36,12 @@ def serve_command(path, draft=None) -> str:
         k = measured["fastest_num_speculative_tokens"]
     elif measured:
         ks = [row["k"] for row in measured.get("rows", []) if row.get("k")]  # the K served, not 1..depth
-        which = ", ".join(f"K={n}" for n in ks) if ks else f"K=1..{heads_count}"
+        which = ", ".join(f"K={n}" for n in ks) if ks else f"K=1..{depth}"
         lines.append(f"K={k}: the fastest of {which} measured on {measured.get('device', 'this machine')} "
                      f"({path / SERVING_NAME})")
     else:
         k = 1
-        lines.append(f"K=1 until measured: choose K in 1..{heads_count} with `medusa-train choose-k "
+        lines.append(f"K=1 until measured: choose K in 1..{depth} with `medusa-train choose-k "
                      f"draft={path}` (one server per K; it writes {SERVING_NAME} here)")
     spec = json.dumps({"method": found.family.vllm_method, "model": str(path.resolve()), "num_speculative_tokens": k})
     template = path / CHAT_TEMPLATE_NAME

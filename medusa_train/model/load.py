@@ -4,7 +4,7 @@ build-tree, export).
 - ``read_exported_draft``: a heads folder with its ``config.json`` read once (any layout, by
   ``model.layouts.read_config_json``): its layout, head count (a draft's default depth) and base model, handed on to
   ``load_exported_draft`` / ``load_draft`` and the served evaluation so none reads it again; ``read_export_config``:
-  ``(num_heads, base model)`` of it;
+  ``(depth, base model)`` of it;
 - ``check_draft_folder``: the same as config problems (``draft=<dir>``), for a command's checks;
 - ``load_exported_draft``: ``(MedusaModel, tokenizer)`` in eval mode, the backbone named by the heads (or given), the
   tokenizer rendering chats with the template the heads were trained with (``read_chat_template``);
@@ -35,7 +35,7 @@ class ExportedDraft:
 
     path: Path
     config: dict  #: ``config.json`` as stored (any layout)
-    num_heads: int  #: its default depth: Medusa's heads, a chained draft's trained steps (``DraftConfig.depth``)
+    depth: int  #: its default depth: Medusa's heads, a chained draft's trained steps (``DraftConfig.depth``)
     base_model: str | None  #: the backbone it names (a path relative to the heads resolved), if any
     family: Family  #: the draft family it holds (``model/family.py``)
     layout: str  #: which of its family's layouts it is in
@@ -62,21 +62,21 @@ def read_exported_draft(heads_dir: str | os.PathLike | ExportedDraft) -> Exporte
         family, layout = family_of(raw)
     except ValueError as err:
         raise ValueError(f"draft={heads_dir}: {err}") from err
-    num_heads = family.depth_in(raw)
-    if not isinstance(num_heads, int):
+    depth = family.depth_in(raw)
+    if not isinstance(depth, int):
         raise ValueError(f"draft={heads_dir}: config.json does not say how many heads there are")
-    return ExportedDraft(path, raw, num_heads, resolve_base_model(path, raw.get("base_model_name_or_path")), family,
+    return ExportedDraft(path, raw, depth, resolve_base_model(path, raw.get("base_model_name_or_path")), family,
                          layout)
 
 
 def read_export_config(heads_dir: str | os.PathLike) -> tuple[int, str | None]:
-    """``(num_heads, base model)`` of ``read_exported_draft(heads_dir)``."""
+    """``(depth, base model)`` of ``read_exported_draft(heads_dir)``."""
     heads = read_exported_draft(heads_dir)
-    return heads.num_heads, heads.base_model
+    return heads.depth, heads.base_model
 
 
 def check_draft_folder(heads: str | None, p: Problems) -> tuple[int | None, str | None]:
-    """Adds the problems of ``draft=`` to ``p``; returns ``(num_heads, base model)`` when the folder reads."""
+    """Adds the problems of ``draft=`` to ``p``; returns ``(depth, base model)`` when the folder reads."""
     if not heads:
         return None, None  # the schema check says it is required
     if not (Path(heads).expanduser() / CONFIG_NAME).is_file():
