@@ -43,9 +43,9 @@ RESULTS = ROOT / "docs" / "results" / "medusa2.json"
 def demo_paths(overrides: list[str]) -> dict[str, Path]:
     """Where ``medusa-train demo`` with ``overrides`` writes (its ``stage_paths``)."""
     from medusa_train.backbone.load import native_bf16
-    from medusa_train.cli.demo import stage_paths
     from medusa_train.config.compose import compose_config
     from medusa_train.config.demo import build_demo_config, resolve_dtypes
+    from medusa_train.pipeline.demo import stage_paths
 
     return stage_paths(resolve_dtypes(build_demo_config(compose_config("demo", overrides)), native_bf16()))
 

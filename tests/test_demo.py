@@ -13,11 +13,11 @@ from helpers.distill import KEEP_ALL, make_multiturn_jsonl, read_jsonl, tiny_con
 from helpers.training import make_model_dir
 
 from medusa_train.backbone.load import load_backbone
-from medusa_train.cli import demo
 from medusa_train.config.check import ConfigError, parse_config
 from medusa_train.config.compose import compose_config
 from medusa_train.config.demo import DemoConfig
 from medusa_train.data.distill import build_distill_config, distill
+from medusa_train.pipeline import demo
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -189,3 +189,22 @@ def test_when_the_engine_fails_the_demo_distils_in_process_and_says_why(tmp_path
     data = demo.stage_paths(cfg)["data"]
     assert data != engine_path and data.parent == tmp_path / "out"
     assert "in-process" in demo.data_summary(data) and len(read_jsonl(data)) >= 1
+
+
+def test_the_demo_stages_are_declared_with_what_they_read_and_write(tmp_path):
+    """Each declared stage runs a registered command, reads what an earlier stage writes, and writes where
+    ``stage_paths`` says, for every recipe."""
+    from medusa_train.backbone.load import native_bf16
+    from medusa_train.config.commands import COMMANDS
+    from medusa_train.config.demo import resolve_dtypes
+    from medusa_train.config.methods import METHODS
+
+    written = set()
+    for s in demo.STAGES:
+        assert s.command in COMMANDS, s
+        assert set(s.reads) <= written, (s, written)
+        written.add(s.writes)
+    for recipe, method in METHODS.items():
+        preset = [f"train.experiment={method.experiment}"] if method.experiment else []
+        cfg = resolve_dtypes(demo_config(f"recipe={recipe}", f"output_dir={tmp_path}", *preset), native_bf16())
+        assert written <= set(demo.stage_paths(cfg)), recipe

@@ -4,10 +4,10 @@ package imports nothing of the checkout around it (benchmarks/, scripts/, tests/
 and no code of the repository edits the module search path (modules are found as packages, never by path).
 
 A family's folder (``families/<name>/``) holds modules of several stages, each named for its own: ``settings`` is
-config, ``recipe*`` and ``loss`` are training, the rest model (``family_module_stage``).
+config, ``recipe*`` and ``loss`` are training, ``demo`` is pipeline, the rest model (``family_module_stage``).
 
 Stages: config (0) < backbone (1) < model (2) < engine (3) < data (4) < training (5) = decoding (5)
-< export (6) < tree (7) < evaluation (8) < cli (9). A module imports only from its own stage folder or an earlier
+< export (6) < tree (7) < evaluation (8) < pipeline (9: the demo, which runs the commands) < cli (10). A module imports only from its own stage folder or an earlier
 stage (training and decoding not from each other), which keeps the pipeline's order, distill -> capture -> train
 -> export -> tree -> evaluate (``PIPELINE``; distill and capture share data/; a command's config/<name>.py and
 cli/<name>.py belong to the step it runs, ``COMMAND_STEPS``); the top-level ``medusa_train/__init__.py`` is exempt. Every import counts, also one
@@ -27,7 +27,7 @@ from medusa_train.config.commands import COMMANDS
 PACKAGE = ROOT / "medusa_train"
 MAX_LINES = 400
 STAGES = {"config": 0, "backbone": 1, "model": 2, "engine": 3, "data": 4, "training": 5, "decoding": 5,
-          "export": 6, "tree": 7, "evaluation": 8, "cli": 9}
+          "export": 6, "tree": 7, "evaluation": 8, "pipeline": 9, "cli": 10}
 # the pipeline a user runs, step by step, as the modules that do each step (a package: all its modules)
 PIPELINE = (("distill", "medusa_train.data.distill"), ("capture", "medusa_train.data.capture"),
             ("train", "medusa_train.training"), ("export", "medusa_train.export"), ("tree", "medusa_train.tree"),
@@ -106,6 +106,8 @@ def family_module_stage(module: str) -> str:
         return "config"
     if module.startswith("recipe") or module == "loss":
         return "training"
+    if module == "demo":
+        return "pipeline"
     return "model"
 
 

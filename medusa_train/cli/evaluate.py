@@ -18,11 +18,11 @@ import torch
 
 from medusa_train.config.check import Problems, parse_config
 from medusa_train.config.evaluate import EvalConfig, check_eval_config, default_output_dir
+from medusa_train.evaluation.console import print_summary
 from medusa_train.evaluation.drift import measure_drift
 from medusa_train.evaluation.evaluate import evaluate, resolve_tree
-from medusa_train.evaluation.report import headline_lines, report_output_problem
+from medusa_train.evaluation.report import report_output_problem
 from medusa_train.evaluation.served import served_runner
-from medusa_train.evaluation.served_report import print_served
 from medusa_train.model.load import check_draft_folder, load_exported_draft, read_exported_draft
 from medusa_train.tree.calibrate import bench_prompts, bench_source_problem
 
@@ -109,30 +109,7 @@ def run(cfg: EvalConfig) -> dict:
     report = evaluate(model, tokenizer, prompts, cfg.tree, turns=cfg.bench.turns, generation=cfg.generation,
                       baselines=cfg.baselines, warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress,
                       settings=settings, extra=extra, served=served)
-    tps = report["tokens_per_s"]
-    for line in headline_lines(report):
-        print(line)
-    print(f"report: {report['files']['json']}")
-    print(f"prompts: {len(prompts)} x up to {cfg.bench.turns} turns = {report['totals']['count']} generations; "
-          f"tree: {cfg.tree} ({report['settings']['tree_nodes']} nodes); dtype: {report['settings']['dtype']}")
-    print("per-head acceptance: " + (", ".join(f"{a:.3f}" for a in report["per_head_acceptance"])
-                                     or "none (the tree is the root alone)"))
-    print(f"tokens/s (wall, prefill + decode): draft {tps['draft']:.1f}, plain (HF generate) {tps['plain']:.1f}; "
-          f"decode-only speedup {report['decode_speedup']:.2f}x")
-    lookup = report["methods"].get("prompt_lookup")
-    if lookup:
-        chosen = report["settings"]["prompt_lookup"]
-        print(f"prompt lookup (HF generate, N={chosen['num_tokens']}, ngram {chosen['max_matching_ngram_size']}): "
-              f"{lookup['tokens_per_s']:.1f} tokens/s, {lookup['speedup']:.2f}x, "
-              f"{lookup['tokens_per_forward']:.2f} tokens per forward")
-    if report["mismatches"] is not None:
-        print(f"greedy mismatches vs plain decoding: {report['mismatches']}")
-        for m in report["mismatch_details"]:
-            print(f"  id {m['id']} turn {m['turn']}: first difference at token {m['position']}, "
-                  f"base top-2 logit gap {m['top2_gap']:.3g}")
-    print_served(report)
-    print(f"mean accepted length: {report['mean_accepted_length']:.2f}")
-    print(f"speedup: {report['speedup']:.2f}x")
+    print_summary(report, len(prompts), cfg.bench.turns, cfg.tree)
     return report
 
 

@@ -1,8 +1,8 @@
-"""Typed configuration of the demo (``medusa_train/cli/demo.py``, ``make demo``; ``configs/commands/demo.yaml``) and its checks.
+"""Typed configuration of the demo (``medusa_train/pipeline/demo.py``, ``make demo``; ``configs/commands/demo.yaml``) and its checks.
 
 Each section holds the settings of one pipeline stage; these dataclasses are the defaults (the YAML only lists
 them, ``config/compose.py``). The training settings are not here: the demo trains the train command's preset
-(``train.experiment``). The demo keys its output folders by hashing whole sections (``cli/demo.py: _key``) and the
+(``train.experiment``). The demo keys its output folders by hashing whole sections (``pipeline/demo.py: _key``) and the
 composed training config, so adding, renaming or retyping a field moves every finished run's folder.
 """
 

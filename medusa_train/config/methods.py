@@ -70,6 +70,9 @@ class Method:
     #: the method whose composed settings key the demo's run and give the epochs its stages split (None: its own)
     demo_settings_from: str | None = None
     problems: Callable[[object], list[str]] | None = None  #: its own checks of a training config
+    #: the module training its draft in ``medusa-train demo`` in stages of its own (``families/medusa/demo.py`` says
+    #: what the pipeline asks of it); None: one train command
+    demo_stages: str | None = None
 
     def recipe_class(self) -> type:
         """The recipe class, imported now."""
@@ -84,7 +87,8 @@ class Method:
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("medusa1", family="medusa", recipe="medusa_train.families.medusa.recipe_medusa1:Medusa1Recipe", settings="heads"),
     Method("medusa2", family="medusa", recipe="medusa_train.families.medusa.recipe_medusa2:Medusa2Recipe", settings="heads",
-           adapts_backbone=True, demo_settings_from="medusa1", problems=stage_problems),
+           adapts_backbone=True, demo_settings_from="medusa1", problems=stage_problems,
+           demo_stages="medusa_train.families.medusa.demo"),
     Method("eagle3", family="eagle3", recipe="medusa_train.families.eagle3.recipe:Eagle3Recipe", settings="eagle3",
            experiment="eagle3", problems=eagle3_problems),
 )}
