@@ -95,7 +95,7 @@ def test_the_wheel_carries_configs_and_trees_and_works_without_the_checkout(tmp_
     helped = subprocess.run([str(command), "choose-k", "--help"], cwd=elsewhere, env=run_env, capture_output=True,
                             text=True, timeout=120)
     assert helped.returncode == 0, helped.stderr[-3000:]
-    assert "medusa-train choose-k heads=<heads dir>" in helped.stdout, helped.stdout
+    assert "medusa-train choose-k draft=<heads dir>" in helped.stdout, helped.stdout
     for key in ("heads", "model", "dtype", "ks", "limit", "max_tokens", "concurrency", "output", "server"):
         assert f"\n{key}:" in helped.stdout, (key, helped.stdout)
     assert "  kv_cache_gib: 2" in helped.stdout, helped.stdout  # the server's keys, from ServerConfig

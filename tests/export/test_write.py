@@ -414,7 +414,7 @@ def test_script_converts_a_native_export_end_to_end(tmp_path):
 @pytest.mark.integration
 def test_script_help_and_option_errors():
     done = _run_script("--help")
-    assert done.returncode == 0 and "medusa-train export heads=<heads dir>" in done.stdout and "max_paths: 64" in done.stdout
+    assert done.returncode == 0 and "medusa-train export draft=<heads dir>" in done.stdout and "max_paths: 64" in done.stdout
     done = _run_script("format=onnx", "topk=0")
     assert done.returncode == 2
     assert "draft: required; pass draft=" in done.stderr and "output: required" in done.stderr
