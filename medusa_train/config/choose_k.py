@@ -27,6 +27,9 @@ class ChooseKConfig:
     source: str = "packaged:mt-bench"
     max_tokens: int = 128  #: reply length per request
     concurrency: int = 8  #: the higher concurrency measured beside 1 (K is chosen at concurrency 1)
+    #: also serve the engine's free baselines on the same prompts (n-gram; suffix decoding where the engine has it:
+    #: ``bash scripts/suffix_env.sh``) and choose among every server, trained or not
+    free: bool = True
     output: str | None = None  #: also write the result (serving.json's content) to this JSON file
     server: ServerConfig = field(default_factory=ServerConfig)  #: how each server is started
 

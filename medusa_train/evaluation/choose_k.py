@@ -6,7 +6,9 @@ vLLM fixes K at start-up and fails to load K above the head count, so each K (0.
 server without speculation) is served in turn, sent MT-Bench first turns greedily at concurrency 1 and at
 ``concurrency`` (``served.measure_phase``), and stopped. The fastest K at concurrency 1 is recommended (none when
 no K beats serving without speculation) and written to ``serving.json`` in the vllm export, which the serve line
-of ``medusa-train export`` reads.
+of ``medusa-train export`` reads. With ``free=true`` (the default) the engine's free baselines are served on the same
+prompts too (n-gram; suffix decoding where the engine has it), and ``serving.json`` names the fastest server of all,
+trained or not (``fastest_server``), with the best free one beside it (``best_free``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from medusa_train.config.choose_k import ChooseKConfig
 from medusa_train.config.paths import unwritable
-from medusa_train.model.folder import CHAT_TEMPLATE_NAME, SERVING_NAME
+from medusa_train.model.folder import CHAT_TEMPLATE_NAME, DRAFT_SERVER, PLAIN_SERVER, SERVING_NAME
 
 
 def ks_to_serve(ks: Sequence[int] | None, depth: int) -> list[int]:
@@ -43,14 +45,42 @@ def choose(rows: Sequence[dict]) -> tuple[dict, dict | None, bool]:
     return best, plain, plain is None or best["tokens_per_s"] > plain["tokens_per_s"]
 
 
+#: the servers a row may be: without speculation, the trained draft at some K, or a free baseline (its name)
+PLAIN, DRAFT = PLAIN_SERVER, DRAFT_SERVER
+
+
+def server_of(row: dict) -> str:
+    """Which server a row measured (rows written before free baselines were served carry only ``k``)."""
+    return row.get("server") or (DRAFT if row["k"] else PLAIN)
+
+
+def fastest_server(rows: Sequence[dict]) -> tuple[dict, dict | None]:
+    """``(the fastest row of all at concurrency 1, the fastest free baseline's row or None)``."""
+    free = [r for r in rows if server_of(r) not in (PLAIN, DRAFT)]
+    return (max(rows, key=lambda r: r["tokens_per_s"]),
+            max(free, key=lambda r: r["tokens_per_s"]) if free else None)
+
+
+def _summary(row: dict | None) -> dict | None:
+    if row is None:
+        return None
+    return {"server": server_of(row), "num_speculative_tokens": row["k"] if server_of(row) == DRAFT else None,
+            "speculative_config": row.get("speculative_config"), "tokens_per_s": row["tokens_per_s"],
+            "tokens_per_step": row.get("tokens_per_step")}
+
+
 def serving_record(rows: Sequence[dict], settings: dict, base_model: str, export: str | os.PathLike,
-                   device: str) -> dict:
-    """``serving.json``'s content: the recommended K (``None`` when serving without speculation is faster), the
-    fastest K, every row, and how they were measured (``settings["dtype"]`` is the dtype the serve line uses)."""
-    best, _, faster = choose(rows)
-    return {"recommended_num_speculative_tokens": best["k"] if faster else None,
-            "fastest_num_speculative_tokens": best["k"], "rows": list(rows), "settings": dict(settings),
-            "base_model": base_model, "export": str(export), "device": device}
+                   device: str, not_served: dict | None = None) -> dict:
+    """``serving.json``'s content: the recommended K (``None`` when the draft is not the fastest server: serving
+    without speculation or a free baseline is faster), the fastest K, the fastest server of all and the best free one
+    (``fastest_server``, ``best_free``), every row, what could not be served and why, and how they were measured
+    (``settings["dtype"]`` is the dtype the serve line uses)."""
+    best, _, _ = choose(rows)
+    winner, best_free = fastest_server(rows)
+    return {"recommended_num_speculative_tokens": best["k"] if server_of(winner) == DRAFT else None,
+            "fastest_num_speculative_tokens": best["k"], "fastest_server": _summary(winner),
+            "best_free": _summary(best_free), "not_served": dict(not_served or {}), "rows": list(rows),
+            "settings": dict(settings), "base_model": base_model, "export": str(export), "device": device}
 
 
 def record_output_problem(path: str | os.PathLike, option: str = "output") -> str | None:
@@ -96,20 +126,31 @@ def format_row(row: dict, concurrency: int) -> str:
     reply's first; vLLM's per-drafted-step acceptance length beside it), start-up."""
     per_step = f"{row['tokens_per_step']:.3f}" if row.get("tokens_per_step") else "-"
     accepted = f"{row['mean_acceptance_length']:.3f}" if row["mean_acceptance_length"] else "-"
-    return (f"K={row['k']}: {row['tokens_per_s']:.1f} tokens/s at concurrency 1, "
+    name = f"K={row['k']}" if server_of(row) in (PLAIN, DRAFT) else server_of(row)
+    return (f"{name}: {row['tokens_per_s']:.1f} tokens/s at concurrency 1, "
             f"{row[f'tokens_per_s_c{concurrency}']:.1f} at {concurrency}; {per_step} tokens per step "
             f"(vLLM's acceptance length per drafted step {accepted}); start-up {row['startup_s']:.0f} s")
 
 
 def verdict(record: dict) -> str:
-    """The line that says which K was kept and how it compares with serving without speculation."""
+    """The lines that say which K was kept, how it compares with serving without speculation, and which server of
+    all (free baselines included) is the fastest here."""
     rows = record["rows"]
     best, plain, faster = choose(rows)
     if faster:
         versus = f", {best['tokens_per_s'] / plain['tokens_per_s']:.2f}x without speculation" if plain else ""
-        return f"fastest at concurrency 1: K={best['k']} ({best['tokens_per_s']:.1f} tokens/s{versus})"
-    return (f"no K beats serving without speculation here (best K={best['k']}: "
-            f"{best['tokens_per_s'] / plain['tokens_per_s']:.2f}x); serve the base model alone")
+        line = f"fastest at concurrency 1: K={best['k']} ({best['tokens_per_s']:.1f} tokens/s{versus})"
+    else:
+        line = (f"no K beats serving without speculation here (best K={best['k']}: "
+                f"{best['tokens_per_s'] / plain['tokens_per_s']:.2f}x); serve the base model alone")
+    winner, free = fastest_server(rows)
+    if free is None:
+        return line
+    if server_of(winner) == DRAFT:
+        return (line + f"\nthe draft at K={winner['k']} beats the best free baseline, {server_of(free)} "
+                f"({free['tokens_per_s']:.1f} tokens/s), by {winner['tokens_per_s'] / free['tokens_per_s']:.2f}x")
+    return (line + f"\nthe fastest server here is {server_of(winner)} ({winner['tokens_per_s']:.1f} tokens/s, no "
+            f"training): {winner['tokens_per_s'] / best['tokens_per_s']:.2f}x the draft's best, K={best['k']}")
 
 
 def vllm_export(cfg: ChooseKConfig) -> Path:
@@ -128,17 +169,27 @@ def vllm_export(cfg: ChooseKConfig) -> Path:
 
 def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[list[dict]], eos: Sequence[int],
               cfg: ChooseKConfig) -> dict:
-    """Serve the base model with the first ``k`` heads (``k=0``: without speculation), measure it, stop it."""
-    from medusa_train.engine import serve
-    from medusa_train.evaluation.served import COUNTER_SETTLE_S, WARMUP_TOKENS, measure_phase
+    """Serve the base model with the draft at ``k`` tokens a step (``k=0``: without speculation), measure it, stop
+    it."""
     from medusa_train.model.load import read_exported_draft
 
     method = read_exported_draft(export).family.vllm_method
     spec = {"method": method, "model": str(export.resolve()), "num_speculative_tokens": k} if k else None
+    return measure_server_row(PLAIN if not k else DRAFT, k, spec, export, served_model, conversations, eos, cfg)
+
+
+def measure_server_row(server: str, k: int | None, spec: dict | None, export: Path, served_model: str,
+                       conversations: Sequence[list[dict]], eos: Sequence[int], cfg: ChooseKConfig) -> dict:
+    """Serve the base model with ``spec`` (``--speculative-config``; None: without speculation), measure it at
+    concurrency 1 and ``cfg.concurrency``, stop it: one row of ``serving.json`` (``server``: which it is)."""
+    from medusa_train.engine import serve
+    from medusa_train.evaluation.served import COUNTER_SETTLE_S, WARMUP_TOKENS, measure_phase
+
     template = export / CHAT_TEMPLATE_NAME  # the template the heads were trained with, as the serve line says
     extra = [*cfg.server.args, *(["--chat-template", str(template.resolve())]
                                  if template.is_file() and "--chat-template" not in cfg.server.args else [])]
-    with serve(served_model, dtype=cfg.dtype, speculative_config=spec, log_path=export.parent / f"vllm-k{k}.log",
+    log = export.parent / (f"vllm-k{k}.log" if server in (PLAIN, DRAFT) else f"vllm-{server}.log")
+    with serve(served_model, dtype=cfg.dtype, speculative_config=spec, log_path=log,
                **{**cfg.server.server_kwargs(), "extra_args": extra}) as client:
         client.timeout = cfg.server.request_timeout
         client.chat(conversations[0], max_tokens=WARMUP_TOKENS, stop_token_ids=eos)  # untimed warm-up
@@ -147,7 +198,8 @@ def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[l
         many = one if cfg.concurrency == 1 else measure_phase(client, conversations, cfg.max_tokens, eos,
                                                               concurrency=cfg.concurrency)
         startup = client.server.startup_seconds
-    return {"k": k, "startup_s": round(startup, 1), "tokens_per_s": one["tokens_per_s"],
+    return {"server": server, "k": k, "speculative_config": spec, "startup_s": round(startup, 1),
+            "tokens_per_s": one["tokens_per_s"],
             f"tokens_per_s_c{cfg.concurrency}": many["tokens_per_s"],
             "tokens_per_step": one["tokens_per_step"], "decode_steps": one["decode_steps"],
             "mean_acceptance_length": one["mean_acceptance_length"], "drafted_share": one["drafted_share"],
@@ -176,9 +228,20 @@ def choose_k(cfg: ChooseKConfig, depth: int, base_model: str,
         progress(f"[medusa_train] choose-k: serving K={k} ({served_model}, dtype {cfg.dtype}) ...")
         rows.append(measure_k(k, export, str(served_model), conversations, eos, cfg))
         progress(format_row(rows[-1], cfg.concurrency))
+    not_served = {}
+    if cfg.free:
+        from medusa_train.evaluation.served import free_configs, suffix_problem
+
+        if why := suffix_problem(cfg.server):
+            not_served["suffix"] = why
+            progress(f"[medusa_train] choose-k: suffix decoding not served: {why}")
+        for name, spec in free_configs(suffix="suffix" not in not_served).items():
+            progress(f"[medusa_train] choose-k: serving {name} (free: no training) ...")
+            rows.append(measure_server_row(name, None, spec, export, str(served_model), conversations, eos, cfg))
+            progress(format_row(rows[-1], cfg.concurrency))
     settings = {"dtype": cfg.dtype, "limit": cfg.limit, "max_tokens": cfg.max_tokens,
                 "concurrency": cfg.concurrency, "benchmark": cfg.source}
-    record = serving_record(rows, settings, base_model, export, device_description())
+    record = serving_record(rows, settings, base_model, export, device_description(), not_served)
     write_json(export / SERVING_NAME, record)
     if cfg.output:
         write_json(cfg.output, record)

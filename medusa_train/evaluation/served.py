@@ -38,6 +38,16 @@ COUNTER_SETTLE_S = 1.0
 SUFFIX = {"method": "suffix", "suffix_decoding_max_cached_requests": 0}
 
 
+def free_configs(ngram_tokens: int = 4, suffix: bool = True) -> dict[str, dict]:
+    """``{row: --speculative-config}`` of the engine's free baselines, which need no training: ``ngram`` (prompt
+    lookup, ``ngram_tokens`` a step) and ``suffix`` (suffix decoding, where ``suffix``: the engine has it)."""
+    configs = {"ngram": {"method": "ngram", "num_speculative_tokens": ngram_tokens, "prompt_lookup_max": 4,
+                         "prompt_lookup_min": 2}}
+    if suffix:
+        configs["suffix"] = dict(SUFFIX)
+    return configs
+
+
 def speculative_configs(export_dir: str | Path | None, depth: int, served: ServedConfig,
                         method: str = "medusa", suffix: bool = True) -> dict[str, dict | None]:
     """``{row: --speculative-config}``: ``plain`` (none), ``ngram``, ``suffix`` (when ``suffix``: the engine has
@@ -47,11 +57,11 @@ def speculative_configs(export_dir: str | Path | None, depth: int, served: Serve
     configs: dict[str, dict | None] = {}
     if served.plain:
         configs["plain"] = None
+    free = free_configs(served.ngram_tokens, suffix=served.suffix and suffix)
     if served.ngram:
-        configs["ngram"] = {"method": "ngram", "num_speculative_tokens": served.ngram_tokens,
-                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    if served.suffix and suffix:
-        configs["suffix"] = dict(SUFFIX)
+        configs["ngram"] = free["ngram"]
+    if "suffix" in free:
+        configs["suffix"] = free["suffix"]
     if export_dir is not None or served.draft_url:
         model = str(Path(export_dir).resolve()) if export_dir is not None else None
         configs["draft"] = {"method": method, "model": model,

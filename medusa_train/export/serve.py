@@ -10,7 +10,7 @@ from pathlib import Path
 
 from medusa_train.backbone.merge import MERGED_DIR
 from medusa_train.model.files import resolve_base_model
-from medusa_train.model.folder import CHAT_TEMPLATE_NAME, SERVING_NAME
+from medusa_train.model.folder import CHAT_TEMPLATE_NAME, DRAFT_SERVER, PLAIN_SERVER, SERVING_NAME
 from medusa_train.model.load import read_exported_draft
 
 
@@ -29,8 +29,24 @@ def serve_command(path, draft=None) -> str:
     base = served_base(config.get("base_model_name_or_path"), [d for d in (draft, path) if d is not None])
     # the dtype K was measured in (the heads' own dtype until then)
     dtype = (measured or {}).get("settings", {}).get("dtype") or config.get("torch_dtype", "auto")
+    template = path / CHAT_TEMPLATE_NAME
+    template = f" --chat-template {template.resolve()}" if template.is_file() else ""
     lines = []
-    if measured and k is None:
+    winner, free = (measured or {}).get("fastest_server"), (measured or {}).get("best_free")
+    if winner and winner["server"] not in (PLAIN_SERVER, DRAFT_SERVER):  # a free baseline serves fastest there
+        fastest = max((r for r in measured["rows"] if r.get("k") and r.get("server", DRAFT_SERVER) == DRAFT_SERVER),
+                      key=lambda r: r["tokens_per_s"])
+        lines.append(f"measured ({path / SERVING_NAME}): the fastest server on {measured.get('device', 'that machine')} "
+                     f"is {winner['server']}, which needs no training: {winner['tokens_per_s']:.1f} tokens/s, "
+                     f"{winner['tokens_per_s'] / fastest['tokens_per_s']:.2f}x the draft's best (K={fastest['k']}); "
+                     "serve that:")
+        lines.append(f"vllm serve {base} --dtype {dtype}{template} "
+                     f"--speculative-config '{json.dumps(winner['speculative_config'])}'"
+                     + ("  (suffix decoding: arctic-inference in vLLM's environment, scripts/suffix_env.sh)"
+                        if winner["server"] == "suffix" else ""))
+        lines.append("or the draft, slower here:")
+        k = measured["fastest_num_speculative_tokens"]
+    elif measured and k is None:
         lines.append(f"measured ({path / SERVING_NAME}): no K is faster than serving {base} without speculation "
                      "on that machine; the fastest K is shown")
         k = measured["fastest_num_speculative_tokens"]
@@ -39,13 +55,14 @@ def serve_command(path, draft=None) -> str:
         which = ", ".join(f"K={n}" for n in ks) if ks else f"K=1..{depth}"
         lines.append(f"K={k}: the fastest of {which} measured on {measured.get('device', 'this machine')} "
                      f"({path / SERVING_NAME})")
+        if free:
+            lines.append(f"it beats the best free baseline there, {free['server']} ({free['tokens_per_s']:.1f} "
+                         f"tokens/s), by {winner['tokens_per_s'] / free['tokens_per_s']:.2f}x")
     else:
         k = 1
         lines.append(f"K=1 until measured: choose K in 1..{depth} with `medusa-train choose-k "
                      f"draft={path}` (one server per K; it writes {SERVING_NAME} here)")
     spec = json.dumps({"method": found.family.vllm_method, "model": str(path.resolve()), "num_speculative_tokens": k})
-    template = path / CHAT_TEMPLATE_NAME
-    template = f" --chat-template {template.resolve()}" if template.is_file() else ""
     lines.append(f"vllm serve {base} --dtype {dtype}{template} --speculative-config '{spec}'")
     lines.append(f"  (vLLM's CPU build, whose `vllm` script is broken: python -m vllm.entrypoints.openai.api_server "
                  f"--model {base} --dtype {dtype}{template} --enforce-eager --speculative-config '{spec}')")

@@ -31,6 +31,8 @@ from medusa_train.model.files import CONFIG_NAME, WEIGHTS_NAME
 
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 SERVING_NAME = "serving.json"  #: written into a vllm export by ``medusa-train choose-k`` (the measured K)
+#: what a serving.json row served besides a free baseline's name (``ngram``, ``suffix``): no speculation, or the draft
+PLAIN_SERVER, DRAFT_SERVER = "plain", "draft"
 TRAINING_CONFIG_NAME = "training_config.json"  #: a run's export: the training config that made it
 VALIDATION_FILE = "validation.json"  #: a run's export: the last validation walk's figures (training/validation_walk.py)
 #: a run's record in its export, carried by a conversion of the folder (``export.write.export_folder``)

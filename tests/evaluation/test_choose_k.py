@@ -180,3 +180,50 @@ def test_the_command_checks_before_it_serves(heads):
     helped = subprocess.run([*run, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert helped.returncode == 0 and "medusa-train choose-k draft=<heads dir>" in helped.stdout
     assert all(f"\n{key}:" in helped.stdout for key in ("draft", "dtype", "ks", "limit", "concurrency", "server"))
+
+
+# docs/results.md's suffix-decoding table (BF16 CPU, bf16, 12 MT-Bench first turns): the free baselines beside the
+# EAGLE-3 draft at K=1
+FREE_ROWS = [
+    {"server": "plain", "k": 0, "startup_s": 60.0, "tokens_per_s": 58.2, "tokens_per_s_c8": 58.2, "mean_acceptance_length": None,
+     "tokens_per_step": 1.0, "speculative_config": None},
+    {"server": "draft", "k": 1, "startup_s": 60.0, "tokens_per_s": 62.0, "tokens_per_s_c8": 62.0, "mean_acceptance_length": 1.292,
+     "tokens_per_step": 1.288, "speculative_config": {"method": "medusa", "num_speculative_tokens": 1}},
+    {"server": "ngram", "k": None, "startup_s": 60.0, "tokens_per_s": 66.0, "tokens_per_s_c8": 66.0, "mean_acceptance_length": 2.572,
+     "tokens_per_step": 1.309, "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
+    {"server": "suffix", "k": None, "startup_s": 60.0, "tokens_per_s": 74.3, "tokens_per_s_c8": 74.3, "mean_acceptance_length": 1.91,
+     "tokens_per_step": 1.476, "speculative_config": {"method": "suffix", "suffix_decoding_max_cached_requests": 0}},
+]
+
+
+def test_serving_json_names_the_fastest_server_of_all_free_baselines_included(heads):
+    """Where a free baseline serves fastest, serving.json says so (no K recommended), with the figures behind it, and
+    the serve line serves it first, the draft after; where the draft wins, the line says by how much it beats the
+    best free one."""
+    _, export = heads
+    record = serving_record(FREE_ROWS, SETTINGS, "base", export, "test CPU", {"other": "why"})
+    assert record["fastest_server"] == {"server": "suffix", "num_speculative_tokens": None, "tokens_per_s": 74.3,
+                                        "tokens_per_step": 1.476,
+                                        "speculative_config": FREE_ROWS[3]["speculative_config"]}
+    assert record["best_free"]["server"] == "suffix" and record["not_served"] == {"other": "why"}
+    assert (record["recommended_num_speculative_tokens"], record["fastest_num_speculative_tokens"]) == (None, 1)
+    assert verdict(record).splitlines()[1] == ("the fastest server here is suffix (74.3 tokens/s, no training): 1.20x "
+                                               "the draft's best, K=1")
+    assert format_row(FREE_ROWS[2], 8).startswith("ngram: 66.0 tokens/s at concurrency 1")
+    write_json(export / SERVING_NAME, record)
+    lines = serve_command(export).splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith("vllm serve "))
+    assert json.loads(lines[first].split("--speculative-config '", 1)[1].split("'", 1)[0]) == \
+        FREE_ROWS[3]["speculative_config"]
+    assert "is suffix, which needs no training: 74.3 tokens/s, 1.20x the draft's best (K=1)" in lines[first - 1]
+    assert lines[first + 1] == "or the draft, slower here:" and '"num_speculative_tokens": 1}' in lines[first + 2]
+
+    faster = [*FREE_ROWS[:1], dict(FREE_ROWS[1], tokens_per_s=80.0), *FREE_ROWS[2:]]
+    record = serving_record(faster, SETTINGS, "base", export, "test CPU")
+    assert record["fastest_server"]["server"] == "draft" and record["recommended_num_speculative_tokens"] == 1
+    assert verdict(record).splitlines()[1] == ("the draft at K=1 beats the best free baseline, suffix (74.3 tokens/s), "
+                                               "by 1.08x")
+    write_json(export / SERVING_NAME, record)
+    assert "it beats the best free baseline there, suffix (74.3 tokens/s), by 1.08x" in serve_command(export)
+    # rows written before free baselines were served (no "server") read as before
+    assert serving_record(ROWS, SETTINGS, "base", export, "cpu")["best_free"] is None
