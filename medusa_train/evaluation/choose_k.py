@@ -45,18 +45,14 @@ def choose(rows: Sequence[dict]) -> tuple[dict, dict | None, bool]:
     return best, plain, plain is None or best["tokens_per_s"] > plain["tokens_per_s"]
 
 
-#: the servers a row may be: without speculation, the trained draft at some K, or a free baseline (its name)
-PLAIN, DRAFT = PLAIN_SERVER, DRAFT_SERVER
-
-
 def server_of(row: dict) -> str:
     """Which server a row measured (rows written before free baselines were served carry only ``k``)."""
-    return row.get("server") or (DRAFT if row["k"] else PLAIN)
+    return row.get("server") or (DRAFT_SERVER if row["k"] else PLAIN_SERVER)
 
 
 def fastest_server(rows: Sequence[dict]) -> tuple[dict, dict | None]:
     """``(the fastest row of all at concurrency 1, the fastest free baseline's row or None)``."""
-    free = [r for r in rows if server_of(r) not in (PLAIN, DRAFT)]
+    free = [r for r in rows if server_of(r) not in (PLAIN_SERVER, DRAFT_SERVER)]
     return (max(rows, key=lambda r: r["tokens_per_s"]),
             max(free, key=lambda r: r["tokens_per_s"]) if free else None)
 
@@ -64,7 +60,7 @@ def fastest_server(rows: Sequence[dict]) -> tuple[dict, dict | None]:
 def _summary(row: dict | None) -> dict | None:
     if row is None:
         return None
-    return {"server": server_of(row), "num_speculative_tokens": row["k"] if server_of(row) == DRAFT else None,
+    return {"server": server_of(row), "num_speculative_tokens": row["k"] if server_of(row) == DRAFT_SERVER else None,
             "speculative_config": row.get("speculative_config"), "tokens_per_s": row["tokens_per_s"],
             "tokens_per_step": row.get("tokens_per_step")}
 
@@ -72,13 +68,14 @@ def _summary(row: dict | None) -> dict | None:
 def serving_record(rows: Sequence[dict], settings: dict, base_model: str, export: str | os.PathLike,
                    device: str, not_served: dict | None = None) -> dict:
     """``serving.json``'s content: the recommended K (``None`` when the draft is not the fastest server: serving
-    without speculation or a free baseline is faster), the fastest K, the fastest server of all and the best free one
-    (``fastest_server``, ``best_free``), every row, what could not be served and why, and how they were measured
+    without speculation or a free baseline is faster), the fastest K and its row's figures (``fastest_draft``), the
+    fastest server of all and the best free one (``fastest_server``, ``best_free``), every row, what could not be served and why, and how they were measured
     (``settings["dtype"]`` is the dtype the serve line uses)."""
     best, _, _ = choose(rows)
     winner, best_free = fastest_server(rows)
-    return {"recommended_num_speculative_tokens": best["k"] if server_of(winner) == DRAFT else None,
-            "fastest_num_speculative_tokens": best["k"], "fastest_server": _summary(winner),
+    return {"recommended_num_speculative_tokens": best["k"] if server_of(winner) == DRAFT_SERVER else None,
+            "fastest_num_speculative_tokens": best["k"], "fastest_draft": _summary(best),
+            "fastest_server": _summary(winner),
             "best_free": _summary(best_free), "not_served": dict(not_served or {}), "rows": list(rows),
             "settings": dict(settings), "base_model": base_model, "export": str(export), "device": device}
 
@@ -126,7 +123,7 @@ def format_row(row: dict, concurrency: int) -> str:
     reply's first; vLLM's per-drafted-step acceptance length beside it), start-up."""
     per_step = f"{row['tokens_per_step']:.3f}" if row.get("tokens_per_step") else "-"
     accepted = f"{row['mean_acceptance_length']:.3f}" if row["mean_acceptance_length"] else "-"
-    name = f"K={row['k']}" if server_of(row) in (PLAIN, DRAFT) else server_of(row)
+    name = f"K={row['k']}" if server_of(row) in (PLAIN_SERVER, DRAFT_SERVER) else server_of(row)
     return (f"{name}: {row['tokens_per_s']:.1f} tokens/s at concurrency 1, "
             f"{row[f'tokens_per_s_c{concurrency}']:.1f} at {concurrency}; {per_step} tokens per step "
             f"(vLLM's acceptance length per drafted step {accepted}); start-up {row['startup_s']:.0f} s")
@@ -146,7 +143,7 @@ def verdict(record: dict) -> str:
     winner, free = fastest_server(rows)
     if free is None:
         return line
-    if server_of(winner) == DRAFT:
+    if server_of(winner) == DRAFT_SERVER:
         return (line + f"\nthe draft at K={winner['k']} beats the best free baseline, {server_of(free)} "
                 f"({free['tokens_per_s']:.1f} tokens/s), by {winner['tokens_per_s'] / free['tokens_per_s']:.2f}x")
     return (line + f"\nthe fastest server here is {server_of(winner)} ({winner['tokens_per_s']:.1f} tokens/s, no "
@@ -175,7 +172,7 @@ def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[l
 
     method = read_exported_draft(export).family.vllm_method
     spec = {"method": method, "model": str(export.resolve()), "num_speculative_tokens": k} if k else None
-    return measure_server_row(PLAIN if not k else DRAFT, k, spec, export, served_model, conversations, eos, cfg)
+    return measure_server_row(PLAIN_SERVER if not k else DRAFT_SERVER, k, spec, export, served_model, conversations, eos, cfg)
 
 
 def measure_server_row(server: str, k: int | None, spec: dict | None, export: Path, served_model: str,
@@ -188,7 +185,7 @@ def measure_server_row(server: str, k: int | None, spec: dict | None, export: Pa
     template = export / CHAT_TEMPLATE_NAME  # the template the heads were trained with, as the serve line says
     extra = [*cfg.server.args, *(["--chat-template", str(template.resolve())]
                                  if template.is_file() and "--chat-template" not in cfg.server.args else [])]
-    log = export.parent / (f"vllm-k{k}.log" if server in (PLAIN, DRAFT) else f"vllm-{server}.log")
+    log = export.parent / (f"vllm-k{k}.log" if server in (PLAIN_SERVER, DRAFT_SERVER) else f"vllm-{server}.log")
     with serve(served_model, dtype=cfg.dtype, speculative_config=spec, log_path=log,
                **{**cfg.server.server_kwargs(), "extra_args": extra}) as client:
         client.timeout = cfg.server.request_timeout

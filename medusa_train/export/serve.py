@@ -34,12 +34,11 @@ def serve_command(path, draft=None) -> str:
     lines = []
     winner, free = (measured or {}).get("fastest_server"), (measured or {}).get("best_free")
     if winner and winner["server"] not in (PLAIN_SERVER, DRAFT_SERVER):  # a free baseline serves fastest there
-        fastest = max((r for r in measured["rows"] if r.get("k") and r.get("server", DRAFT_SERVER) == DRAFT_SERVER),
-                      key=lambda r: r["tokens_per_s"])
+        draft_best = measured["fastest_draft"]
         lines.append(f"measured ({path / SERVING_NAME}): the fastest server on {measured.get('device', 'that machine')} "
                      f"is {winner['server']}, which needs no training: {winner['tokens_per_s']:.1f} tokens/s, "
-                     f"{winner['tokens_per_s'] / fastest['tokens_per_s']:.2f}x the draft's best (K={fastest['k']}); "
-                     "serve that:")
+                     f"{winner['tokens_per_s'] / draft_best['tokens_per_s']:.2f}x the draft's best "
+                     f"(K={draft_best['num_speculative_tokens']}); serve that:")
         lines.append(f"vllm serve {base} --dtype {dtype}{template} "
                      f"--speculative-config '{json.dumps(winner['speculative_config'])}'"
                      + ("  (suffix decoding: arctic-inference in vLLM's environment, scripts/suffix_env.sh)"

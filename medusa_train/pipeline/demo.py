@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, is_dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from medusa_train.config.check import ConfigError
@@ -230,9 +231,8 @@ def stage_paths(cfg: DemoConfig) -> dict[str, Path]:
     training = training_settings(cfg)
     # a method's own training stages key its run too (Medusa-2's: their split), and write where they say
     run_dir = out / f"{cfg.recipe}-{_key(cfg.model, cfg.distill, training, *(staged.key_parts(cfg) if staged else [None]))}"
-    key = lambda *parts: _key(cfg.model, cfg.distill, training, *parts)  # noqa: E731 - a stage's key, for the hook
     return {"data": distill_path(out, cfg, cfg.distill.num_prompts), "run": run_dir, "export": RunFolder(run_dir).export,
-            **(staged.paths(cfg, out, key) if staged else {}),
+            **(staged.paths(cfg, out, partial(_key, cfg.model, cfg.distill, training)) if staged else {}),
             "tree": run_dir / f"tree-{tree_key}.yaml", "report": run_dir / f"eval-{_key(cfg.tree, cfg.eval)}"}
 
 

@@ -206,6 +206,7 @@ def test_serving_json_names_the_fastest_server_of_all_free_baselines_included(he
                                         "tokens_per_step": 1.476,
                                         "speculative_config": FREE_ROWS[3]["speculative_config"]}
     assert record["best_free"]["server"] == "suffix" and record["not_served"] == {"other": "why"}
+    assert (record["fastest_draft"]["num_speculative_tokens"], record["fastest_draft"]["tokens_per_s"]) == (1, 62.0)
     assert (record["recommended_num_speculative_tokens"], record["fastest_num_speculative_tokens"]) == (None, 1)
     assert verdict(record).splitlines()[1] == ("the fastest server here is suffix (74.3 tokens/s, no training): 1.20x "
                                                "the draft's best, K=1")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from medusa_train.pipeline.demo import newer
 from medusa_train.training.run_folder import RunFolder
 
 
@@ -57,12 +58,8 @@ def train(cfg, train_cmd: list[str], settings: dict, data: Path, where: dict[str
             *train_cmd, "stage=1", "data.cache_hidden_states=true", f"trainer.epochs={m.stage1_epochs}",
             f"optim.lr={settings['optim']['lr']}", "optim.head_lr_multiplier=1", "trainer.merge_export=false",
             f"trainer.output_dir={first.root}"],
-            done=_newer(first.training_config, data))
+            done=newer(first.training_config, data))
         inputs.append(first.training_config)  # new stage-1 heads: stage 2 runs again
     spent += stage("2/4 train LoRA and heads jointly (medusa2)", joint,
-                   done=_newer(RunFolder(run_dir).training_config, *inputs))
+                   done=newer(RunFolder(run_dir).training_config, *inputs))
     return spent
-
-
-def _newer(output: Path, *inputs: Path) -> bool:
-    return output.exists() and all(output.stat().st_mtime >= i.stat().st_mtime for i in inputs if i.exists())
