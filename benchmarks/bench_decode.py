@@ -136,15 +136,14 @@ def shaped_backbone(shape: str, dtype: str, device: torch.device):
 def graphed_steps(model: MedusaModel, trees, context: int, repeats: int, warmup: int) -> dict:
     """The backbone's pass over each tree, captured in a CUDA graph over a static cache and replayed (what a server
     pays), and the plain step (one node) likewise: median milliseconds, taking turns."""
-    from medusa_train.decoding.generate import new_cache
-    from medusa_train.decoding.graphs import GraphedTreePass
+    from medusa_train.decoding.graphs import StaticSteps
 
     device = model.lm_head.weight.device
     sizes = [tree for _, tree in trees]
-    cache = new_cache("static", model.backbone, context + max(t.num_nodes for t in sizes) + 1)
+    graphed = StaticSteps(model, graphs=True)
+    cache = graphed.cache_for(context + max(t.num_nodes for t in sizes) + 1)
     model(torch.randint(0, model.lm_head.weight.shape[0], (1, context), device=device), past_key_values=cache,
           use_cache=True)
-    graphed = GraphedTreePass(model, cache)
     dtype = model.lm_head.weight.dtype
 
     def step(tree):

@@ -6,7 +6,8 @@
 Trees are fitted here beforehand (``build-tree nodes=64|128 lookup_depth=8``: the walk needs no GPU), so the device
 only decodes, in bfloat16, ``mtbench`` MT-Bench first turns of ``new_tokens`` tokens each:
 
-1. the heads with the first tree (a hybrid: heads' nodes and a lookup chain) beside HF ``generate`` and HF prompt
+1. the heads with the first tree (a hybrid: heads' nodes and a lookup chain) beside HF ``generate``, plain decoding
+   replayed from CUDA graphs (evaluate's default on CUDA: every row's speedup divides by the faster plain) and HF prompt
    lookup, the draft alone and the lookup chain alone (the report's rows), tokens per forward and tokens/s;
 2. the heads with each further tree (``generate`` beside it);
 3. the EAGLE-3 draft with its tree (``generate`` beside it);
@@ -77,7 +78,8 @@ def decode(heads: str, tree: str, folder: Path, device: str, limit: int, new_tok
     return {"tree": tree, "rows": {k: {"tokens_per_forward": round(m["tokens_per_forward"], 3),
                                        "tokens_per_s": round(m["tokens_per_s"], 1), "speedup": round(m["speedup"], 3)}
                                    for k, m in report["methods"].items()},
-            "expected": report.get("expected"), "mismatches": report["mismatches"]}
+            "expected": report.get("expected"), "mismatches": report["mismatches"],
+            "plain_reference": report["plain_reference"], "graph_captures": report["settings"]["graph_captures"]}
 
 
 def main(heads: str, trees: str, draft: str | None = None, draft_tree: str = "chain", prompts: str | None = None,
@@ -108,9 +110,10 @@ def main(heads: str, trees: str, draft: str | None = None, draft_tree: str = "ch
     lines = [f"# GPU check on {summary['device']} (torch {summary['torch']}), {mtbench} MT-Bench first turns, "
              f"{new_tokens} tokens, bfloat16", ""]
     for name, run in summary["runs"].items():
-        lines.append(f"## {name} ({run['tree']}): mismatches {run['mismatches']}, expected {run['expected']}")
+        lines.append(f"## {name} ({run['tree']}): mismatches {run['mismatches']}, expected {run['expected']}, "
+                     f"CUDA graphs captured {run['graph_captures']}")
         lines += [f"- {k}: {r['tokens_per_forward']} tokens per forward, {r['tokens_per_s']} tokens/s, "
-                  f"{r['speedup']}x over HF generate" for k, r in run["rows"].items()]
+                  f"{r['speedup']}x over {run['plain_reference']} (the faster plain)" for k, r in run["rows"].items()]
     if "parity" in summary:
         lines += ["", "## figures before decoding, float32: expected (walk) beside measured (decoding), tokens per step",
                   *(f"- {k}: {r['expected']:.3f} expected, {r['measured']:.3f} measured (gap {r['gap']:+.3f}; "

@@ -28,6 +28,9 @@ class BuildTreeConfig:
     cost_context: int | str = "auto"
     answer_tokens: int = 128  #: with cost_context=auto, the answers' length (the evaluation's generation.max_new_tokens)
     cost_repeats: int = 10  #: with nodes=auto, timed rounds per size (the median counts)
+    #: with nodes=auto, time the steps replayed from CUDA graphs over a static cache (what evaluate decodes with on
+    #: CUDA, generation.cuda_graphs); null: on CUDA
+    cuda_graphs: bool | None = None
     #: validation: the validation set of the heads' training data (their training_config.json's data.validation; the
     #: prompts held out of training, config/validation.py); or packaged:sharegpt-v3 (its first prompts the heads did not
     #: train on) or a .jsonl of prompts (not MT-Bench)

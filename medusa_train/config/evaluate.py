@@ -35,6 +35,9 @@ class DecodeConfig:
     typical_threshold: float = 0.09
     typical_alpha: float = 0.3
     seed: int = 0  #: sampling seed (temperature > 0)
+    #: one static KV cache and the backbone's pass over each tree size captured once in a CUDA graph and replayed,
+    #: as a server steps (decoding/graphs.py), with a "plain, graphed" row beside HF generate; null: on CUDA
+    cuda_graphs: bool | None = None
 
 
 @dataclass

@@ -22,6 +22,7 @@ from transformers import DynamicCache, StaticCache
 
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
+from medusa_train.decoding.graphs import StaticSteps
 from medusa_train.decoding.lookup import LookupChain
 from medusa_train.decoding.tree import TokenTree, fill_step_mask, tree_from_config
 
@@ -91,7 +92,8 @@ def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new
                     eos_token_id: int | Iterable[int] | None = None,
                     generator: torch.Generator | None = None,
                     wrap_phase: Callable[[str, Callable], Callable] | None = None,
-                    kv_cache: str = "dynamic", cuda_graphs: bool = False) -> TreeGenerateOutput:
+                    kv_cache: str = "dynamic", cuda_graphs: bool = False,
+                    steps: StaticSteps | None = None) -> TreeGenerateOutput:
     """Generate with Medusa heads and tree attention (batch size 1).
 
     Each step runs the backbone once over every tree node (a 4D additive mask lets each node see
@@ -120,7 +122,10 @@ def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new
             (the default): the phases run as they are, at no cost.
         kv_cache: ``dynamic`` (grows each step) or ``static`` (``KV_CACHES``): the same tokens either way.
         cuda_graphs: On CUDA with ``kv_cache="static"``: capture the backbone's pass once per tree size and replay
-            it (``decoding/graphs.py``).
+            it (``decoding/graphs.py``), for this generation only.
+        steps: A ``StaticSteps`` kept across generations (its static cache, and its graphs when it has them,
+            captured once for all of them): what an evaluation decodes every prompt with; ``kv_cache`` and
+            ``cuda_graphs`` are then its own.
 
     Returns:
         A ``TreeGenerateOutput``.
@@ -142,7 +147,12 @@ def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new
 
     sampling = dict(temperature=temperature, top_p=top_p, generator=generator)
     start = _now(device)
-    cache = new_cache(kv_cache, model.backbone, prompt_len + max_new_tokens + tree.num_nodes)
+    if steps is None and cuda_graphs:
+        if kv_cache != "static":
+            raise ValueError("CUDA graphs replay over fixed buffers: decode with kv_cache='static'")
+        steps = StaticSteps(model, graphs=True)
+    needed = prompt_len + max_new_tokens + tree.num_nodes
+    cache = steps.cache_for(needed) if steps is not None else new_cache(kv_cache, model.backbone, needed)
     out = model(input_ids, past_key_values=cache, use_cache=True)
     draft_state = model.new_decode_state()  # what the draft keeps between steps (e.g. its own cache)
     accepted_inputs, accepted_tokens = out.draft_inputs[0], input_ids[0]  # the positions the draft has not read yet
@@ -152,8 +162,8 @@ def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new
         if tree.lookup_depth else None
     prefill_s = _now(device) - start
 
-    candidates, forward, lm_head, accept_nodes, compact = _phases(model, wrap_phase, _graphed(cuda_graphs, model,
-                                                                                          cache, device))
+    candidates, forward, lm_head, accept_nodes, compact = _phases(
+        model, wrap_phase, None if steps is None else steps.backbone_pass)
     offsets = tree.position_offsets.to(device)
     tree_mask = tree.attention_mask(out.hidden_states.dtype).to(device)
     generated: list[int] = []
@@ -204,17 +214,6 @@ def _phases(model, wrap_phase: Callable[[str, Callable], Callable] | None,
     (``backbone_pass``: a graphed tree pass in place of ``tree_pass``)."""
     functions = (candidates, backbone_pass or tree_pass, model.base_logits, accept, compact_cache)
     return functions if wrap_phase is None else tuple(wrap_phase(n, f) for n, f in zip(PHASES, functions))
-
-
-def _graphed(cuda_graphs: bool, model, cache, device: torch.device) -> Callable | None:
-    """The graphed tree pass when ``cuda_graphs`` asks for one (None: eager)."""
-    if not cuda_graphs:
-        return None
-    if device.type != "cuda":
-        raise ValueError(f"cuda_graphs=True needs a CUDA model (here: {device.type})")
-    from medusa_train.decoding.graphs import GraphedTreePass
-
-    return GraphedTreePass(model, cache)  # which refuses a dynamic cache
 
 
 KV_CACHES = ("dynamic", "static")  #: the caches ``tree_generate`` decodes with (``kv_cache=``)

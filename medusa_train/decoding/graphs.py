@@ -1,17 +1,22 @@
-"""CUDA graphs for the decoder's backbone pass: each tree size captured once over a static cache, then replayed.
+"""Decoding steps over one static cache kept across generations, and on CUDA each tree size's pass captured once.
 
-At batch 1 a GPU step is launch-bound, not memory-bound: an eager 8B-shaped step took 19.1 ms where its weights
-take 3.8 ms to read and the same step replayed from a CUDA graph 7.6 ms (issue 58's H200 table). A server
-replays graphs; a speedup measured against eager steps is one no server would see.
+At batch 1 a GPU step is launch-bound, not memory-bound: an eager 8B-shaped step took 19.1-41.6 ms where its
+weights take 3.8 ms to read, and the same step replayed from a CUDA graph 7.6 ms (issue 58; `docs/results.md`,
+"Step cost"). A server replays graphs captured once at start-up; a speedup measured against eager steps is one no
+server would see.
 
-``GraphedTreePass`` has ``tree_pass``'s signature (``generate.py``): on the first call for a number of nodes it
-captures the model's forward over that many nodes into a graph whose inputs (tokens, positions, the 4D mask) and
-cache (a ``StaticCache``: its keys, values and length live at fixed addresses) are static buffers; each later
-call copies the step's inputs into them and replays. The plain step is the 1-node graph. Only on CUDA.
+``StaticSteps`` holds one ``StaticCache`` (its keys, values and length at fixed addresses) for every generation it
+is handed to (``tree_generate(..., steps=)``): each generation resets it in place, or, when a text needs more room,
+gets a larger one (rounded up to ``length_step`` tokens; the graphs made for the old one are dropped and counted in
+``captures``). With ``graphs=True`` (CUDA only) it is also the backbone's pass over ``N`` tree nodes with
+``tree_pass``'s signature (``generate.py``): on the first call for ``N`` it captures the model's forward over
+``N`` nodes into a graph whose inputs (tokens, positions, the 4D mask) are static buffers; each later call copies
+the step's inputs into them and replays. The plain step is the 1-node graph. Captured once per evaluation (its
+warm-up turn), not per generation, as a server captures at start-up.
 
-Status (2026-11-28): written without a GPU to run it on. ``tests/gpu/test_graphs.py`` (marked ``gpu``) checks
-graphed decoding against the dynamic cache token for token; until it has passed on a GPU, ``tree_generate``
-uses graphs only when asked (``cuda_graphs=True``).
+Tested: graphed decoding equals eager decoding over the dynamic cache token for token, accepted lengths too
+(``tests/gpu/test_graphs.py``; passed on an H200, torch 2.11, transformers 5.17, 2026-11-28); one ``StaticSteps``
+kept across generations equals a fresh dynamic cache per generation (``tests/decoding/test_generate.py``, CPU).
 """
 
 from __future__ import annotations
@@ -22,22 +27,54 @@ from transformers import StaticCache
 from medusa_train.decoding.tree import fill_step_mask
 
 
-class GraphedTreePass:
-    """The backbone's pass over ``N`` tree nodes, one CUDA graph per ``N``, over one ``StaticCache``."""
+def graphs_wanted(setting: bool | None, device: torch.device) -> bool:
+    """Whether to decode with CUDA graphs: ``setting`` (a config's ``cuda_graphs``) or, when it is None, on CUDA."""
+    if setting is None:
+        return device.type == "cuda"
+    if setting and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=true needs a CUDA model (here: {device.type}); set cuda_graphs=null or false")
+    return bool(setting)
 
-    def __init__(self, model, cache: StaticCache, warmup: int = 2):
-        if not isinstance(cache, StaticCache):
-            raise ValueError("CUDA graphs replay over fixed buffers: decode with kv_cache='static'")
-        self.model, self.cache, self.warmup = model, cache, warmup
+
+class StaticSteps:
+    """One ``StaticCache`` for many generations; with ``graphs``, one CUDA graph per tree size over it."""
+
+    def __init__(self, model, graphs: bool = False, length_step: int = 1024, warmup: int = 2):
+        device = model.backbone.get_input_embeddings().weight.device
+        if graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA model (here: {device.type})")
+        self.model, self.graphed, self.length_step, self.warmup = model, graphs, length_step, warmup
+        self.cache: StaticCache | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, object]] = {}
+        self.captures = 0  #: graphs captured so far (one per tree size, again after the cache grew)
+
+    @property
+    def length(self) -> int:
+        """Tokens the cache holds (0 before the first generation)."""
+        return 0 if self.cache is None else self.cache.layers[0].max_cache_len
+
+    def cache_for(self, length: int) -> StaticCache:
+        """The cache, emptied in place, for a generation of up to ``length`` tokens (prompt, reply and one tree)."""
+        if length > self.length:
+            size = -(-length // self.length_step) * self.length_step
+            self.cache, self.graphs = StaticCache(config=self.model.backbone.config, max_cache_len=size), {}
+        else:
+            self.cache.reset()
+        return self.cache
+
+    @property
+    def backbone_pass(self):
+        """What ``tree_generate`` runs the backbone's pass with: this object's graphs, or None (eager)."""
+        return self if self.graphed else None
 
     def __call__(self, model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: torch.Tensor,
                  cache: StaticCache, past_len: int):
         if cache is not self.cache or model is not self.model:
-            raise ValueError("a GraphedTreePass replays over the model and cache it was made for")
+            raise ValueError("StaticSteps replays over the model and cache it was made for")
         n = tokens.shape[0]
         if n not in self.graphs:
             self.graphs[n] = self._capture(n, tree_mask)
+            self.captures += 1
         graph, inputs, output = self.graphs[n]
         self._fill(inputs, tokens, tree_mask, offsets, past_len)
         graph.replay()

@@ -18,7 +18,8 @@ def print_summary(report: dict, prompts: int, turns: int, tree: str) -> None:
           f"tree: {tree} ({report['settings']['tree_nodes']} nodes); dtype: {report['settings']['dtype']}")
     print("per-head acceptance: " + (", ".join(f"{a:.3f}" for a in report["per_head_acceptance"])
                                      or "none (the tree is the root alone)"))
-    print(f"tokens/s (wall, prefill + decode): draft {tps['draft']:.1f}, plain (HF generate) {tps['plain']:.1f}; "
+    print(f"tokens/s (wall, prefill + decode): draft {tps['draft']:.1f}, plain ({report['settings']['plain_decoding']}) "
+          f"{tps['plain']:.1f}; "
           f"decode-only speedup {report['decode_speedup']:.2f}x")
     lookup = report["methods"].get("prompt_lookup")
     if lookup:

@@ -37,6 +37,7 @@ from medusa_train.config.evaluate import BaselinesConfig, DecodeConfig
 from medusa_train.config.paths import TREE_DIR
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
 from medusa_train.decoding import TokenTree, tree_generate
+from medusa_train.decoding.graphs import StaticSteps, graphs_wanted
 from medusa_train.decoding.tree import tree_from_config
 from medusa_train.evaluation.compare import first_difference, mismatch_detail
 from medusa_train.evaluation.engines import engine_rows, vllm_reason
@@ -80,9 +81,10 @@ def resolve_tree(spec, num_heads: int | None) -> TokenTree:
 
 
 def _generate_turn(model, tokenizer, messages: list[dict], tree: TokenTree, gen: DecodeConfig, eos: list[int],
-                   pad: int, lookup: tuple[int, int] | None) -> tuple[dict, list[int], torch.Tensor]:
-    """Decode one turn with each method in turn (plain, prompt lookup, the heads); returns the per-prompt
-    record, the plain answer's ids and the input."""
+                   pad: int, lookup: tuple[int, int] | None,
+                   steps: StaticSteps | None = None) -> tuple[dict, list[int], torch.Tensor]:
+    """Decode one turn with each method in turn (plain, prompt lookup, with ``steps``' graphs plain graphed, the
+    heads); returns the per-prompt record, the plain answer's ids and the input."""
     device = model.lm_head.weight.device
     input_ids = encode_chat(tokenizer, messages).to(device)
     sampling = gen.temperature > 0
@@ -102,8 +104,12 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: TokenTree, gen:
         out = tree_generate(model, input_ids, decoding_tree, max_new_tokens=gen.max_new_tokens,
                               temperature=gen.temperature, acceptance=gen.acceptance, top_p=gen.top_p,
                               typical_threshold=gen.typical_threshold, typical_alpha=gen.typical_alpha,
-                              eos_token_id=eos, generator=generator)
+                              eos_token_id=eos, generator=generator, steps=steps)
         return out, now(device) - start
+
+    graphed = None
+    if steps is not None and steps.graphed:  # plain greedy as a server steps: the root alone, each step replayed
+        graphed, graphed_wall = ours(TokenTree([]))
 
     # a tree with a lookup chain is also decoded without it and by the chain alone: what each branch buys
     parts = {name: ours(part) for name, part in split_tree(tree).items()}
@@ -118,6 +124,9 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: TokenTree, gen:
         "prompt_lookup_new_tokens": None if looked_up is None else len(looked_up), "prompt_lookup_s": lookup_time,
         "prompt_lookup_match": None,
     }
+    if graphed is not None:
+        record.update(plain_graphed_new_tokens=graphed.new_tokens, plain_graphed_match=None,
+                      plain_graphed_s={**graphed.timings, "wall_s": graphed_wall, "forwards": graphed.steps + 1})
     for name, (part, part_wall) in parts.items():
         record[name] = {"new_tokens": part.new_tokens, "steps": part.steps, "wall_s": part_wall,
                         "decode_s": part.timings["decode_s"], "match": None}
@@ -128,6 +137,8 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: TokenTree, gen:
             record["mismatch"] = mismatch_detail(model, input_ids, plain, drafted, position)
         if looked_up is not None:
             record["prompt_lookup_match"] = looked_up == plain
+        if graphed is not None:
+            record["plain_graphed_match"] = graphed.sequences[0, input_ids.shape[1]:].tolist() == plain
         for name, (part, _) in parts.items():
             record[name]["match"] = part.sequences[0, input_ids.shape[1]:].tolist() == plain
     return record, plain, input_ids
@@ -222,6 +233,8 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     eos = eos_token_ids(model.backbone)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     model.eval()
+    graphs = graphs_wanted(gen.cuda_graphs, model.lm_head.weight.device)
+    replayed = StaticSteps(model, graphs=True) if graphs else None  # captured in the warm-up turn, as a server at start
 
     lookup_settings = choose_prompt_lookup(model, tokenizer, prompts, baselines, eos, pad) \
         if baselines.prompt_lookup else None
@@ -229,7 +242,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     if warmup:
         short = DecodeConfig(**{**asdict(gen), "max_new_tokens": min(gen.max_new_tokens, WARMUP_TOKENS)})
         _generate_turn(model, tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], tree, short, eos, pad,
-                       lookup)
+                       lookup, replayed)
 
     records: list[dict] = []
     inputs: list[torch.Tensor] = []
@@ -240,7 +253,8 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         messages: list[dict] = []
         for turn, text in enumerate(prompt.turns[:turns], start=1):
             messages.append({"role": "user", "content": text})
-            record, plain, input_ids = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad, lookup)
+            record, plain, input_ids = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad, lookup,
+                                                      replayed)
             inputs.append(input_ids)
             conversations.append(list(messages))
             records.append({"id": prompt.id, "category": prompt.category, "turn": turn, **record})
@@ -265,13 +279,13 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         "device": str(model.lm_head.weight.device), "torch_threads": torch.get_num_threads(),
         "linear_layers": linear_path(model.backbone),
         "warmup": warmup, "cpu_load_average_at_start": round(load_at_start, 2),
-        "plain_decoding": f"HF transformers {_transformers_version()} generate, greedy"
-                          if gen.temperature == 0 else f"HF transformers {_transformers_version()} generate, sampled",
+        "plain_decoding": _plain_decoding(report["plain_reference"], gen.temperature),
         "prompt_lookup": lookup_settings,
-        "order": "per prompt: plain, prompt lookup, " + ("draft only, lookup only, " if tree.lookup_depth else "")
-                 + "draft",
-        "speedup": "draft tokens/s / plain (HF generate) tokens/s, wall clock of whole generations (prefill + "
-                   "decode); decode_speedup: decode time only, tokens after the first",
+        "order": "per prompt: plain, prompt lookup, " + ("plain graphed, " if graphs else "")
+                 + ("draft only, lookup only, " if tree.lookup_depth else "") + "draft",
+        "cuda_graphs": graphs, "graph_captures": replayed.captures if replayed else 0,
+        "speedup": f"tokens/s / {report['plain_reference']} tokens/s (the faster plain decoding), wall clock of "
+                   "whole generations (prefill + decode); decode_speedup: decode time only, tokens after the first",
         "accepted_length": "tokens after each reply's first / target forwards after its prefill",
     }
     report.update(tree_expectation(tree_spec, report["mean_accepted_length"]))
@@ -288,6 +302,14 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         if output_dir is not None:
             write_report(report, output_dir)
     return report
+
+
+def _plain_decoding(reference: str, temperature: float) -> str:
+    """What the speedups divide by, in words (``reference``: the report's ``plain_reference`` row)."""
+    how = "greedy" if temperature == 0 else "sampled"
+    if reference == "plain_graphed":
+        return f"plain decoding replayed from CUDA graphs, {how} (faster than HF generate here)"
+    return f"HF transformers {_transformers_version()} generate, {how}"
 
 
 def _transformers_version() -> str:

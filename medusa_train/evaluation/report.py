@@ -85,7 +85,7 @@ def headline_lines(report: dict) -> list[str]:
     methods = report.get("methods") or {}
     lines = []
     if "draft" in methods and "plain" in methods:
-        plain = methods["plain"]
+        plain = methods[report.get("plain_reference", "plain")]  # the faster plain decoding: what speedups divide by
         # the headline is the best decoder the run has: the tree as fitted, or its draft alone when that was faster
         best_key = max((k for k in ("draft", "draft_only") if k in methods), key=lambda k: methods[k]["tokens_per_s"])
         m = methods[best_key]

@@ -24,10 +24,14 @@ from collections import Counter
 DECODE_ROWS = {
     "plain": "HF transformers generate, greedy (one token per forward)",
     "prompt_lookup": "HF transformers generate with prompt lookup (drafts copied from the context; no training)",
+    "plain_graphed": "medusa-train decoder, the root alone (one token per forward, greedy) over a static cache, each "
+                     "step replayed from a CUDA graph: plain decoding as a server steps",
     "draft_only": "medusa-train tree decoder, the tree's nodes from {draft} alone (no lookup chain)",
     "lookup_chain": "medusa-train tree decoder, the tree's lookup chain alone (no {draft}; no training)",
     "draft": "medusa-train tree decoder with {draft}",
 }
+#: the rows that decode one token per forward: speedups divide by the faster of them (``plain_reference``)
+PLAIN_ROWS = ("plain", "plain_graphed")
 #: the draft row's description when its tree has a lookup chain
 HYBRID = "medusa-train tree decoder with {draft} and the lookup chain in one tree"
 
@@ -73,17 +77,24 @@ def method_rows(records: list[dict], draft: str = "the heads") -> dict[str, dict
                         "tokens": c["tokens"], "forwards_after_prefill": c["forwards"],
                         "tokens_per_s": c["tokens"] / max(c["wall_s"], 1e-9),
                         "decode_tokens_per_s": (c["tokens"] - n) / max(c["decode_s"], 1e-9)}
-    plain = rows["plain"]
+    plain = rows[plain_reference(rows)]
     for method, row in rows.items():
         row["speedup"] = row["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
         row["decode_speedup"] = row["decode_tokens_per_s"] / max(plain["decode_tokens_per_s"], 1e-9)
         if method in ("draft_only", "lookup_chain"):
             checked = [r[method]["match"] for r in records if r[method]["match"] is not None]
         else:
-            match_key = {"plain": None, "prompt_lookup": "prompt_lookup_match", "draft": "match"}[method]
+            match_key = {"plain": None, "prompt_lookup": "prompt_lookup_match", "plain_graphed": "plain_graphed_match",
+                         "draft": "match"}[method]
             checked = [r[match_key] for r in records if match_key and r.get(match_key) is not None]
         row["outputs"] = {"compared": len(checked), "identical": sum(checked)} if checked else None
     return rows
+
+
+def plain_reference(rows: dict[str, dict]) -> str:
+    """The plain decoding every speedup divides by: the faster of HF ``generate`` (``plain``) and, where it ran, the
+    graphed plain row (``plain_graphed``)."""
+    return max((m for m in PLAIN_ROWS if m in rows), key=lambda m: rows[m]["tokens_per_s"])
 
 
 def verify_step_tokens(records: list[dict]) -> float:
@@ -97,7 +108,7 @@ def _totals(records: list[dict], rows: dict[str, dict] | None = None) -> dict:
     """Accepted length, tokens/s and speedups of a group of per-prompt records (``rows``: their ``method_rows``,
     when already computed)."""
     rows = rows or method_rows(records)
-    draft, plain = rows["draft"], rows["plain"]
+    draft, plain = rows["draft"], rows[plain_reference(rows)]
     tokens, steps, n = draft["tokens"], draft["forwards_after_prefill"], len(records)
     checked = [r for r in records if r["match"] is not None]
     totals = {
@@ -126,7 +137,8 @@ def summarise(records: list[dict], num_heads: int, draft: str = "the heads") -> 
 
     Returns:
         ``mean_accepted_length`` (tokens per forward, see the module docstring), ``tokens_per_verify_step``,
-        ``speedup`` and ``decode_speedup`` (the heads over HF ``generate`` greedy), ``tokens_per_s`` and
+        ``speedup`` and ``decode_speedup`` (the heads over the faster plain decoding, ``plain_reference``: HF
+        ``generate`` greedy, or the graphed plain row where it ran and was faster), ``tokens_per_s`` and
         ``decode_tokens_per_s`` ({draft, plain}), ``methods`` (every in-process decoder's row, see
         ``method_rows``), ``mismatches`` (greedy outputs differing from plain decoding; ``None`` when
         sampling), split into ``mismatches_unexplained`` (must be 0) and ``mismatches_at_rounding`` (see
@@ -147,6 +159,7 @@ def summarise(records: list[dict], num_heads: int, draft: str = "the heads") -> 
         "tokens_per_s": overall["tokens_per_s"],
         "decode_tokens_per_s": overall["decode_tokens_per_s"],
         "methods": methods,
+        "plain_reference": plain_reference(methods),
         "mismatches": overall["mismatches"],
         "mismatches_unexplained": overall["mismatches_unexplained"],
         "mismatches_at_rounding": overall["mismatches_at_rounding"],

@@ -26,7 +26,8 @@ import torch
 
 from medusa_train.backbone.rows import linear_path
 from medusa_train.decoding.acceptance import greedy_accept
-from medusa_train.decoding.generate import compact_cache, propose, verify_tree
+from medusa_train.decoding.generate import compact_cache, propose, tree_pass
+from medusa_train.decoding.graphs import StaticSteps, graphs_wanted
 from medusa_train.decoding.tree import TokenTree
 
 AUTO_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
@@ -44,9 +45,17 @@ class CostCurve:
     plain_ms: float  #: one token: backbone + LM head + argmax
     generate_ms: float  #: Hugging Face ``generate``'s cost per greedy token after the first
     verify_ms: dict[int, float] = field(default_factory=dict)  #: tree nodes (root included) -> verify step
+    #: the backbone's passes replayed from CUDA graphs over a static cache (``decoding/graphs.py``), as a server's
+    graphs: bool = False
+
+    @property
+    def baseline_ms(self) -> float:
+        """What a plain token costs in the fastest plain decoding timed: ``generate``'s, or with graphs the graphed
+        plain step's when faster (the evaluation's "plain, graphed" row): what expected speedups divide by."""
+        return min(self.generate_ms, self.plain_ms) if self.graphs else self.generate_ms
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "baseline_ms": self.baseline_ms}
 
 
 @dataclass
@@ -86,17 +95,20 @@ def median_times(steps: Sequence[Callable[[], float | None]], repeats: int, warm
 
 class DecodeSteps:
     """One decode state at ``context`` cached tokens (a random prompt) and the steps timed from it, each
-    leaving the cache (and the heads' state) as it found it, so they can be repeated in any order."""
+    leaving the cache (and the heads' state) as it found it, so they can be repeated in any order. With
+    ``graphs`` (CUDA), the backbone's passes run over a static cache, each size replayed from its CUDA graph."""
 
     @torch.no_grad()
-    def __init__(self, model, context: int = 256, seed: int = 0):
+    def __init__(self, model, context: int = 256, seed: int = 0, graphs: bool = False, max_nodes: int = 128):
         from transformers import DynamicCache
 
         self.model, self.context = model, context
         self.device = device = model.lm_head.weight.device
         g = torch.Generator().manual_seed(seed)
         self.prompt = torch.randint(0, model.lm_head.weight.shape[0], (1, context), generator=g).to(device)
-        self.cache = DynamicCache()
+        self.graphs = StaticSteps(model, graphs=True) if graphs else None
+        self.cache = self.graphs.cache_for(context + max_nodes + 1) if graphs else DynamicCache()
+        self.backbone_pass = self.graphs or tree_pass
         self.out = model(self.prompt, past_key_values=self.cache, use_cache=True)
         self.dtype = self.out.hidden_states.dtype
         self.root = int(model.base_logits(self.out.hidden_states[:, -1])[0].argmax())  # the backbone's own next token
@@ -111,12 +123,33 @@ class DecodeSteps:
         """One token through the backbone, the LM head and argmax (``explicit_mask``: given a 4D mask, as
         the tree pass is, instead of the model's own causal mask)."""
         token = torch.tensor([[self.root]], device=self.device)
+        if self.graphs is not None:  # the 1-node graph: what a graphed decoder's plain step is
+            step = self.graphs(self.model, token[0], self._root_mask, self._root_offset, self.cache, self.context)
+            self.model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
+            self._back()
+            return
         extra = {} if not explicit_mask else {
             "attention_mask": torch.zeros(1, 1, 1, self.context + 1, dtype=self.dtype, device=self.device),
             "position_ids": torch.tensor([[self.context]], device=self.device)}
         step = self.model(token, past_key_values=self.cache, use_cache=True, **extra)
         self.model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
-        self.cache.crop(-1)
+        self._back()
+
+    @property
+    def _root_mask(self) -> torch.Tensor:
+        return TokenTree([]).attention_mask(self.dtype).to(self.device)
+
+    @property
+    def _root_offset(self) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.long, device=self.device)
+
+    def _back(self) -> None:
+        """The cache back to ``context`` tokens (a step's nodes dropped)."""
+        if self.graphs is None:
+            self.cache.crop(self.context - self.cache.get_seq_length())  # crop takes the tokens to drop, negated
+        else:
+            for layer in self.cache.layers:
+                layer.cumulative_length.fill_(self.context)
 
     def verify_step(self, tree: TokenTree) -> Callable[[], None]:
         """A full verify step over ``tree``: the draft's candidates (its own passes included: an EAGLE-3 draft runs
@@ -131,10 +164,11 @@ class DecodeSteps:
                              self.heads_state)
             if tree.lookup_depth:  # the chain's nodes cost the pass what any node does, whatever they hold
                 tokens = torch.cat([tokens, tokens.new_full((tree.lookup_depth,), self.root)])
-            _, logits = verify_tree(model, tokens, mask, offsets, self.cache, context)
+            logits = model.base_logits(self.backbone_pass(model, tokens, mask, offsets, self.cache,
+                                                          context).hidden_states[0])
             result = greedy_accept(tree, tokens, logits)
             compact_cache(self.cache, context, result.path)
-            self.cache.crop(-len(result.path))  # back to the same context for the next round
+            self._back()  # back to the same context for the next round
             self.heads_state.rewind(self.heads_read)
 
         return step
@@ -150,14 +184,17 @@ class DecodeSteps:
 
 
 def measure_cost_curve(model, trees: dict[int, TokenTree], context: int = 256, repeats: int = 10, warmup: int = 2,
-                       seed: int = 0, generate_tokens: int = 32) -> CostCurve:
+                       seed: int = 0, generate_tokens: int = 32, graphs: bool | None = False) -> CostCurve:
     """Time a plain step, ``generate``'s per-token cost and each tree's verify step at ``context`` tokens.
 
     Args:
         model: A ``MedusaModel`` on its device, in the dtype it will decode with (eval mode).
         trees: ``{nodes: tree}`` to time (e.g. prefixes of the fitted tree).
+        graphs: Time the backbone's passes replayed from CUDA graphs (CUDA only): what a graphed decoder pays;
+            None: where the model is on CUDA (``decoding.graphs.graphs_wanted``).
     """
-    steps = DecodeSteps(model, context, seed)
+    graphs = graphs_wanted(graphs, model.lm_head.weight.device)
+    steps = DecodeSteps(model, context, seed, graphs=graphs, max_nodes=max(trees, default=1))
     sizes = sorted(trees)
     # generate takes its turn in every round too: timed apart, machine drift alone moved the expected
     # speedup by 10-20% (generate 56 ms per token against a 48 ms plain step in one curve, 43 against 48 in another)
@@ -166,7 +203,8 @@ def measure_cost_curve(model, trees: dict[int, TokenTree], context: int = 256, r
     linears = "" if steps.device.type == "cuda" else f", {linear_path(model.backbone)}"
     return CostCurve(device=device_name(steps.device) + linears, dtype=str(steps.dtype).removeprefix("torch."),
                      threads=torch.get_num_threads(), context=context, repeats=repeats, plain_ms=seconds[0] * 1e3,
-                     generate_ms=seconds[1] * 1e3, verify_ms={n: s * 1e3 for n, s in zip(sizes, seconds[2:])})
+                     generate_ms=seconds[1] * 1e3, verify_ms={n: s * 1e3 for n, s in zip(sizes, seconds[2:])},
+                     graphs=graphs)
 
 
 def nondecreasing(verify_ms: dict[int, float], start: int = 2) -> dict[int, float]:
@@ -193,7 +231,7 @@ def choose_tree_size(curve: CostCurve, expected: dict[int, float]) -> tuple[int,
     rows = [SizeChoice(nodes=n, expected_accept_length=expected[n], verify_ms=cost[n],
                        relative_cost=cost[n] / curve.plain_ms,
                        expected_tokens_per_s=expected[n] / cost[n] * 1e3,
-                       expected_speedup=expected[n] * curve.generate_ms / cost[n])
+                       expected_speedup=expected[n] * curve.baseline_ms / cost[n])
             for n in sorted(cost) if n in expected]
     if not rows:
         raise ValueError("no tree size has both a measured cost and an expected accepted length")

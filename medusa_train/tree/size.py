@@ -248,10 +248,11 @@ def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int, split: Lo
     where = ", the mean context answering the evaluation's prompts" if cfg.cost_context == "auto" else ""
     print(f"nodes=auto: timing a plain step, generate and a verify step at {len(sizes)} tree sizes "
           f"({context} cached tokens{where}, {cfg.cost_repeats} rounds)", flush=True)
-    curve = measure_cost_curve(model, trees, context, cfg.cost_repeats)
+    curve = measure_cost_curve(model, trees, context, cfg.cost_repeats, graphs=cfg.cuda_graphs)
     best, rows = choose_tree_size(curve, {n: expected for n, (expected, _) in splits.items()})
-    print(f"cost on {curve.device}, {curve.dtype}: plain step {curve.plain_ms:.1f} ms, generate "
-          f"{curve.generate_ms:.1f} ms per token")
+    print(f"cost on {curve.device}, {curve.dtype}{', CUDA graphs' if curve.graphs else ''}: plain step "
+          f"{curve.plain_ms:.1f} ms, generate {curve.generate_ms:.1f} ms per token; speedups over "
+          f"{curve.baseline_ms:.1f} ms (the faster plain decoding)")
     print("| nodes | lookup nodes | expected accepted length | verify step timed (ms) | fitted (ms) | relative cost | "
           "expected tokens/s | expected speedup |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -265,6 +266,8 @@ def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int, split: Lo
              "expected_tokens_per_s": round(chosen.expected_tokens_per_s, 2),
              "cost_curve": {"context": curve.context, "repeats": curve.repeats, "threads": curve.threads,
                             "plain_ms": round(curve.plain_ms, 3), "generate_ms": round(curve.generate_ms, 3),
+                            # CUDA graphs (decoding/graphs.py); speedups divide by baseline_ms, the faster plain
+                            "graphs": curve.graphs, "baseline_ms": round(curve.baseline_ms, 3),
                             "verify_ms": {int(n): round(ms, 3) for n, ms in curve.verify_ms.items()},
                             # what the choice used: the timings made non-decreasing in size (noise pooled)
                             "verify_ms_fitted": {r.nodes: round(r.verify_ms, 3) for r in rows}},

@@ -135,6 +135,31 @@ def test_a_static_cache_decodes_what_the_dynamic_one_does(arch, attn):
         tree_generate(model, ids, "default", max_new_tokens=3, kv_cache="static", cuda_graphs=True)
 
 
+def test_one_static_cache_kept_across_generations_decodes_what_a_fresh_dynamic_one_does():
+    """``StaticSteps`` (what an evaluation decodes every prompt with: one static cache reset in place between
+    generations, grown when a text needs more room): every generation, trees of several sizes in turn and a text
+    longer than the cache had room for, gives the tokens and steps of a fresh dynamic cache."""
+    from medusa_train.decoding.graphs import StaticSteps
+
+    backbone = make_tiny_backbone("llama", seed=6)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    steps = StaticSteps(model, length_step=32)
+    trees = (TokenTree([]), TokenTree.from_name("small").with_lookup(4), TokenTree.from_name("default"))  # growing
+    lengths = []
+    for i, ids in enumerate(prompts(3, seed=11)):
+        reference = hf_greedy(backbone, ids, 40, eos_token_id=[])
+        install_oracle_heads(model, reference, seed=i)
+        for tree in trees:
+            for new_tokens in (20, 40):  # the second needs more room than the first left (32-token steps)
+                dynamic = tree_generate(model, ids, tree, max_new_tokens=new_tokens, eos_token_id=[])
+                kept = tree_generate(model, ids, tree, max_new_tokens=new_tokens, eos_token_id=[], steps=steps)
+                assert kept.sequences.tolist() == dynamic.sequences.tolist() == reference[:, :ids.shape[1] + new_tokens].tolist()
+                assert kept.accept_lengths == dynamic.accept_lengths, (i, tree.num_nodes, new_tokens)
+                lengths.append(steps.length)
+    assert max(dynamic.accept_lengths) >= 2 and len(set(lengths)) >= 2  # paths of several nodes; the cache grew
+    assert steps.backbone_pass is None and steps.captures == 0  # no graphs on the CPU
+
+
 def test_oracle_paths_take_side_branches():
     """The accepted nodes are not always a prefix of the node order, so KV entries really move."""
     model, ids, ref = oracle_model("llama", seed=4, prompt_seed=7)

@@ -60,6 +60,25 @@ def test_every_row_counts_tokens_per_forward_after_the_prefill(loaded):
     assert report["settings"]["prompt_lookup"] == {"num_tokens": 5, "max_matching_ngram_size": 2, "sweep": [],
                                                    "swept_on": 0}
     assert report["settings"]["plain_decoding"].startswith("HF transformers ")
+    # no CUDA here: no graphs, so HF generate is the plain decoding every speedup divides by
+    assert report["plain_reference"] == "plain" and report["settings"]["cuda_graphs"] is False
+
+
+def test_speedups_divide_by_the_faster_plain_decoding():
+    """Where the graphed plain row ran (CUDA), every speedup divides by whichever plain row was faster."""
+    from medusa_train.evaluation.summary import method_rows, plain_reference
+
+    def record(plain_s: float, graphed_s: float) -> dict:
+        timing = lambda s: {"wall_s": s, "decode_s": s * 0.9, "forwards": 11}  # noqa: E731
+        return {"new_tokens": 11, "steps": 4, "draft_s": {"wall_s": 1.0, "decode_s": 0.9}, "match": True,
+                "plain_new_tokens": 11, "plain_s": timing(plain_s), "prompt_lookup_s": None,
+                "plain_graphed_new_tokens": 11, "plain_graphed_s": timing(graphed_s), "plain_graphed_match": True}
+
+    for plain_s, graphed_s, reference in ((2.0, 1.0, "plain_graphed"), (1.0, 2.0, "plain")):
+        rows = method_rows([record(plain_s, graphed_s)])
+        assert plain_reference(rows) == reference and rows[reference]["speedup"] == 1.0
+        assert rows["draft"]["speedup"] == pytest.approx(rows["draft"]["tokens_per_s"] / rows[reference]["tokens_per_s"])
+        assert rows["plain_graphed"]["outputs"] == {"compared": 1, "identical": 1}
 
 
 def test_the_first_lines_say_what_the_heads_buy_over_the_best_free_baseline(loaded):

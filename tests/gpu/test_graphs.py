@@ -40,7 +40,54 @@ def test_graphed_decoding_is_eager_decoding(arch):
     assert max(lengths) >= 2  # steps of several nodes were replayed
 
 
+def test_graphs_captured_once_serve_every_generation():
+    """One ``StaticSteps(graphs=True)`` for several prompts and trees, as an evaluation keeps it: each tree size is
+    captured once (again only when the cache grows) and every generation equals eager decoding."""
+    from medusa_train.decoding.graphs import StaticSteps
+
+    backbone = make_tiny_backbone("llama", seed=6)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    perturb_heads(model, seed=3, scale=0.01)
+    model.cuda()
+    steps = StaticSteps(model, graphs=True)
+    trees = (TokenTree([]), TokenTree.from_name("small").with_lookup(4), TokenTree.from_name("default"))
+    for ids in prompts(3, seed=11):
+        ids = ids.cuda()
+        for tree in trees:
+            eager = tree_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[])
+            graphed = tree_generate(model, ids, tree, max_new_tokens=30, eos_token_id=[], steps=steps)
+            assert graphed.sequences.tolist() == eager.sequences.tolist()
+            assert graphed.accept_lengths == eager.accept_lengths
+    assert steps.captures == len({t.num_nodes for t in trees}) and steps.length == 1024
+
+
 def test_graphs_need_cuda_and_a_static_cache():
-    model = MedusaModel.from_backbone(make_tiny_backbone("llama"), num_heads=2).cuda()
+    model = MedusaModel.from_backbone(make_tiny_backbone("llama"), num_heads=4).cuda()
     with pytest.raises(ValueError, match="kv_cache='static'"):
         tree_generate(model, prompts(1)[0].cuda(), "default", max_new_tokens=3, cuda_graphs=True)
+
+
+def test_evaluate_on_cuda_decodes_plain_graphed_beside_generate_and_divides_by_the_faster(tmp_path):
+    """On CUDA an evaluation decodes with graphs by default (generation.cuda_graphs null): the "plain, graphed" row
+    beside HF generate, every graphed output equal to plain greedy (float32), each tree size captured once for the
+    whole run (in its warm-up), and every speedup divided by the faster plain row."""
+    from helpers.training import make_model_dir
+
+    from medusa_train import load_backbone
+    from medusa_train.data.benchmarks import BenchPrompt
+    from medusa_train.evaluation.evaluate import evaluate
+
+    backbone, tokenizer = load_backbone(str(make_model_dir(tmp_path / "model")), dtype="float32", device_map="cuda")
+    model = MedusaModel.from_backbone(backbone, num_heads=2).cuda().eval()
+    perturb_heads(model, seed=3, scale=0.01)
+    prompts_ = [BenchPrompt("r", "extraction", ["the cat sat on the mat. the cat sat on the mat. the cat"]),
+                BenchPrompt("w", "writing", ["Hello there! How are you today?", "Now say it again."])]
+    report = evaluate(model, tokenizer, prompts_, [[0], [1], [0, 0]], max_new_tokens=24, progress=False)
+    rows, n = report["methods"], len(report["per_prompt"])
+    assert report["settings"]["cuda_graphs"] is True and report["settings"]["graph_captures"] == 2  # 1 and 4 nodes
+    assert rows["plain_graphed"]["tokens_per_forward"] == 1.0
+    assert rows["plain_graphed"]["outputs"] == {"compared": n, "identical": n}
+    assert rows["draft"]["outputs"] == {"compared": n, "identical": n}
+    reference = max(("plain", "plain_graphed"), key=lambda m: rows[m]["tokens_per_s"])
+    assert report["plain_reference"] == reference
+    assert report["speedup"] == rows["draft"]["tokens_per_s"] / rows[reference]["tokens_per_s"]

@@ -71,6 +71,12 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     sizes = auto_sizes(16, len(full) + 1)
     assert sorted(data["cost_curve"]["verify_ms"]) == sizes and data["dtype"] == "float32"
     assert data["device"].startswith(f"{device} (")
+    # on CUDA the steps are timed replayed from CUDA graphs, as evaluate decodes there, and speedups divide by the
+    # faster plain decoding; elsewhere by HF generate
+    curve_ = data["cost_curve"]
+    assert curve_["graphs"] is (device == "cuda")
+    assert curve_["baseline_ms"] == pytest.approx(min(curve_["generate_ms"], curve_["plain_ms"]) if device == "cuda"
+                                                  else curve_["generate_ms"], abs=1e-3)
     fitted = data["cost_curve"]["verify_ms_fitted"]
     assert fitted == pytest.approx(nondecreasing(data["cost_curve"]["verify_ms"]), abs=1e-3)  # YAML rounds to 3 places
     assert all(fitted[a] <= fitted[b] for a, b in zip(sizes[1:], sizes[2:]))  # non-decreasing from 2 nodes
