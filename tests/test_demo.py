@@ -71,7 +71,7 @@ def test_a_larger_distillation_starts_from_the_largest_finished_smaller_one_and_
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["recipe=medusa3"], "recipe='medusa3': must be medusa1, medusa2 or eagle3"),
+    (["recipe=medusa3"], "recipe='medusa3': must be medusa1, medusa2, eagle3 or peagle"),
     (["recipe=eagle3"], "train.experiment='demo': recipe=eagle3 trains with its own preset: add train.experiment=eagle3"),
     (["train.dtype=float16"], "train.dtype='float16': must be one of auto, float32, bfloat16 (or fp32, bf16)"),
     (["recipe=medusa2", 'train.overrides=["trainer.epochs=6"]', "medusa2.stage1_epochs=6"],

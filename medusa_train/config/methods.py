@@ -91,6 +91,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            demo_stages="medusa_train.families.medusa.demo"),
     Method("eagle3", family="eagle3", recipe="medusa_train.families.eagle3.recipe:Eagle3Recipe", settings="eagle3",
            experiment="eagle3", problems=eagle3_problems),
+    # P-EAGLE trains as EAGLE-3 does (its settings, its loss), each chained step a masked slot (families/peagle)
+    Method("peagle", family="peagle", recipe="medusa_train.families.eagle3.recipe:Eagle3Recipe", settings="eagle3",
+           experiment="eagle3", problems=eagle3_problems),
 )}
 
 
@@ -100,5 +103,5 @@ def method_named(name: str) -> Method:
 
 
 def method_choices() -> str:
-    """``must be medusa1, medusa2 or eagle3``: the methods there are, for a message."""
+    """``must be medusa1, medusa2, eagle3 or peagle``: the methods there are, for a message."""
     return one_of(METHODS)

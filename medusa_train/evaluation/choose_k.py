@@ -22,6 +22,7 @@ from pathlib import Path
 
 from medusa_train.config.choose_k import ChooseKConfig
 from medusa_train.config.paths import unwritable
+from medusa_train.model.contract import vllm_speculation
 from medusa_train.model.folder import CHAT_TEMPLATE_NAME, DRAFT_SERVER, PLAIN_SERVER, SERVING_NAME
 
 
@@ -170,8 +171,8 @@ def measure_k(k: int, export: Path, served_model: str, conversations: Sequence[l
     it."""
     from medusa_train.model.load import read_exported_draft
 
-    method = read_exported_draft(export).family.vllm_method
-    spec = {"method": method, "model": str(export.resolve()), "num_speculative_tokens": k} if k else None
+    speculation = vllm_speculation(read_exported_draft(export).family.config)
+    spec = {**speculation, "model": str(export.resolve()), "num_speculative_tokens": k} if k else None
     return measure_server_row(PLAIN_SERVER if not k else DRAFT_SERVER, k, spec, export, served_model, conversations, eos, cfg)
 
 

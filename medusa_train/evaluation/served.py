@@ -29,6 +29,7 @@ from pathlib import Path
 from medusa_train.config.engine import ServedConfig, ServerConfig
 from medusa_train.engine import EngineClient, attach, serve
 from medusa_train.engine.client import run_concurrently
+from medusa_train.model.contract import vllm_speculation
 
 WARMUP_TOKENS = 8
 COUNTER_SETTLE_S = 1.0
@@ -49,7 +50,7 @@ def free_configs(ngram_tokens: int = 4, suffix: bool = True) -> dict[str, dict]:
 
 
 def speculative_configs(export_dir: str | Path | None, depth: int, served: ServedConfig,
-                        method: str = "medusa", suffix: bool = True) -> dict[str, dict | None]:
+                        speculation: dict | None = None, suffix: bool = True) -> dict[str, dict | None]:
     """``{row: --speculative-config}``: ``plain`` (none), ``ngram``, ``suffix`` (when ``suffix``: the engine has
     it), ``draft`` (the trained draft's row: the export, served with vLLM's ``method``, its family's; left out when
     ``export_dir`` is ``None`` and no ``served.draft_url`` is given: a draft with no vLLM form still gets the free
@@ -64,7 +65,7 @@ def speculative_configs(export_dir: str | Path | None, depth: int, served: Serve
         configs["suffix"] = free["suffix"]
     if export_dir is not None or served.draft_url:
         model = str(Path(export_dir).resolve()) if export_dir is not None else None
-        configs["draft"] = {"method": method, "model": model,
+        configs["draft"] = {**(speculation or {"method": "medusa"}), "model": model,
                              "num_speculative_tokens": served.num_speculative_tokens or depth}
     return configs
 
@@ -122,14 +123,16 @@ def measure_server(client: EngineClient, conversations: Sequence[list[dict]], ma
 def serve_and_measure(base_model: str, export_dir: str | Path | None, depth: int,
                       conversations: Sequence[list[dict]], *, dtype: str, max_tokens: int, eos: Sequence[int],
                       served: ServedConfig, server: ServerConfig, log_dir: str | Path, seed: int = 0,
-                      chat_template: str | Path | None = None, progress: bool = True, method: str = "medusa") -> dict:
+                      chat_template: str | Path | None = None, progress: bool = True,
+                      speculation: dict | None = None) -> dict:
     """Measure each row (see ``speculative_configs``): on the server at its ``served.<row>_url``, or on one
     started for it and stopped after.
 
     Args:
         chat_template: A template file the started servers render prompts with (``--chat-template``; the
             heads' own template); ``None``: the served model's.
-        method: vLLM's speculative method for the export (``medusa`` | ``eagle3``).
+        speculation: the export's ``--speculative-config`` but its path and K (``model.contract.vllm_speculation``:
+            its family's method and options; None: ``medusa``).
 
     Returns:
         ``{"servers": {row: {"speculative_config", "attached", "url", "startup_s", "command", "phases":
@@ -140,7 +143,7 @@ def serve_and_measure(base_model: str, export_dir: str | Path | None, depth: int
         not_served["suffix"] = why
         if progress:
             print(f"[medusa_train] vLLM suffix: not served: {why}", flush=True)
-    for name, spec in speculative_configs(export_dir, depth, served, method, "suffix" not in not_served).items():
+    for name, spec in speculative_configs(export_dir, depth, served, speculation, "suffix" not in not_served).items():
         url = served.url(name)
         if url:
             client = attach(url, timeout=server.request_timeout)
@@ -235,5 +238,5 @@ def served_runner(cfg, heads, model, tokenizer, output_dir: str):
         return serve_and_measure(base_model, export, model.config.depth, conversations, dtype=cfg.model.dtype,
                                  max_tokens=cfg.generation.max_new_tokens, eos=eos, served=cfg.served,
                                  server=cfg.server, log_dir=output_dir, seed=cfg.generation.seed,
-                                 chat_template=template, progress=cfg.progress, method=model.config.vllm_method)
+                                 chat_template=template, progress=cfg.progress, speculation=vllm_speculation(model.config))
     return served

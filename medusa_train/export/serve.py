@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from medusa_train.backbone.merge import MERGED_DIR
+from medusa_train.model.contract import vllm_speculation
 from medusa_train.model.files import resolve_base_model
 from medusa_train.model.folder import CHAT_TEMPLATE_NAME, DRAFT_SERVER, PLAIN_SERVER, SERVING_NAME
 from medusa_train.model.load import read_exported_draft
@@ -61,7 +62,7 @@ def serve_command(path, draft=None) -> str:
         k = 1
         lines.append(f"K=1 until measured: choose K in 1..{depth} with `medusa-train choose-k "
                      f"draft={path}` (one server per K; it writes {SERVING_NAME} here)")
-    spec = json.dumps({"method": found.family.vllm_method, "model": str(path.resolve()), "num_speculative_tokens": k})
+    spec = json.dumps({**vllm_speculation(found.family.config), "model": str(path.resolve()), "num_speculative_tokens": k})
     lines.append(f"vllm serve {base} --dtype {dtype}{template} --speculative-config '{spec}'")
     lines.append(f"  (vLLM's CPU build, whose `vllm` script is broken: python -m vllm.entrypoints.openai.api_server "
                  f"--model {base} --dtype {dtype}{template} --enforce-eager --speculative-config '{spec}')")

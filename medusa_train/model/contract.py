@@ -30,6 +30,7 @@ class DraftConfig(Protocol):
     base_model_name_or_path: str | None  #: the backbone it was trained on
     dtype: str  #: the dtype its weights were saved in
     vllm_method: str  #: vLLM's ``--speculative-config`` method that serves it
+    vllm_options: dict  #: what else its ``--speculative-config`` says (P-EAGLE: ``parallel_drafting``)
     draft_name: str  #: what proposes the tree's tokens, in reports ("the heads", "the EAGLE-3 draft")
     vllm_export_differs: bool  #: whether what vLLM serves differs from what our decoder runs
 
@@ -124,3 +125,9 @@ def final_hidden_states(backbone) -> Callable[[torch.Tensor, torch.Tensor], torc
         return decoder(input_ids=input_ids.to(first), attention_mask=attention_mask.to(first)).last_hidden_state
 
     return hidden_fn
+
+
+def vllm_speculation(config) -> dict:
+    """The ``--speculative-config`` of a draft of ``config`` (a config or its class) but its path and K: its method and
+    options."""
+    return {"method": config.vllm_method, **config.vllm_options}

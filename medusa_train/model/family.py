@@ -22,6 +22,7 @@ from medusa_train.config.check import table_row
 from medusa_train.families.eagle3.config import Eagle3Config, eagle3_captured, eagle3_layout
 from medusa_train.families.medusa.config import MedusaConfig
 from medusa_train.families.medusa.layouts import MEDUSA_FILES, medusa_layout
+from medusa_train.families.peagle.config import PEagleConfig, peagle_layout
 from medusa_train.model.contract import CapturedStates, final_hidden_states
 
 
@@ -90,6 +91,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            captured=lambda settings: CapturedStates(final_hidden_states),
            converter="medusa_train.families.medusa.export:export_medusa_folder", files=MEDUSA_FILES,
            options="medusa_train.families.medusa.export:option_problems"),
+    # before eagle3: a P-EAGLE folder is an EAGLE-3 folder plus a mask token, which eagle3's detect would also take
+    Family("peagle", config=PEagleConfig, model="medusa_train.families.peagle.model:PEagleModel",
+           layouts=("native", "vllm"), served_layout="vllm", chains_any_k=False, detect=peagle_layout,
+           captured=eagle3_captured, converter="medusa_train.families.peagle.model:export_peagle_folder"),
     Family("eagle3", config=Eagle3Config, model="medusa_train.families.eagle3.model:Eagle3Model",
            layouts=("native", "vllm"), served_layout="vllm", chains_any_k=True, detect=eagle3_layout,
            captured=eagle3_captured, converter="medusa_train.families.eagle3.model:export_eagle3_folder"),

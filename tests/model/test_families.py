@@ -71,7 +71,14 @@ def oracle_eagle3(model, reference: torch.Tensor) -> None:
     model.draft.logits = logits
 
 
-ORACLES = {"medusa": oracle_medusa, "eagle3": oracle_eagle3}
+def oracle_peagle(model, reference: torch.Tensor) -> None:
+    """The draft's one pass a step: its row d (the root's, then each masked slot's) scores the reference's token d + 2
+    past the last verified position first."""
+    scores = _oracle_scores(model, reference, model.config.draft_vocab_size, model.draft_indices)
+    model.draft.logits = lambda normed: torch.cat([scores(1, d + 1) for d in range(normed.reshape(-1, normed.shape[-1]).shape[0])])
+
+
+ORACLES = {"medusa": oracle_medusa, "eagle3": oracle_eagle3, "peagle": oracle_peagle}
 
 
 def test_every_registered_family_has_an_oracle_and_a_method_that_trains_it():

@@ -98,6 +98,7 @@ class Eagle3Config:
         return Eagle3Config.from_dict(config).depth
 
     vllm_method = FORMAT  #: vLLM's ``--speculative-config`` method that serves it
+    vllm_options = {}  #: nothing else in its ``--speculative-config`` (a class constant, never changed)
     draft_name = "the EAGLE-3 draft"  #: what proposes the tree's tokens, in reports
     vllm_export_differs = False  #: vLLM serves exactly this draft (its layout is ours)
 
@@ -108,6 +109,10 @@ class Eagle3Config:
     def layout_problem(self, layout: str) -> str | None:
         """None: its one layout is vLLM's, which ``native`` and ``vllm`` both name."""
         return None
+
+    def draft_module(self, token_map: torch.Tensor | None = None) -> nn.Module:
+        """The draft's weights and layer for this config (a variant's own module in a subclass)."""
+        return Eagle3Draft(self, token_map)
 
     @property
     def head_vocab_size(self) -> int:

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from medusa_train.backbone.load import backbone_reference
 from medusa_train.config.check import FileProblem
-from medusa_train.families.eagle3.config import D2T_KEY, Eagle3Config, Eagle3Draft
+from medusa_train.families.eagle3.config import D2T_KEY, Eagle3Config
 from medusa_train.model.files import WEIGHTS_NAME, check_tensors, read_config_json, resolve_base_model
 
 
@@ -65,13 +65,15 @@ class Eagle3DecodeState:
 class Eagle3Model(nn.Module):
     """A causal LM backbone plus an EAGLE-3 draft reading three of its hidden states."""
 
+    config_class = Eagle3Config  #: the config it is built from and saved with (a variant's, in a subclass)
+
     def __init__(self, backbone: PreTrainedModel, config: Eagle3Config, token_map: torch.Tensor | None = None):
         super().__init__()
         _check_compatible(backbone, config)
         self.backbone = backbone
         self.config = config
         weight = backbone.get_output_embeddings().weight
-        self.draft = Eagle3Draft(config, token_map).to(device=weight.device, dtype=getattr(torch, config.dtype))
+        self.draft = config.draft_module(token_map).to(device=weight.device, dtype=getattr(torch, config.dtype))
 
     @classmethod
     def from_backbone(cls, backbone: PreTrainedModel, token_map: torch.Tensor | None = None,
@@ -88,8 +90,8 @@ class Eagle3Model(nn.Module):
             ttt_steps: Draft steps trained in a chain (training-time test).
             dtype: The draft's weight dtype.
         """
-        config = Eagle3Config.for_backbone(backbone, None if token_map is None else len(token_map), aux_layer_ids,
-                                           intermediate_size, ttt_steps, dtype, backbone_reference(backbone))
+        config = cls.config_class.for_backbone(backbone, None if token_map is None else len(token_map), aux_layer_ids,
+                                               intermediate_size, ttt_steps, dtype, backbone_reference(backbone))
         return cls(backbone, config, token_map)
 
     # ----------------------------------------------------------------------------- what the decoder asks
@@ -226,7 +228,7 @@ class Eagle3Model(nn.Module):
         draft, seq = self.draft, input_ids.shape[1]
         feature, keys, values = draft.features(aux.detach()), [], []
         for s in range(steps):
-            tokens = nn.functional.pad(input_ids[:, s + 1:], (0, s + 1), value=0)
+            tokens, feature = self.step_inputs(s, input_ids, feature)
             positions = (torch.arange(seq, device=input_ids.device) + s)[None].expand(input_ids.shape[0], -1)
             with torch.no_grad():
                 embeds = self.backbone.get_input_embeddings()(tokens)
@@ -240,6 +242,11 @@ class Eagle3Model(nn.Module):
                 attended = chained_attention(draft, q, keys, values, attention_mask)
             normed, feature = draft.finish(attended, residual)
             yield normed
+
+    def step_inputs(self, s: int, input_ids: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chained step ``s``'s tokens and features at every row: the text's ``x[p + s + 1]`` and ``feature`` (the
+        backbone's at step 0, the step before's pre-norm output after it)."""
+        return nn.functional.pad(input_ids[:, s + 1:], (0, s + 1), value=0), feature
 
     def draft_indices(self, tokens: torch.Tensor) -> torch.Tensor:
         """Each token's index among the draft's outputs, -1 for one it never guesses."""
@@ -291,7 +298,7 @@ class Eagle3Model(nn.Module):
 
         directory = Path(directory)
         raw = read_config_json(directory) if stored_config is None else stored_config
-        config = Eagle3Config.from_dict(raw)
+        config = cls.config_class.from_dict(raw)
         tensors = load_file(str(directory / WEIGHTS_NAME))
         if backbone is None:
             if not config.base_model_name_or_path:
@@ -316,7 +323,7 @@ def required_tensors(config: Eagle3Config, tensors: dict, directory) -> dict[str
     the whole vocabulary (a smaller draft vocabulary without it would propose token ids 0..N-1: refused here, naming
     the file and key)."""
     with torch.device("meta"):  # the shapes its config implies, without allocating them
-        expected = {k: tuple(v.shape) for k, v in Eagle3Draft(config).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in config.draft_module().state_dict().items()}
     if D2T_KEY not in tensors:
         if config.draft_vocab_size != config.vocab_size:
             raise FileProblem(f"{Path(directory) / WEIGHTS_NAME}: no {D2T_KEY}, the map of its {config.draft_vocab_size:,}"
@@ -355,7 +362,8 @@ def chained_attention(draft, q: torch.Tensor, keys: list[torch.Tensor], values: 
     return out
 
 
-def export_eagle3_folder(draft: str | os.PathLike, output: str | os.PathLike, format: str, **_) -> Path:
+def export_eagle3_folder(draft: str | os.PathLike, output: str | os.PathLike, format: str,
+                         config_class: type = Eagle3Config, **_) -> Path:
     """Convert a draft folder to ``format`` (``native`` or ``vllm``: one layout, vLLM's): its files, checked against
     its config and written anew, with the chat template it carries (``export.write.export_folder`` asks the family)."""
     from safetensors.torch import load_file
@@ -364,7 +372,7 @@ def export_eagle3_folder(draft: str | os.PathLike, output: str | os.PathLike, fo
 
     config = read_config_json(draft)
     tensors = load_file(str(Path(draft) / WEIGHTS_NAME))
-    check_tensors(tensors, required_tensors(Eagle3Config.from_dict(config), tensors, draft),
+    check_tensors(tensors, required_tensors(config_class.from_dict(config), tensors, draft),
                   str(Path(draft) / WEIGHTS_NAME))
     return write_heads_folder(output, {WEIGHTS_NAME: tensors}, config, chat_template=read_chat_template(draft),
                               option="output")

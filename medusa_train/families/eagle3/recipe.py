@@ -53,7 +53,7 @@ class Eagle3Recipe:
             loop.say(acc, choice)
         self.model = build_draft(cfg, backbone, acc.device, token_map)
         c = self.model.config
-        loop.say(acc, f"EAGLE-3 draft: reads layers {c.aux_layer_ids} of {c.num_target_layers}, "
+        loop.say(acc, f"{c.draft_name}: reads layers {c.aux_layer_ids} of {c.num_target_layers}, "
                       f"{c.draft_vocab_size:,}-token draft vocabulary, {cfg.eagle3.ttt_steps} chained steps trained")
         self.validation = validation_walk.prepare(cfg, acc, self.tokenizer, backbone, captured_for(cfg), has_layers)
         states = captured_states(backbone, self.model.config.aux_layer_ids) if cfg.data.cache_hidden_states else None
@@ -135,13 +135,15 @@ def draft_vocabulary(cfg: TrainConfig, backbone, train: list[dict]) -> tuple[tor
 
 
 def build_draft(cfg: TrainConfig, backbone, device: torch.device, token_map: torch.Tensor | None):
-    """A fresh float32 draft on ``backbone`` (frozen), scoring ``token_map``'s tokens (``draft_vocabulary``; ``None``:
+    """A fresh float32 draft of the method's family on ``backbone`` (frozen), scoring ``token_map``'s tokens (``draft_vocabulary``; ``None``:
     the whole vocabulary)."""
-    from medusa_train.families.eagle3.model import Eagle3Model
+    from medusa_train.config.methods import method_named
+    from medusa_train.model.family import family_named
 
     e = cfg.eagle3
     backbone.requires_grad_(False)
-    model = Eagle3Model.from_backbone(backbone, token_map=token_map, aux_layer_ids=e.aux_layer_ids,
+    model_class = family_named(method_named(cfg.method).family).model_class()  # EAGLE-3's, or a variant's (P-EAGLE)
+    model = model_class.from_backbone(backbone, token_map=token_map, aux_layer_ids=e.aux_layer_ids,
                                       intermediate_size=e.intermediate_size, ttt_steps=e.ttt_steps, dtype="float32")
     model.config.base_model_name_or_path = str(cfg.model.name_or_path)
     model.draft.requires_grad_(True)

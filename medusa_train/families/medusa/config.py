@@ -75,6 +75,7 @@ class MedusaConfig:
         return k + 1 if self.path_input else 1
 
     vllm_method = "medusa"  #: vLLM's ``--speculative-config`` method that serves them
+    vllm_options = {}  #: nothing else in their ``--speculative-config``
     draft_name = "the heads"  #: what proposes the tree's tokens, in reports
 
     @property

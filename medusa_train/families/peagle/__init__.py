@@ -1,0 +1,1 @@
+"""P-EAGLE: an EAGLE-3 draft that proposes K tokens in one pass (parallel drafting)."""
