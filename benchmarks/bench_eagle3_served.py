@@ -28,10 +28,11 @@ import torch
 
 
 def fit_draft(backbone, tokenizer, conversations: list[list[dict]], max_tokens: int, depth: int, steps: int,
-              vocab: int = 4096, seed: int = 0):
+              vocab: int = 4096, seed: int = 0, model_class=None):
     """An EAGLE-3 draft (a ``vocab``-token draft vocabulary, ``depth`` chained steps) fitted with training-time test,
     ``steps`` AdamW steps on the backbone's own greedy replies to ``conversations`` (``max_tokens + depth`` tokens),
-    in eval mode: an upper bound on acceptance on those prompts, not a trained draft."""
+    in eval mode: an upper bound on acceptance on those prompts, not a trained draft. ``model_class``: EAGLE-3's
+    (None) or a variant's trained the same way (``PEagleModel``: each chained step a masked slot)."""
     from medusa_train.backbone.generation import encode_chat
     from medusa_train.families.eagle3.loss import ttt_loss
     from medusa_train.families.eagle3.model import Eagle3Model
@@ -49,8 +50,8 @@ def fit_draft(backbone, tokenizer, conversations: list[list[dict]], max_tokens: 
     for i, (start, text) in enumerate(texts):
         ids[i, :len(text)], mask[i, :len(text)], labels[i, start:len(text)] = text, 1, text[start:]
     torch.manual_seed(seed)
-    model = Eagle3Model.from_backbone(backbone, token_map=most_frequent_tokens(labels, vocab, backbone.config.vocab_size),
-                                      ttt_steps=depth)
+    model = (model_class or Eagle3Model).from_backbone(
+        backbone, token_map=most_frequent_tokens(labels, vocab, backbone.config.vocab_size), ttt_steps=depth)
     with torch.no_grad():
         states = model(ids, attention_mask=mask)
     optimizer = torch.optim.AdamW(model.draft.parameters(), lr=1e-2)
