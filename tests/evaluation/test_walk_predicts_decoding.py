@@ -15,14 +15,14 @@ from helpers.training import compose_config, read_metrics
 
 pytestmark = [pytest.mark.slow]
 
-PROMPTS = 8
+PROMPTS = 6
 NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Heads as the demo trains them (shared LM head, a 4,096-token draft vocabulary, teacher targets), float32,
-    with an 8-prompt validation set walked at each evaluation: the run folder."""
+    with a 6-prompt validation set walked at each evaluation: the run folder."""
     from medusa_train.cli.train import run
 
     out = tmp_path_factory.mktemp("walked-heads")
