@@ -139,7 +139,11 @@ def captured_for(cfg) -> CapturedStates:
 
 
 def family_of_config(config) -> Family:
-    """The family of a draft config object (by its class)."""
+    """The family of a draft config object (by its class: its own first, then one it derives from, as a variant's
+    config derives from its family's: P-EAGLE's from EAGLE-3's)."""
+    for family in FAMILIES.values():
+        if type(config) is family.config:
+            return family
     for family in FAMILIES.values():
         if isinstance(config, family.config):
             return family
