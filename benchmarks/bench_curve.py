@@ -3,7 +3,8 @@
     python -m benchmarks curve                       # every point: train (resumed), serve, summarise, plot
     python -m benchmarks curve stage=summary         # only the summary and the plot from what is there
 
-For each preset (``experiments``: the EAGLE-3 draft, ``eagle3``, and the servable Medusa heads, ``served``) and each
+For each curve (``experiments``: the EAGLE-3 draft, ``eagle3``, the servable Medusa heads, ``served``, and the P-EAGLE
+draft, ``peagle``, trained with EAGLE-3's preset) and each
 size N (``sizes``), one training on the first N conversations of ``data`` (``scripts/curve_train.sh``: the demo's
 training settings, bf16 where native, resumed from its checkpoints when run again), then:
 
@@ -25,11 +26,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEFAULTS = dict(data="outputs/curve/distill-vllm-2800.jsonl", sizes="300,1200,2400", experiments="eagle3,served",
+DEFAULTS = dict(data="outputs/curve/distill-vllm-2800.jsonl", sizes="300,1200,2400", experiments="eagle3,served,peagle",
                 ks="1,2,3", served_prompts=16, max_tokens=128, dtype="bfloat16", out="outputs/curve",
                 plot="docs/results/learning-curve.png", stage="all")
-RECIPES = {"eagle3": "eagle3", "served": "medusa1"}  #: the training recipe of each preset
-LABELS = {"eagle3": "EAGLE-3 draft", "served": "Medusa heads (experiment=served)"}
+RECIPES = {"eagle3": "eagle3", "served": "medusa1", "peagle": "peagle"}  #: the training recipe of each curve
+PRESETS = {"peagle": "eagle3"}  #: the experiment preset of a curve not named after its own (P-EAGLE trains as EAGLE-3)
+LABELS = {"eagle3": "EAGLE-3 draft", "served": "Medusa heads (experiment=served)",
+          "peagle": "P-EAGLE draft (K tokens in one draft pass)"}
 
 
 def run_folder(out: Path, experiment: str, size: int) -> Path:
@@ -41,8 +44,9 @@ def train(opts: dict, experiment: str, size: int) -> None:
     log = Path(opts["out"]) / f"{experiment}-{size}.log"
     print(f"== train {experiment} on {size:,} conversations (log: {log})", flush=True)
     with open(log, "a") as f:
-        subprocess.run(["bash", "scripts/curve_train.sh", RECIPES[experiment], experiment, str(size)], check=True,
-                       stdout=f, stderr=subprocess.STDOUT, env={**offline_env(), "DATA": opts["data"], "DTYPE": opts["dtype"]})
+        subprocess.run(["bash", "scripts/curve_train.sh", RECIPES[experiment], PRESETS.get(experiment, experiment),
+                        str(size)], check=True, stdout=f, stderr=subprocess.STDOUT,
+                       env={**offline_env(), "DATA": opts["data"], "DTYPE": opts["dtype"], "NAME": experiment})
 
 
 def serve(opts: dict, experiment: str, size: int) -> None:
