@@ -111,6 +111,8 @@ class DecodeSteps:
         self.backbone_pass = self.graphs or tree_pass
         self.out = model(self.prompt, past_key_values=self.cache, use_cache=True)
         self.dtype = self.out.hidden_states.dtype
+        # the root alone as a tree (its mask and offset), made once: the graphed plain step's inputs
+        self._root = (TokenTree([]).attention_mask(self.dtype).to(device), torch.zeros(1, dtype=torch.long, device=device))
         self.root = int(model.base_logits(self.out.hidden_states[:, -1])[0].argmax())  # the backbone's own next token
         self.heads_state = model.new_decode_state()  # what the draft keeps between steps (e.g. its own cache)
         # the draft has read every position but the last, which each step reads as its accepted one
@@ -124,7 +126,7 @@ class DecodeSteps:
         the tree pass is, instead of the model's own causal mask)."""
         token = torch.tensor([[self.root]], device=self.device)
         if self.graphs is not None:  # the 1-node graph: what a graphed decoder's plain step is
-            step = self.graphs(self.model, token[0], self._root_mask, self._root_offset, self.cache, self.context)
+            step = self.graphs(self.model, token[0], *self._root, self.cache, self.context)
             self.model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
             self._back()
             return
@@ -134,14 +136,6 @@ class DecodeSteps:
         step = self.model(token, past_key_values=self.cache, use_cache=True, **extra)
         self.model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
         self._back()
-
-    @property
-    def _root_mask(self) -> torch.Tensor:
-        return TokenTree([]).attention_mask(self.dtype).to(self.device)
-
-    @property
-    def _root_offset(self) -> torch.Tensor:
-        return torch.zeros(1, dtype=torch.long, device=self.device)
 
     def _back(self) -> None:
         """The cache back to ``context`` tokens (a step's nodes dropped)."""
