@@ -127,13 +127,11 @@ class DecodeSteps:
         token = torch.tensor([[self.root]], device=self.device)
         if self.graphs is not None:  # the 1-node graph: what a graphed decoder's plain step is
             step = self.graphs(self.model, token[0], *self._root, self.cache, self.context)
-            self.model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
-            self._back()
-            return
-        extra = {} if not explicit_mask else {
-            "attention_mask": torch.zeros(1, 1, 1, self.context + 1, dtype=self.dtype, device=self.device),
-            "position_ids": torch.tensor([[self.context]], device=self.device)}
-        step = self.model(token, past_key_values=self.cache, use_cache=True, **extra)
+        else:
+            extra = {} if not explicit_mask else {
+                "attention_mask": torch.zeros(1, 1, 1, self.context + 1, dtype=self.dtype, device=self.device),
+                "position_ids": torch.tensor([[self.context]], device=self.device)}
+            step = self.model(token, past_key_values=self.cache, use_cache=True, **extra)
         self.model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
         self._back()
 
