@@ -25,15 +25,25 @@ from medusa_train.config.paths import unwritable
 from medusa_train.model.contract import vllm_speculation
 from medusa_train.model.folder import CHAT_TEMPLATE_NAME, DRAFT_SERVER, PLAIN_SERVER, SERVING_NAME
 
+#: a measured row's greedy replies (token ids, concurrency 1) until ``compare_replies`` has checked them
+REPLIES = "replies"
+
 
 def ks_to_serve(ks: Sequence[int] | None, depth: int) -> list[int]:
     """The K values served, in order: ``ks`` as given, or 0 (no speculation) then every K up to ``depth``."""
     return list(ks) if ks is not None else list(range(0, depth + 1))
 
 
+def checked(row: dict) -> bool:
+    """Whether nothing contradicts a row's greedy replies: identical to the server without speculation's, or
+    every difference at a near-tie rounding explains (``compare_replies``; rows never compared count as checked)."""
+    return not (row.get("outputs") or {}).get("unexplained")
+
+
 def choose(rows: Sequence[dict]) -> tuple[dict, dict | None, bool]:
     """``(fastest speculating row, the row without speculation or None, whether the fastest beats it)``, by
-    tokens/s at concurrency 1.
+    tokens/s at concurrency 1. A K whose replies differ from plain greedy beyond rounding is never the fastest
+    (where every K's do, the fastest of them is returned and beats nothing).
 
     Raises:
         ValueError: no row with K >= 1.
@@ -41,9 +51,10 @@ def choose(rows: Sequence[dict]) -> tuple[dict, dict | None, bool]:
     speculating = [r for r in rows if r["k"]]
     if not speculating:
         raise ValueError("no K >= 1 was measured: nothing to choose")
-    best = max(speculating, key=lambda r: r["tokens_per_s"])
+    right = [r for r in speculating if checked(r)]
+    best = max(right or speculating, key=lambda r: r["tokens_per_s"])
     plain = next((r for r in rows if r["k"] == 0), None)
-    return best, plain, plain is None or best["tokens_per_s"] > plain["tokens_per_s"]
+    return best, plain, bool(right) and (plain is None or best["tokens_per_s"] > plain["tokens_per_s"])
 
 
 def server_of(row: dict) -> str:
@@ -52,7 +63,9 @@ def server_of(row: dict) -> str:
 
 
 def fastest_server(rows: Sequence[dict]) -> tuple[dict, dict | None]:
-    """``(the fastest row of all at concurrency 1, the fastest free baseline's row or None)``."""
+    """``(the fastest row of all at concurrency 1, the fastest free baseline's row or None)``, of the rows whose
+    replies nothing contradicts (``checked``)."""
+    rows = [r for r in rows if checked(r)] or rows
     free = [r for r in rows if server_of(r) not in (PLAIN_SERVER, DRAFT_SERVER)]
     return (max(rows, key=lambda r: r["tokens_per_s"]),
             max(free, key=lambda r: r["tokens_per_s"]) if free else None)
@@ -138,6 +151,9 @@ def verdict(record: dict) -> str:
     if faster:
         versus = f", {best['tokens_per_s'] / plain['tokens_per_s']:.2f}x without speculation" if plain else ""
         line = f"fastest at concurrency 1: K={best['k']} ({best['tokens_per_s']:.1f} tokens/s{versus})"
+    elif not checked(best):
+        line = ("every K's greedy replies part from serving without speculation beyond rounding: none is "
+                "recommended (see each row's outputs)")
     else:
         line = (f"no K beats serving without speculation here (best K={best['k']}: "
                 f"{best['tokens_per_s'] / plain['tokens_per_s']:.2f}x); serve the base model alone")
@@ -201,7 +217,8 @@ def measure_server_row(server: str, k: int | None, spec: dict | None, export: Pa
             f"tokens_per_s_c{cfg.concurrency}": many["tokens_per_s"],
             "tokens_per_step": one["tokens_per_step"], "decode_steps": one["decode_steps"],
             "mean_acceptance_length": one["mean_acceptance_length"], "drafted_share": one["drafted_share"],
-            "per_position_acceptance": one["per_position_acceptance"], "tokens": one["tokens"]}
+            "per_position_acceptance": one["per_position_acceptance"], "tokens": one["tokens"],
+            REPLIES: one["outputs"], "prompt_tokens": one["prompt_tokens"]}
 
 
 def choose_k(cfg: ChooseKConfig, depth: int, base_model: str,
@@ -237,6 +254,10 @@ def choose_k(cfg: ChooseKConfig, depth: int, base_model: str,
             progress(f"[medusa_train] choose-k: serving {name} (free: no training) ...")
             rows.append(measure_server_row(name, None, spec, export, str(served_model), conversations, eos, cfg))
             progress(format_row(rows[-1], cfg.concurrency))
+    compare_replies(rows, base_model, export, conversations, cfg.dtype)
+    for row in rows:
+        if line := replies_line(row):
+            progress(line)
     settings = {"dtype": cfg.dtype, "limit": cfg.limit, "max_tokens": cfg.max_tokens,
                 "concurrency": cfg.concurrency, "benchmark": cfg.source}
     record = serving_record(rows, settings, base_model, export, device_description(), not_served)
@@ -244,6 +265,83 @@ def choose_k(cfg: ChooseKConfig, depth: int, base_model: str,
     if cfg.output:
         write_json(cfg.output, record)
     return export, record
+
+
+def compare_replies(rows: list[dict], base_model: str, export: Path, conversations: Sequence[list[dict]],
+                    dtype: str) -> None:
+    """Check each row's greedy replies against the server without speculation's (K=0, on the same prompts), in
+    place: ``row["outputs"]`` says how many are identical and, where one parts, whether rounding explains it (the
+    base model's logits there, computed here in the served ``dtype``: both tokens within rounding of the best,
+    ``evaluation.compare.classify_at``). The base model is loaded only when a reply differs. Without a K=0 row
+    nothing is compared (``outputs`` None). The replies themselves are not kept in the rows."""
+    from medusa_train.evaluation.compare import classify_at, compare_outputs
+
+    replies = [row.pop(REPLIES, None) for row in rows]
+    counted = [row.pop("prompt_tokens", None) for row in rows]
+    plain_index = next((i for i, row in enumerate(rows) if server_of(row) == PLAIN_SERVER), None)
+    if plain_index is None:
+        for row in rows:
+            row["outputs"] = None
+        return
+    logits_at = _base_logits(base_model, export, conversations, dtype)
+    for i, row in enumerate(rows):
+        if i == plain_index:
+            continue
+
+        def classify(j, plain, drafted, position, i=i):
+            raw = logits_at(j, plain[:position], counted[i][j] if counted[i] else None)
+            if raw is None:  # the server's prompt is not the one rendered here: no view of the difference
+                return {"kind": "prompt_differs"}
+            detail = classify_at(raw, plain, drafted, position)
+            return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "draft_token")}
+
+        row["outputs"] = compare_outputs(replies[plain_index], replies[i], classify)
+
+
+def _base_logits(base_model: str, export: Path, conversations: Sequence[list[dict]], dtype: str):
+    """``logits_at(prompt index, reply tokens so far, the server's prompt token count)``: the base model's
+    next-token logits after the prompt (rendered with the export's chat template, as the servers were) and those
+    tokens, or None where the server counted another prompt length. Loads the model at its first call."""
+    import torch
+
+    from medusa_train.backbone.generation import encode_chat
+
+    loaded = {}
+
+    def logits_at(index: int, tokens: list[int], server_prompt_tokens: int | None):
+        if not loaded:
+            from medusa_train.backbone.load import load_backbone
+
+            model, tokenizer = load_backbone(base_model, dtype=dtype)
+            template = export / CHAT_TEMPLATE_NAME
+            if template.is_file():
+                tokenizer.chat_template = template.read_text()
+            loaded.update(model=model.to("cuda") if torch.cuda.is_available() else model, tokenizer=tokenizer)
+        model = loaded["model"]
+        prompt = encode_chat(loaded["tokenizer"], conversations[index])
+        if server_prompt_tokens is not None and prompt.shape[1] != server_prompt_tokens:
+            return None
+        ids = torch.cat([prompt[0], torch.tensor(tokens, dtype=prompt.dtype)])[None].to(model.device)
+        with torch.no_grad():
+            return model(ids, logits_to_keep=1).logits[0, -1]
+
+    return logits_at
+
+
+def replies_line(row: dict) -> str | None:
+    """How a row's greedy replies compare with the server without speculation's (None: not compared)."""
+    outputs = row.get("outputs")
+    if not outputs:
+        return None
+    name = f"K={row['k']}" if server_of(row) in (PLAIN_SERVER, DRAFT_SERVER) else server_of(row)
+    parts = [f"{outputs['identical']} of {outputs['compared']} replies identical to K=0's"]
+    if outputs["at_rounding"]:
+        parts.append(f"{outputs['at_rounding']} part at a near-tie rounding explains")
+    if outputs["unexplained"]:
+        parts.append(f"{outputs['unexplained']} part beyond rounding (not chosen)")
+    if prompt_differs := sum(d.get("kind") == "prompt_differs" for d in outputs["details"]):
+        parts.append(f"{prompt_differs} not checked (the server rendered another prompt)")
+    return f"  {name}: " + "; ".join(parts)
 
 
 def device_description() -> str:

@@ -33,7 +33,13 @@ def mismatch_detail(model, input_ids: torch.Tensor, plain: list[int], drafted: l
     context = torch.cat([input_ids[0], torch.tensor(plain[:position], dtype=input_ids.dtype,
                                                     device=input_ids.device)])
     hidden = model(context[None]).hidden_states[0, -1]
-    raw = model.base_logits(hidden)
+    return classify_at(model.base_logits(hidden), plain, drafted, position)
+
+
+def classify_at(raw: torch.Tensor, plain: Sequence[int], drafted: Sequence[int], position: int) -> dict:
+    """``mismatch_detail`` from the base model's next-token logits ``raw`` (in the dtype they were computed in) after
+    the prompt and ``plain[:position]``: both tokens within ``rounding_tolerance`` of the best logit is a
+    difference rounding explains (``kind: "at_rounding"``), anything else ``"unexplained"``."""
     logits = raw.float()
     top = logits.topk(2)
     plain_token = plain[position] if position < len(plain) else None

@@ -228,3 +228,54 @@ def test_serving_json_names_the_fastest_server_of_all_free_baselines_included(he
     assert "it beats the best free baseline there, suffix (74.3 tokens/s), by 1.08x" in serve_command(export)
     # rows written before free baselines were served (no "server") read as before
     assert serving_record(ROWS, SETTINGS, "base", export, "cpu")["best_free"] is None
+
+
+def test_each_servers_replies_are_checked_against_k0_and_a_wrong_one_is_never_chosen(heads, tmp_path):
+    """choose-k compares every row's greedy replies with the server without speculation's on the same prompts:
+    identical, or where one parts, the base model's logits there say whether rounding explains it (float32 here:
+    nothing does). A faster K whose replies part beyond rounding is not chosen, nor named the fastest server; the
+    replies themselves are not kept in serving.json's rows."""
+    from medusa_train import load_backbone
+    from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
+    from medusa_train.evaluation.choose_k import REPLIES, compare_replies, replies_line
+
+    native, export = heads
+    base = str(native.parent / "model")
+    backbone, tokenizer = load_backbone(base, dtype="float32")
+    conversations = [[{"role": "user", "content": text}] for text in ("count up", "and down again")]
+    prompts = [encode_chat(tokenizer, c) for c in conversations]
+    eos = eos_token_ids(backbone, tokenizer)
+    replies = [plain_generate(backbone, ids, 12, eos, tokenizer.pad_token_id)[0] for ids in prompts]
+    assert all(len(r) > 4 for r in replies)
+    parted = [replies[0], replies[1][:4] + [(replies[1][4] + 1) % backbone.config.vocab_size] + replies[1][5:]]
+    counts = [ids.shape[1] for ids in prompts]
+
+    def row(k, speed, out, server=None):
+        return {**ROWS[min(k or 0, 2)], "k": k, "server": server, "tokens_per_s": speed, REPLIES: out,
+                "prompt_tokens": list(counts)}
+
+    rows = [row(0, 20.0, replies), row(1, 25.0, list(replies)), row(2, 30.0, parted),
+            row(None, 35.0, parted, "ngram")]
+    compare_replies(rows, base, export, conversations, "float32")
+    assert "outputs" not in rows[0]  # the reference
+    assert all(REPLIES not in r and "prompt_tokens" not in r for r in rows)
+    assert (rows[1]["outputs"]["identical"], rows[1]["outputs"]["compared"], rows[1]["outputs"]["details"]) == (2, 2, [])
+    wrong = rows[2]["outputs"]
+    assert (wrong["identical"], wrong["unexplained"], wrong["at_rounding"]) == (1, 1, 0)
+    assert wrong["details"][0]["index"] == 1 and wrong["details"][0]["position"] == 4
+    assert wrong["details"][0]["plain_token"] == replies[1][4] and wrong["details"][0]["tolerance"] == 0.0
+    assert replies_line(rows[2]) == "  K=2: 1 of 2 replies identical to K=0's; 1 part beyond rounding (not chosen)"
+    best, plain, faster = choose(rows)
+    assert (best["k"], faster) == (1, True)
+    record = serving_record(rows, SETTINGS, base, export, "test CPU")
+    assert record["fastest_server"]["server"] == "draft" and record["recommended_num_speculative_tokens"] == 1
+    assert record["best_free"] is None  # the only free row parted from plain greedy
+
+    # a server that counted another prompt length is not classified, only counted
+    rows = [row(0, 20.0, replies), dict(row(2, 30.0, parted), prompt_tokens=[counts[0], counts[1] + 1])]
+    compare_replies(rows, base, export, conversations, "float32")
+    assert rows[1]["outputs"]["details"] == [{"index": 1, "position": 4, "kind": "prompt_differs"}]
+    # without a server without speculation nothing is compared
+    rows = [row(1, 25.0, replies)]
+    compare_replies(rows, base, export, conversations, "float32")
+    assert rows[0]["outputs"] is None and REPLIES not in rows[0]
