@@ -22,7 +22,7 @@ def build_choose_k_config(raw) -> ChooseKConfig:
 
 def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
     """The checks that need the heads folder (or files: the prompts' source)."""
-    from medusa_train.evaluation.choose_k import record_output_problem
+    from medusa_train.evaluation.choose_k import record_output_problem, served_problem
     from medusa_train.model.load import check_draft_folder, read_exported_draft
     from medusa_train.tree.calibrate import bench_source_problem
 
@@ -36,33 +36,30 @@ def check_choose_k_inputs(c: ChooseKConfig) -> list[str]:
     chains = depth is not None and read_exported_draft(c.draft).family.chains_any_k
     p.extend(check_ks(c.ks, None if chains else depth))
     if depth is not None and (reason := served_problem(c.draft)):
-        p.append(f"draft={c.draft}: vLLM cannot serve these heads: {reason}")
+        if not c.free:
+            p.append(f"draft={c.draft}: vLLM cannot serve these heads: {reason}; with free=true choose-k serves "
+                     "the base model without speculation and the free baselines for them")
+        elif c.ks is not None:
+            p.append(f"ks={c.ks}: vLLM cannot serve these heads ({reason}): leave ks out (choose-k serves the base "
+                     "model without speculation and the free baselines for them)")
     if c.output and (problem := record_output_problem(c.output)):
         p.append(problem)
     return p
 
 
-def served_problem(heads: str) -> str | None:
-    """Why vLLM cannot serve the draft in ``heads`` (a native export with a feature only our decoder has)."""
-    from medusa_train.evaluation.engines import vllm_reason
-    from medusa_train.model.load import read_exported_draft
-
-    found = read_exported_draft(heads)
-    if found.layout != found.family.layouts[0]:  # only its native layout holds what vLLM cannot serve
-        return None
-    return vllm_reason(found.family.config.from_dict(found.config))
-
-
 def run(cfg: ChooseKConfig) -> dict:
     """Serve and measure each K, write ``serving.json``, print the verdict and the serve line."""
     from medusa_train.evaluation.choose_k import choose_k, verdict
-    from medusa_train.export.serve import serve_command
+    from medusa_train.export.serve import fastest_free_command, serve_command, served_base
     from medusa_train.model.load import read_export_config
 
     depth, base = read_export_config(cfg.draft)
     export, record = choose_k(cfg, depth, cfg.model or base)
     print(verdict(record))
-    print(serve_command(export, draft=cfg.draft))
+    if "draft" in record["not_served"]:  # the base model alone or a free baseline: the fastest served here
+        print(fastest_free_command(record, served_base(cfg.model or base, [cfg.draft]), export))
+    else:
+        print(serve_command(export, draft=cfg.draft))
     return record
 
 

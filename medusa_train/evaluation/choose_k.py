@@ -85,10 +85,10 @@ def serving_record(rows: Sequence[dict], settings: dict, base_model: str, export
     without speculation or a free baseline is faster), the fastest K and its row's figures (``fastest_draft``), the
     fastest server of all and the best free one (``fastest_server``, ``best_free``), every row, what could not be served and why, and how they were measured
     (``settings["dtype"]`` is the dtype the serve line uses)."""
-    best, _, _ = choose(rows)
+    best = choose(rows)[0] if any(r["k"] for r in rows) else None  # None: the draft was not served
     winner, best_free = fastest_server(rows)
     return {"recommended_num_speculative_tokens": best["k"] if server_of(winner) == DRAFT_SERVER else None,
-            "fastest_num_speculative_tokens": best["k"], "fastest_draft": _summary(best),
+            "fastest_num_speculative_tokens": best and best["k"], "fastest_draft": _summary(best),
             "fastest_server": _summary(winner),
             "best_free": _summary(best_free), "not_served": dict(not_served or {}), "rows": list(rows),
             "settings": dict(settings), "base_model": base_model, "export": str(export), "device": device}
@@ -147,6 +147,8 @@ def verdict(record: dict) -> str:
     """The lines that say which K was kept, how it compares with serving without speculation, and which server of
     all (free baselines included) is the fastest here."""
     rows = record["rows"]
+    if not any(r["k"] for r in rows):
+        return _verdict_without_draft(record)
     best, plain, faster = choose(rows)
     if faster:
         versus = f", {best['tokens_per_s'] / plain['tokens_per_s']:.2f}x without speculation" if plain else ""
@@ -165,6 +167,29 @@ def verdict(record: dict) -> str:
                 f"({free['tokens_per_s']:.1f} tokens/s), by {winner['tokens_per_s'] / free['tokens_per_s']:.2f}x")
     return (line + f"\nthe fastest server here is {server_of(winner)} ({winner['tokens_per_s']:.1f} tokens/s, no "
             f"training): {winner['tokens_per_s'] / best['tokens_per_s']:.2f}x the draft's best, K={best['k']}")
+
+
+def served_problem(draft: str | os.PathLike) -> str | None:
+    """Why vLLM cannot serve the draft in ``draft`` (a native export with a feature only our decoder has), or None."""
+    from medusa_train.evaluation.engines import vllm_reason
+    from medusa_train.model.load import read_exported_draft
+
+    found = read_exported_draft(draft)
+    if found.layout != found.family.layouts[0]:  # only its native layout holds what vLLM cannot serve
+        return None
+    return vllm_reason(found.family.config.from_dict(found.config))
+
+
+def _verdict_without_draft(record: dict) -> str:
+    """``verdict`` where the draft was not served (vLLM cannot): which server of those measured is the fastest."""
+    rows = record["rows"]
+    winner, _ = fastest_server(rows)
+    plain = next((r for r in rows if server_of(r) == PLAIN_SERVER), None)
+    line = f"the draft was not served: {record['not_served'].get('draft', 'not measured')}"
+    if winner is plain or plain is None:
+        return line + f"\nno free baseline beats serving without speculation here ({winner['tokens_per_s']:.1f} tokens/s)"
+    return (line + f"\nthe fastest server here is {server_of(winner)} ({winner['tokens_per_s']:.1f} tokens/s, "
+            f"{winner['tokens_per_s'] / plain['tokens_per_s']:.2f}x without speculation; no training)")
 
 
 def vllm_export(cfg: ChooseKConfig) -> Path:
@@ -232,18 +257,24 @@ def choose_k(cfg: ChooseKConfig, depth: int, base_model: str,
         progress: Gets each row's table line as it is measured.
     """
     from medusa_train.backbone.load import load_without_weights
+    from medusa_train.model.load import read_exported_draft
     from medusa_train.tree.calibrate import bench_prompts
 
-    export = vllm_export(cfg)
+    # a draft vLLM cannot serve: the base model without speculation and the free baselines, its record in its folder
+    unservable = served_problem(cfg.draft)
+    export = read_exported_draft(cfg.draft).path if unservable else vllm_export(cfg)
     tokenizer, eos, _, served_model = load_without_weights(base_model)
     conversations = [[{"role": "user", "content": p.turns[0]}]
                      for p in bench_prompts(cfg.source, cfg.draft, tokenizer, cfg.limit)]
     rows = []
-    for k in ks_to_serve(cfg.ks, depth):
+    not_served = {"draft": unservable} if unservable else {}
+    if unservable:
+        progress(f"[medusa_train] choose-k: vLLM cannot serve this draft ({unservable}): serving the base model "
+                 "without speculation and the free baselines")
+    for k in [0] if unservable else ks_to_serve(cfg.ks, depth):
         progress(f"[medusa_train] choose-k: serving K={k} ({served_model}, dtype {cfg.dtype}) ...")
         rows.append(measure_k(k, export, str(served_model), conversations, eos, cfg))
         progress(format_row(rows[-1], cfg.concurrency))
-    not_served = {}
     if cfg.free:
         from medusa_train.evaluation.served import free_configs, suffix_problem
 

@@ -40,10 +40,7 @@ def serve_command(path, draft=None) -> str:
                      f"is {winner['server']}, which needs no training: {winner['tokens_per_s']:.1f} tokens/s, "
                      f"{winner['tokens_per_s'] / draft_best['tokens_per_s']:.2f}x the draft's best "
                      f"(K={draft_best['num_speculative_tokens']}); serve that:")
-        lines.append(f"vllm serve {base} --dtype {dtype}{template} "
-                     f"--speculative-config '{json.dumps(winner['speculative_config'])}'"
-                     + ("  (suffix decoding: arctic-inference in vLLM's environment, scripts/suffix_env.sh)"
-                        if winner["server"] == "suffix" else ""))
+        lines.append(_free_line(winner, base, dtype, template))
         lines.append("or the draft, slower here:")
         k = measured["fastest_num_speculative_tokens"]
     elif measured and k is None:
@@ -67,6 +64,28 @@ def serve_command(path, draft=None) -> str:
     lines.append(f"  (vLLM's CPU build, whose `vllm` script is broken: python -m vllm.entrypoints.openai.api_server "
                  f"--model {base} --dtype {dtype}{template} --enforce-eager --speculative-config '{spec}')")
     return "serve it with vLLM:\n" + "\n".join(lines)
+
+
+def _free_line(winner: dict, base: str, dtype: str, template: str) -> str:
+    """The ``vllm serve`` line of a free baseline's row (``serving.json``'s ``fastest_server``)."""
+    return (f"vllm serve {base} --dtype {dtype}{template} "
+            f"--speculative-config '{json.dumps(winner['speculative_config'])}'"
+            + ("  (suffix decoding: arctic-inference in vLLM's environment, scripts/suffix_env.sh)"
+               if winner["server"] == "suffix" else ""))
+
+
+def fastest_free_command(measured: dict, base: str, folder) -> str:
+    """How to serve what ``medusa-train choose-k`` found fastest for a draft vLLM cannot serve (``measured``: the
+    record it wrote into the draft's ``folder``, whose chat template the prompts were rendered with): the base model
+    with the fastest free baseline, or alone when none beats it."""
+    winner, dtype = measured["fastest_server"], measured["settings"]["dtype"]
+    template = Path(folder) / CHAT_TEMPLATE_NAME
+    template = f" --chat-template {template.resolve()}" if template.is_file() else ""
+    if winner["server"] == PLAIN_SERVER:
+        return ("serve the base model without speculation (the fastest measured here):\n"
+                f"vllm serve {base} --dtype {dtype}{template}")
+    return f"serve the base model with {winner['server']} (the fastest measured here):\n" + _free_line(
+        winner, base, dtype, template)
 
 
 def served_base(base: str | None, folders: list) -> str:

@@ -138,17 +138,47 @@ def test_config_composes_and_refuses_k_above_the_heads(heads):
         assert err.value.problems == ["ks=[0, 1, 3]: [3] above the heads' 2 (vLLM fails to load more)"]
 
 
-def test_heads_vllm_cannot_serve_are_refused_naming_why(heads, tmp_path):
+def test_heads_vllm_cannot_serve_get_the_free_servers_measured_and_the_fastest_named(heads, tmp_path):
+    """A draft vLLM cannot serve (the demo's heads, say): choose-k serves the base model without speculation and the
+    free baselines for it, and its record names the fastest of those with the reason the draft was not served; asking
+    for K values, or for no free baselines, is refused naming why, before any server starts."""
     from medusa_train import MedusaModel, load_backbone
     from medusa_train.config.check import ConfigError
+    from medusa_train.evaluation.choose_k import served_problem
+    from medusa_train.export.serve import fastest_free_command
 
     native, _ = heads
     backbone, _ = load_backbone(str(native.parent / "model"), dtype="float32")
     reading = MedusaModel.from_backbone(backbone, 2, next_token_input=True).save_pretrained(tmp_path / "reading")
-    with pytest.raises(ConfigError) as err:
-        build_choose_k_config(compose_config("choose_k", [f"draft={reading}"]))
-    assert err.value.problems == [f"draft={reading}: vLLM cannot serve these heads: the heads also read the next "
-                                  "token's embedding (heads.next_token_input): only the native layout holds that"]
+    why = "the heads also read the next token's embedding (heads.next_token_input): only the native layout holds that"
+    assert served_problem(reading) == why and served_problem(native) is None
+    assert build_choose_k_config(compose_config("choose_k", [f"draft={reading}"])).ks is None
+    for overrides, problem in ((["free=false"], f"draft={reading}: vLLM cannot serve these heads: {why}; with "
+                                "free=true choose-k serves the base model without speculation and the free baselines "
+                                "for them"),
+                               (["ks=[0,1]"], f"ks=[0, 1]: vLLM cannot serve these heads ({why}): leave ks out "
+                                "(choose-k serves the base model without speculation and the free baselines for them)")):
+        with pytest.raises(ConfigError) as err:
+            build_choose_k_config(compose_config("choose_k", [f"draft={reading}", *overrides]))
+        assert err.value.problems == [problem]
+
+    rows = [FREE_ROWS[0], *FREE_ROWS[2:]]  # no draft row
+    record = serving_record(rows, SETTINGS, "base", reading, "test CPU", {"draft": why})
+    assert (record["recommended_num_speculative_tokens"], record["fastest_num_speculative_tokens"],
+            record["fastest_draft"]) == (None, None, None)
+    assert record["fastest_server"]["server"] == "suffix" and record["best_free"]["server"] == "suffix"
+    assert verdict(record) == (f"the draft was not served: {why}\nthe fastest server here is suffix (74.3 tokens/s, "
+                               "1.28x without speculation; no training)")
+    lines = fastest_free_command(record, "/models/base", reading).splitlines()
+    assert lines[0] == "serve the base model with suffix (the fastest measured here):"
+    assert lines[1].startswith("vllm serve /models/base --dtype bfloat16 --speculative-config ")
+    assert json.loads(lines[1].split("--speculative-config '", 1)[1].split("'", 1)[0]) == \
+        FREE_ROWS[3]["speculative_config"]
+    slow = [FREE_ROWS[0], dict(FREE_ROWS[2], tokens_per_s=50.0)]
+    record = serving_record(slow, SETTINGS, "base", reading, "test CPU", {"draft": why})
+    assert verdict(record).splitlines()[1] == "no free baseline beats serving without speculation here (58.2 tokens/s)"
+    assert fastest_free_command(record, "/models/base", reading).splitlines()[1] == \
+        "vllm serve /models/base --dtype bfloat16"
 
 
 def test_every_bad_key_is_named():
