@@ -95,7 +95,7 @@ def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
     the parts of it: the heads' candidates, the backbone's pass over the nodes, the LM head (+ argmax)
     over the nodes: ``{path: (plain, plain_explicit, [(name, tree, {part: seconds})])}``."""
     steps = DecodeStepParts(model, context, seed)
-    switched = [m for m in model.backbone.modules() if type(m) is RowLinear]  # found once: switching stays cheap
+    switched = [m for m in model.modules() if type(m) is RowLinear]  # found once: switching stays cheap
 
     def switch_to(cls) -> None:  # inside every timed step, so a few class assignments, no search
         for layer in switched:
@@ -206,6 +206,8 @@ def main(**overrides) -> int:
                                       prefix_attention=opts["reads"] == "prefix",
                                       token_map=torch.arange(int(opts["draft_vocab"])) if opts["draft_vocab"] else None)
     model.eval()
+    for part in model.draft_modules():  # as load_heads does: the heads' few rows a step go the backbone's way
+        use_row_kernel(part)
     trees = trees_to_measure(opts["sizes"], num_heads)
     linears = {"both": ["gemm", "rows"], "gemm": ["gemm"], "rows": ["rows"]}.get(opts["linears"])
     if linears is None:

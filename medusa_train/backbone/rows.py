@@ -5,7 +5,8 @@ weights. A library GEMM does not treat them alike: at 2-16 rows it packs the wei
 afterwards, so a 2-token verify in float32 costs 1.8x a 1-token step on an AVX2 CPU (``docs/results.md``, "Step
 cost"). ``rows.cpp`` streams each weight once and uses it for every row, in ``nn.Linear``'s own layout
 (nothing is copied), and sums each output the same way whatever the number of rows, so a row's output is
-bitwise the same in any verify it is part of. A 1-token step stays on torch's GEMV.
+bitwise the same in any verify it is part of. On an Intel CPU a 1-token step stays on torch's GEMV (MKL's);
+on other vendors' CPUs MKL's 1- and 2-row paths are slow and the kernel takes every step from one row.
 
 ``use_row_kernel(model)`` switches every plain ``nn.Linear`` of a model to it. A switched layer uses the kernel
 only where it applies (no autograd, float32 CPU tensors, ``MIN_ROWS`` to ``MAX_ROWS`` rows) and ``F.linear`` everywhere
@@ -25,12 +26,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-#: the rows (tokens in a step) the kernel takes, by instruction set. One row stays torch's (its GEMV streams the
-#: weights already, and a plain step, the baseline every speedup divides by, is then the same with or without the
-#: kernel: 9% faster than the kernel's on the AVX2 code paths); on AVX-512 two rows too (MKL's 2-row path was as fast
-#: as the kernel there); more than 16 go to torch's GEMM (faster from 32 rows on both: docs/results.md, "Step cost
-#: against the machine's limit")
+#: the fewest rows (tokens in a step) the kernel takes, by instruction set, on an Intel CPU. One row stays torch's
+#: there (MKL's GEMV streams the weights already, 9% faster than the kernel's on the AVX2 code paths); on AVX-512
+#: two rows too (MKL's 2-row path was as fast as the kernel there); more than 16 go to torch's GEMM (faster from 32
+#: rows on both: docs/results.md, "Step cost against the machine's limit")
 MIN_ROWS = {"AVX512": 4, "AVX2": 2}
+#: on any other CPU, from one row: MKL gives other vendors' CPUs slower small-row paths (AMD EPYC, AVX-512, float32:
+#: the backbone's 1-token pass 48.6 ms on MKL's GEMV, 31.1 ms on the kernel; a 2-token pass 74.4 against 36.9).
+#: A plain step, HF ``generate``'s included, then runs the kernel too: every speedup still divides by it
+MIN_ROWS_ELSEWHERE = 1
 MAX_ROWS = 16
 ENV_SWITCH = "MEDUSA_TRAIN_ROW_KERNEL"  #: ``0`` / ``off``: never switch layers
 SOURCE = Path(__file__).with_suffix(".cpp")  #: rows.cpp beside this file
@@ -115,9 +119,25 @@ def _build_digest(isa: str) -> str:
     return hashlib.sha256(key).hexdigest()[:10]
 
 
+def cpu_vendor() -> str | None:
+    """The CPU's vendor as Linux names it (``GenuineIntel``, ``AuthenticAMD``, ...), or None where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
 @functools.cache
 def _min_rows() -> int:
-    return MIN_ROWS.get(cpu_isa(), MAX_ROWS + 1)
+    """The fewest rows a switched layer sends to the kernel here (more than ``MAX_ROWS``: none)."""
+    isa = cpu_isa()
+    if isa is None:
+        return MAX_ROWS + 1
+    return MIN_ROWS[isa] if cpu_vendor() in ("GenuineIntel", None) else MIN_ROWS_ELSEWHERE
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

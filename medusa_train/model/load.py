@@ -133,6 +133,7 @@ def load_exported_draft(heads_dir: str | os.PathLike | ExportedDraft, model: Eva
     draft = load_draft(heads, backbone)
     for part in draft.draft_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)
+        use_row_kernel(part)  # the draft's few rows a step too (its output layers read as much as a backbone's)
     if export_template:
         tokenizer = use_export_template(tokenizer, heads.path)
     return draft.eval(), _user_template(tokenizer, model.chat_template)
