@@ -80,8 +80,12 @@ def point(opts: dict, experiment: str, size: int) -> dict | None:
            "validation": {k: validation.get(f"validation/K{k}") for k in ks}}
     served = folder / "served.json"
     if served.is_file():
-        rows = {r["k"]: r for r in json.loads(served.read_text())["rows"]}
+        record = json.loads(served.read_text())
+        rows = {r["k"]: r for r in record["rows"] if r.get("server", "draft") in ("draft", "plain")}
         row["served"] = {k: rows[k]["tokens_per_step"] for k in ks if k in rows}
+        if passing := record.get("to_pass_best_free"):  # choose-k served the free baselines beside it
+            row["to_pass"] = {"server": passing["server"], "tokens_per_s": passing["tokens_per_s"],
+                              "needs": {int(k): v["needs"] for k, v in passing["by_k"].items()}}
     return row
 
 
@@ -107,12 +111,33 @@ def summarise(opts: dict) -> dict:
                     lines[f"{e}/{kind}/K{k}"] = {"intercept": round(fit[0], 4), "per_doubling": round(fit[1], 4),
                                                  "points": len(pts)}
     summary = {"settings": {k: opts[k] for k in ("data", "sizes", "ks", "served_prompts", "max_tokens", "dtype")},
-               "machine": _machine(), "rows": rows, "lines": lines}
+               "machine": _machine(), "rows": rows, "lines": lines, "crossings": crossings(rows, lines)}
     out = Path(opts["out"])
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(markdown(summary))
     print(markdown(summary))
     return summary
+
+
+def crossings(rows: list[dict], lines: dict) -> list[dict]:
+    """Where each served line would pass the best free baseline: at the largest point served beside it, the tokens per
+    step the draft needs at K (``choose-k``'s ``to_pass_best_free``: its step costs what it cost there), and the
+    conversations at which the line reaches them (``2 ** ((needs - intercept) / per_doubling)``; None where the line
+    does not rise). Arithmetic on the fitted line, not a measurement: the step's cost held, the line extended."""
+    found = []
+    for e in sorted({r["experiment"] for r in rows}):
+        beside = [r for r in rows if r["experiment"] == e and r.get("to_pass")]
+        if not beside:
+            continue
+        last = max(beside, key=lambda r: r["conversations"])
+        for k, needs in sorted(last["to_pass"]["needs"].items()):
+            fit = lines.get(f"{e}/served/K{k}")
+            at = None
+            if fit and fit["per_doubling"] > 0:
+                at = round(2 ** ((needs - fit["intercept"]) / fit["per_doubling"]))
+            found.append({"experiment": e, "k": k, "free": last["to_pass"]["server"], "at": last["conversations"],
+                          "has": last["served"].get(k), "needs": needs, "conversations_to_pass": at})
+    return found
 
 
 def markdown(summary: dict) -> str:
@@ -128,6 +153,11 @@ def markdown(summary: dict) -> str:
     for name, fit in summary["lines"].items():
         lines.append(f"- {name}: {fit['intercept']:+.3f} {fit['per_doubling']:+.3f} log2(conversations) "
                      f"({fit['points']} points): each doubling adds {fit['per_doubling']:.3f} tokens per step")
+    for c in summary.get("crossings", []):
+        where = (f"the line reaches it near {c['conversations_to_pass']:,} conversations" if c["conversations_to_pass"]
+                 else "no rising served line to extend (one point, or flat)")
+        lines.append(f"- {c['experiment']} K={c['k']} at {c['at']:,} conversations: {_fmt(c['has'])} tokens per step; "
+                     f"to pass {c['free']} it needs {c['needs']:.3f}: {where}")
     return "\n".join(lines) + "\n"
 
 

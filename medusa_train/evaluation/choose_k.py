@@ -90,8 +90,22 @@ def serving_record(rows: Sequence[dict], settings: dict, base_model: str, export
     return {"recommended_num_speculative_tokens": best["k"] if server_of(winner) == DRAFT_SERVER else None,
             "fastest_num_speculative_tokens": best and best["k"], "fastest_draft": _summary(best),
             "fastest_server": _summary(winner),
-            "best_free": _summary(best_free), "not_served": dict(not_served or {}), "rows": list(rows),
+            "best_free": _summary(best_free), "to_pass_best_free": to_pass(rows, best_free),
+            "not_served": dict(not_served or {}), "rows": list(rows),
             "settings": dict(settings), "base_model": base_model, "export": str(export), "device": device}
+
+
+def to_pass(rows: Sequence[dict], free: dict | None) -> dict | None:
+    """The tokens per step the draft would need at each K served to match ``free``'s tokens/s (None: no free row,
+    or the draft row has no step count): its step costs what it cost here (tokens/s over tokens per step), so
+    tokens per step x free tokens/s / its tokens/s. More accepted tokens a step is what more data buys
+    (``python -m benchmarks curve`` fits how much a doubling adds and says at which size it would pass)."""
+    if free is None:
+        return None
+    needs = {str(r["k"]): {"has": r["tokens_per_step"],
+                           "needs": round(r["tokens_per_step"] * free["tokens_per_s"] / r["tokens_per_s"], 4)}
+             for r in rows if server_of(r) == DRAFT_SERVER and checked(r) and r.get("tokens_per_step")}
+    return {"server": server_of(free), "tokens_per_s": free["tokens_per_s"], "by_k": needs} if needs else None
 
 
 def record_output_problem(path: str | os.PathLike, option: str = "output") -> str | None:
@@ -165,8 +179,13 @@ def verdict(record: dict) -> str:
     if server_of(winner) == DRAFT_SERVER:
         return (line + f"\nthe draft at K={winner['k']} beats the best free baseline, {server_of(free)} "
                 f"({free['tokens_per_s']:.1f} tokens/s), by {winner['tokens_per_s'] / free['tokens_per_s']:.2f}x")
-    return (line + f"\nthe fastest server here is {server_of(winner)} ({winner['tokens_per_s']:.1f} tokens/s, no "
-            f"training): {winner['tokens_per_s'] / best['tokens_per_s']:.2f}x the draft's best, K={best['k']}")
+    line += (f"\nthe fastest server here is {server_of(winner)} ({winner['tokens_per_s']:.1f} tokens/s, no "
+             f"training): {winner['tokens_per_s'] / best['tokens_per_s']:.2f}x the draft's best, K={best['k']}")
+    need = ((record.get("to_pass_best_free") or {}).get("by_k") or {}).get(str(best["k"]))
+    if need:
+        line += (f"\nto pass {server_of(free)} at K={best['k']} the draft needs {need['needs']:.3f} tokens per step "
+                 f"(it has {need['has']:.3f}): more data (python -m benchmarks curve says how much)")
+    return line
 
 
 def served_problem(draft: str | os.PathLike) -> str | None:

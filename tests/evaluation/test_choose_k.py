@@ -240,6 +240,11 @@ def test_serving_json_names_the_fastest_server_of_all_free_baselines_included(he
     assert (record["recommended_num_speculative_tokens"], record["fastest_num_speculative_tokens"]) == (None, 1)
     assert verdict(record).splitlines()[1] == ("the fastest server here is suffix (74.3 tokens/s, no training): 1.20x "
                                                "the draft's best, K=1")
+    # what the draft would need to pass it: its step costs what it cost (62.0 tokens/s at 1.288 tokens a step)
+    assert record["to_pass_best_free"] == {"server": "suffix", "tokens_per_s": 74.3,
+                                           "by_k": {"1": {"has": 1.288, "needs": round(1.288 * 74.3 / 62.0, 4)}}}
+    assert verdict(record).splitlines()[2] == ("to pass suffix at K=1 the draft needs 1.544 tokens per step (it has "
+                                               "1.288): more data (python -m benchmarks curve says how much)")
     assert format_row(FREE_ROWS[2], 8).startswith("ngram: 66.0 tokens/s at concurrency 1")
     write_json(export / SERVING_NAME, record)
     lines = serve_command(export).splitlines()
