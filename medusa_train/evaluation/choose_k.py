@@ -304,7 +304,7 @@ def choose_k(cfg: ChooseKConfig, depth: int, base_model: str,
             progress(f"[medusa_train] choose-k: serving {name} (free: no training) ...")
             rows.append(measure_server_row(name, None, spec, export, str(served_model), conversations, eos, cfg))
             progress(format_row(rows[-1], cfg.concurrency))
-    compare_replies(rows, base_model, export, conversations, cfg.dtype)
+    compare_replies(rows, base_model, export, conversations, cfg.dtype, eos)
     for row in rows:
         if line := replies_line(row):
             progress(line)
@@ -318,11 +318,12 @@ def choose_k(cfg: ChooseKConfig, depth: int, base_model: str,
 
 
 def compare_replies(rows: list[dict], base_model: str, export: Path, conversations: Sequence[list[dict]],
-                    dtype: str) -> None:
+                    dtype: str, stop_ids: Sequence[int] = ()) -> None:
     """Check each row's greedy replies against the server without speculation's (K=0, on the same prompts), in
     place: ``row["outputs"]`` says how many are identical and, where one parts, whether rounding explains it (the
     base model's logits there, computed here in the served ``dtype``: both tokens within rounding of the best,
-    ``evaluation.compare.classify_at``). The base model is loaded only when a reply differs. Without a K=0 row
+    ``evaluation.compare.classify_at``; a reply that ended where the other goes on chose one of ``stop_ids``, the
+    replies being given without their stop token). The base model is loaded only when a reply differs. Without a K=0 row
     nothing is compared (``outputs`` None). The replies themselves are not kept in the rows."""
     from medusa_train.evaluation.compare import classify_at, compare_outputs
 
@@ -342,7 +343,7 @@ def compare_replies(rows: list[dict], base_model: str, export: Path, conversatio
             raw = logits_at(j, plain[:position], counted[i][j] if counted[i] else None)
             if raw is None:  # the server's prompt is not the one rendered here: no view of the difference
                 return {"kind": "prompt_differs"}
-            detail = classify_at(raw, plain, drafted, position)
+            detail = classify_at(raw, plain, drafted, position, stop_ids)  # a reply that ended chose a stop token
             return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "draft_token")}
 
         row["outputs"] = compare_outputs(replies[plain_index], replies[i], classify)

@@ -21,7 +21,8 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 @torch.no_grad()
-def mismatch_detail(model, input_ids: torch.Tensor, plain: list[int], drafted: list[int], position: int) -> dict:
+def mismatch_detail(model, input_ids: torch.Tensor, plain: list[int], drafted: list[int], position: int,
+                    stop_ids: Sequence[int] = ()) -> dict:
     """The base model's view of the first differing position, and whether rounding explains the difference.
 
     The logits come from one teacher-forced pass (in the model's dtype) over the prompt and the plain
@@ -33,17 +34,21 @@ def mismatch_detail(model, input_ids: torch.Tensor, plain: list[int], drafted: l
     context = torch.cat([input_ids[0], torch.tensor(plain[:position], dtype=input_ids.dtype,
                                                     device=input_ids.device)])
     hidden = model(context[None]).hidden_states[0, -1]
-    return classify_at(model.base_logits(hidden), plain, drafted, position)
+    return classify_at(model.base_logits(hidden), plain, drafted, position, stop_ids)
 
 
-def classify_at(raw: torch.Tensor, plain: Sequence[int], drafted: Sequence[int], position: int) -> dict:
+def classify_at(raw: torch.Tensor, plain: Sequence[int], drafted: Sequence[int], position: int,
+                stop_ids: Sequence[int] = ()) -> dict:
     """``mismatch_detail`` from the base model's next-token logits ``raw`` (in the dtype they were computed in) after
     the prompt and ``plain[:position]``: both tokens within ``rounding_tolerance`` of the best logit is a
-    difference rounding explains (``kind: "at_rounding"``), anything else ``"unexplained"``."""
+    difference rounding explains (``kind: "at_rounding"``), anything else ``"unexplained"``. A reply that ended at
+    ``position`` (replies given without their stop token, as a server returns them) chose a stop token there: the
+    likeliest of ``stop_ids`` (none given: no token, unexplained)."""
     logits = raw.float()
     top = logits.topk(2)
-    plain_token = plain[position] if position < len(plain) else None
-    draft_token = drafted[position] if position < len(drafted) else None
+    stop = max(stop_ids, key=lambda t: logits[t].item()) if stop_ids else None
+    plain_token = plain[position] if position < len(plain) else stop
+    draft_token = drafted[position] if position < len(drafted) else stop
     diff = (logits[plain_token] - logits[draft_token]).item() \
         if plain_token is not None and draft_token is not None else None
     tolerance = rounding_tolerance(logits, raw.dtype)

@@ -298,7 +298,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     if served is not None:
         from medusa_train.evaluation.served_report import add_served
 
-        add_served(report, served(conversations, vllm_reason(model.config) is None), model, inputs)
+        add_served(report, served(conversations, vllm_reason(model.config) is None), model, inputs, eos)
         if output_dir is not None:
             write_report(report, output_dir)
     return report

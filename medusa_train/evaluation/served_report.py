@@ -9,6 +9,8 @@ prompts. Greedy replies are compared with that server's; sampled replies are sco
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from medusa_train.evaluation.compare import compare_outputs, mismatch_detail
@@ -22,15 +24,16 @@ DRAFT_ROW = "vLLM speculation with {draft} (method {method}: a top-1 chain of K 
 FREE_ROWS = ("plain", "ngram", "suffix")
 
 
-def add_served(report: dict, raw: dict, model, inputs: list[torch.Tensor]) -> None:
-    """Put ``serve_and_measure``'s result in ``report["served"]`` (see the module docstring)."""
+def add_served(report: dict, raw: dict, model, inputs: list[torch.Tensor], stop_ids: Sequence[int] = ()) -> None:
+    """Put ``serve_and_measure``'s result in ``report["served"]`` (see the module docstring); ``stop_ids``: the end
+    tokens a reply that ended where another goes on chose (the servers' replies come without them)."""
     servers = raw["servers"]
     plain = servers.get("plain")
     rows = {}
     threshold = raw["settings"]["sampled_check_threshold"]
     for name in sorted(servers, key=lambda n: n != "plain"):  # the plain row first: the others' reference
         plain_check = ((rows.get("plain") or {}).get("phases", {}).get("sampled") or {}).get("check")
-        rows[name] = served_row(name, servers[name], plain, model, inputs, threshold, plain_check)
+        rows[name] = served_row(name, servers[name], plain, model, inputs, threshold, plain_check, stop_ids)
     rows = {name: rows[name] for name in servers}
     engines = report.get("engines") or {}
     if "draft" in rows and engines.get("vllm"):
@@ -47,7 +50,7 @@ def add_served(report: dict, raw: dict, model, inputs: list[torch.Tensor]) -> No
 
 
 def served_row(name: str, server: dict, plain: dict | None, model, inputs: list[torch.Tensor],
-               threshold: float, plain_check: dict | None = None) -> dict:
+               threshold: float, plain_check: dict | None = None, stop_ids: Sequence[int] = ()) -> dict:
     """One server's row: its greedy phase's figures, the other phases', its outputs compared and checked (the
     sampled replies also against ``plain_check``, the plain server's sampled check, when given)."""
     phases = server["phases"]
@@ -65,7 +68,7 @@ def served_row(name: str, server: dict, plain: dict | None, model, inputs: list[
             def classify(i, a, b, position):
                 if not alike[i]:  # the engine's prompt is not ours: no base-model view of the difference
                     return {"kind": "prompt_differs"}
-                detail = mismatch_detail(model, inputs[i], a, b, position)
+                detail = mismatch_detail(model, inputs[i], a, b, position, stop_ids)
                 return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "draft_token")}
 
             row["outputs"] = compare_outputs(plain["phases"]["greedy"]["outputs"], greedy["outputs"], classify)

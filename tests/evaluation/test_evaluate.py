@@ -220,6 +220,22 @@ def test_mismatch_detail_describes_the_base_models_choice(loaded):
     assert detail["tolerance"] == 0.0 and detail["kind"] == "unexplained"
 
 
+def test_a_reply_that_ended_chose_its_stop_token_there():
+    """Servers return replies without their stop token: where one reply ended and the other goes on, the ended one
+    chose the likeliest stop token, which is a near-tie like any other (bf16 here), or a real difference."""
+    from medusa_train.evaluation.compare import classify_at
+
+    logits = torch.zeros(8)
+    logits[3], logits[7], logits[6] = 10.0, 9.95, 2.0  # token 3 best, stop token 7 within rounding, stop token 6 far
+    raw = logits.bfloat16()
+    plain, ended = [5, 3, 4], [5]
+    detail = classify_at(raw, plain, ended, 1, stop_ids=[6, 7])
+    assert (detail["plain_token"], detail["draft_token"], detail["kind"]) == (3, 7, "at_rounding")
+    assert classify_at(raw, plain, ended, 1)["kind"] == "unexplained"  # no stop ids: no token to weigh
+    assert classify_at(raw, plain, ended, 1, stop_ids=[6])["kind"] == "unexplained"  # the stop far from the best
+    assert classify_at(raw, ended, plain, 1, stop_ids=[6, 7])["plain_token"] == 7  # either side may have ended
+
+
 def test_rounding_tolerance_is_two_spacings_of_the_dtype_at_the_largest_logit():
     logits = torch.tensor([1.0, -10.0, 3.0])
     assert rounding_tolerance(logits, torch.bfloat16) == 2 * 2**-7 * 10.0
