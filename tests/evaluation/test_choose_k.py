@@ -272,7 +272,7 @@ def test_each_servers_replies_are_checked_against_k0_and_a_wrong_one_is_never_ch
     replies themselves are not kept in serving.json's rows."""
     from medusa_train import load_backbone
     from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
-    from medusa_train.evaluation.choose_k import REPLIES, compare_replies, replies_line
+    from medusa_train.evaluation.served_replies import REPLIES, compare_replies, replies_line
 
     native, export = heads
     base = str(native.parent / "model")
