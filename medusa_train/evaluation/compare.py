@@ -59,6 +59,15 @@ def classify_at(raw: torch.Tensor, plain: Sequence[int], drafted: Sequence[int],
             "tolerance": tolerance, "kind": "at_rounding" if explained else "unexplained"}
 
 
+#: what a served row keeps of a difference's classification (``brief``)
+BRIEF = ("kind", "top2_gap", "tolerance", "plain_token", "draft_token")
+
+
+def brief(detail: dict) -> dict:
+    """The part of ``classify_at``'s detail a served row keeps beside the position ``compare_outputs`` records."""
+    return {k: detail[k] for k in BRIEF}
+
+
 def rounding_tolerance(logits: torch.Tensor, dtype: torch.dtype) -> float:
     """How far apart two logits computed in ``dtype`` by differently ordered sums can land: two spacings of
     ``dtype`` at the largest logit's magnitude (``2 eps max|logit|``; 0 in float32 and float64, where the

@@ -30,7 +30,7 @@ def compare_replies(rows: list[dict], base_model: str, export: Path, conversatio
     ``evaluation.compare.classify_at``; a reply that ended where the other goes on chose one of ``stop_ids``, the
     replies being given without their stop token). The base model is loaded only when a reply differs. Without a K=0 row
     nothing is compared (``outputs`` None). The replies themselves are not kept in the rows."""
-    from medusa_train.evaluation.compare import classify_at, compare_outputs
+    from medusa_train.evaluation.compare import brief, classify_at, compare_outputs
 
     replies = [row.pop(REPLIES, None) for row in rows]
     counted = [row.pop("prompt_tokens", None) for row in rows]
@@ -48,8 +48,7 @@ def compare_replies(rows: list[dict], base_model: str, export: Path, conversatio
             raw = logits_at(j, plain[:position], counted[i][j] if counted[i] else None)
             if raw is None:  # the server's prompt is not the one rendered here: no view of the difference
                 return {"kind": "prompt_differs"}
-            detail = classify_at(raw, plain, drafted, position, stop_ids)  # a reply that ended chose a stop token
-            return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "draft_token")}
+            return brief(classify_at(raw, plain, drafted, position, stop_ids))  # a reply that ended chose a stop token
 
         row["outputs"] = compare_outputs(replies[plain_index], replies[i], classify)
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from medusa_train.evaluation.compare import compare_outputs, mismatch_detail
+from medusa_train.evaluation.compare import brief, compare_outputs, mismatch_detail
 from medusa_train.evaluation.engines import vllm_reason
 from medusa_train.evaluation.sampled_check import against_plain, describe, score_replies
 
@@ -68,8 +68,7 @@ def served_row(name: str, server: dict, plain: dict | None, model, inputs: list[
             def classify(i, a, b, position):
                 if not alike[i]:  # the engine's prompt is not ours: no base-model view of the difference
                     return {"kind": "prompt_differs"}
-                detail = mismatch_detail(model, inputs[i], a, b, position, stop_ids)
-                return {k: detail[k] for k in ("kind", "top2_gap", "tolerance", "plain_token", "draft_token")}
+                return brief(mismatch_detail(model, inputs[i], a, b, position, stop_ids))
 
             row["outputs"] = compare_outputs(plain["phases"]["greedy"]["outputs"], greedy["outputs"], classify)
     for phase, figures in phases.items():
