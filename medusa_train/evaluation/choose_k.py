@@ -88,6 +88,20 @@ def serving_record(rows: Sequence[dict], settings: dict, base_model: str, export
             "settings": dict(settings), "base_model": base_model, "export": str(export), "device": device}
 
 
+def with_earlier(record: dict, previous: dict | None) -> dict:
+    """``record`` holding, under ``earlier``, the newest record of every other benchmark the export's
+    ``serving.json`` held before (a run on MT-Bench keeps the validation prompts' figures, and the other way round):
+    nothing measured is lost, the newest run decides what to serve, and a run on the same prompts replaces its own."""
+    if not previous:
+        return record
+    earlier = dict(previous.get("earlier") or {})
+    before = (previous.get("settings") or {}).get("benchmark")
+    if before is not None:
+        earlier[before] = {key: value for key, value in previous.items() if key != "earlier"}
+    earlier.pop(record["settings"].get("benchmark"), None)
+    return {**record, "earlier": earlier} if earlier else record
+
+
 def to_pass(rows: Sequence[dict], free: dict | None) -> dict | None:
     """The tokens per step the draft would need at each K served to match ``free``'s tokens/s (None: no free row,
     or the draft row has no step count): its step costs what it cost here (tokens/s over tokens per step), so
@@ -108,15 +122,21 @@ def record_output_problem(path: str | os.PathLike, option: str = "output") -> st
     if path.is_dir():
         return f"{option}={path}: is a folder; name a .json file"
     if path.exists():
-        try:
-            ours = {"rows", "recommended_num_speculative_tokens"} <= set(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            ours = False
-        if not ours:
+        if read_record(path) is None:
             return (f"{option}={path}: exists and is not a record choose-k wrote; nothing was changed: choose "
                     f"another {option}= (or move the file away)")
     blocked = unwritable(path.parent)
     return f"{option}={path}: {blocked} cannot be written; choose another {option}=" if blocked else None
+
+
+def read_record(path: str | os.PathLike) -> dict | None:
+    """The serving record at ``path`` (``serving_record``'s keys), or None where there is none or the file is not one
+    (``write_json`` then refuses to replace it)."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and {"rows", "recommended_num_speculative_tokens"} <= set(record) else None
 
 
 def write_json(path: str | os.PathLike, record: dict) -> Path:
@@ -304,7 +324,10 @@ def choose_k(cfg: ChooseKConfig, depth: int, base_model: str,
     settings = {"dtype": cfg.dtype, "limit": cfg.limit, "max_tokens": cfg.max_tokens,
                 "concurrency": cfg.concurrency, "benchmark": cfg.source}
     record = serving_record(rows, settings, base_model, export, device_description(), not_served)
-    write_json(export / SERVING_NAME, record)
+    write_json(export / SERVING_NAME, kept_record := with_earlier(record, read_record(export / SERVING_NAME)))
+    if kept := sorted(kept_record.get("earlier", {})):
+        progress(f"[medusa_train] choose-k: {SERVING_NAME} keeps the earlier runs on {', '.join(kept)} under "
+                 "\"earlier\"; this run decides what to serve")
     if cfg.output:
         write_json(cfg.output, record)
     return export, record

@@ -27,6 +27,7 @@ from medusa_train.evaluation.choose_k import (
     serving_record,
     verdict,
     vllm_export,
+    with_earlier,
     write_json,
 )
 from medusa_train.export.serve import serve_command
@@ -99,6 +100,24 @@ def test_serving_json_is_replaced_whole_or_not_at_all(tmp_path):
         write_json(path, {"rows": [object()]})  # fails half-way through the JSON
     assert json.loads(path.read_text()) == {"recommended_num_speculative_tokens": 2, "rows": []}
     assert os.listdir(tmp_path) == [SERVING_NAME]
+
+
+def test_a_run_on_other_prompts_keeps_the_earlier_runs_record_and_the_newest_decides(heads):
+    """A second choose-k on the same export (MT-Bench after the validation prompts) replaced serving.json whole
+    before: the first run's figures were lost. Each other benchmark's newest record stays under ``earlier``."""
+    _, export = heads
+    validation = serving_record(ROWS, {**SETTINGS, "benchmark": "validation"}, "base", export, "cpu")
+    mt_bench = serving_record(ROWS[:2], SETTINGS, "base", export, "cpu")
+    kept = with_earlier(mt_bench, validation)
+    assert kept["earlier"] == {"validation": validation}
+    assert {key: value for key, value in kept.items() if key != "earlier"} == mt_bench
+    write_json(export / SERVING_NAME, kept)
+    assert "K=1: the fastest of K=1 measured on" in serve_command(export)  # the newest run's K values
+    # validation again: its own record is replaced, MT-Bench's kept; the same prompts twice keep nothing
+    again = serving_record(ROWS[1:], {**SETTINGS, "benchmark": "validation"}, "base", export, "cpu")
+    assert with_earlier(again, kept)["earlier"] == {"packaged:mt-bench": mt_bench}
+    assert with_earlier(mt_bench, mt_bench) == mt_bench == with_earlier(mt_bench, None)
+    write_json(export / SERVING_NAME, validation)
 
 
 def test_an_output_file_choose_k_did_not_write_is_refused_before_any_server_starts(heads, tmp_path):
