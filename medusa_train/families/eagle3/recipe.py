@@ -29,9 +29,10 @@ from medusa_train.families.eagle3.loss import ttt_loss
 from medusa_train.model.family import captured_for
 from medusa_train.training import loop, setup, validation_walk
 from medusa_train.training.losses import LossResult
+from medusa_train.training.recipe_base import RecipeBase
 
 
-class Eagle3Recipe:
+class Eagle3Recipe(RecipeBase):
     """EAGLE-3 draft training, readable top to bottom."""
 
     def __init__(self, cfg: TrainConfig):
@@ -97,16 +98,6 @@ class Eagle3Recipe:
         loop.say(self.accelerator, f"eval @ step {self.run.step}: loss {record['loss']:.4f}, top-1 by draft step "
                                    f"{loop.top1_summary(record, steps)}")
         return record
-
-    def trained(self):
-        """What the run's export writes (``export/run.py``)."""
-        from medusa_train.training.run_folder import TrainedRun, run_chat_template
-
-        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer),
-                          validation=validation_walk.last(self.validation))
-
-    def cleanup(self) -> None:
-        loop.finish(self.run)
 
 
 def draft_vocabulary(cfg: TrainConfig, backbone, train: list[dict]) -> tuple[torch.Tensor | None, str | None]:

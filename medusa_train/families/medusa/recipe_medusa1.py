@@ -25,10 +25,11 @@ from medusa_train.families.medusa import recipe
 from medusa_train.model.family import captured_for
 from medusa_train.training import loop, setup, validation_walk
 from medusa_train.training.losses import LossResult
+from medusa_train.training.recipe_base import RecipeBase
 from medusa_train.training.shard import shard_backbone
 
 
-class Medusa1Recipe:
+class Medusa1Recipe(RecipeBase):
     """Medusa-1 training, readable top to bottom."""
 
     def __init__(self, cfg: TrainConfig):
@@ -87,12 +88,3 @@ class Medusa1Recipe:
                  + (f"; greedy targets keep {kept} of the text's" if kept else ""))
         return record
 
-    def trained(self):
-        """What the run's export writes (``export/run.py``)."""
-        from medusa_train.training.run_folder import TrainedRun, run_chat_template
-
-        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer),
-                          validation=validation_walk.last(self.validation))
-
-    def cleanup(self) -> None:
-        loop.finish(self.run)

@@ -56,6 +56,7 @@ from medusa_train.training.backbone_loss import (
     from_sums,
 )
 from medusa_train.training.losses import LossResult
+from medusa_train.training.recipe_base import RecipeBase
 from medusa_train.training.shard import full, is_sharded, shard_backbone
 
 
@@ -91,7 +92,7 @@ class Medusa2LossResult(LossResult):
     base: BaseMetrics | None = None
 
 
-class Medusa2Recipe:
+class Medusa2Recipe(RecipeBase):
     """Medusa-2: a 4-bit NF4 (or int8) backbone with LoRA adapters, trained jointly with the heads.
 
     ``stage=1`` trains the heads only on the same quantized backbone (no LoRA; hidden states may be
@@ -241,13 +242,8 @@ class Medusa2Recipe:
             return None
         return {n: full(p.detach()).cpu() for n, p in named}
 
-    def trained(self):
-        """What the run's export writes (``export/run.py``): the heads, and what rebuilds the adapted backbone."""
-        from medusa_train.training.run_folder import AdaptedBackbone, TrainedRun, run_chat_template
+    def adapted_backbone(self):
+        """The export rebuilds the backbone this run adapted (its adapter, or its whole weights)."""
+        from medusa_train.training.run_folder import AdaptedBackbone
 
-        adapted = AdaptedBackbone(self.joint, self.peft_model, self.tokenizer, self.whole_adapter)
-        return TrainedRun(self.cfg, self.accelerator, self.model, run_chat_template(self.cfg, self.tokenizer), adapted,
-                          validation_walk.last(self.validation))
-
-    def cleanup(self) -> None:
-        loop.finish(self.run)
+        return AdaptedBackbone(self.joint, self.peft_model, self.tokenizer, self.whole_adapter)
