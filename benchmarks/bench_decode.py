@@ -219,6 +219,14 @@ def main(**overrides) -> int:
     bandwidth = read_bandwidth(device)
     limit_ms = limit_bytes / bandwidth * 1e3
     measured = measure(model, trees, context, int(opts["repeats"]), int(opts["warmup"]), int(opts["seed"]), linears)
+    roof = None
+    if device.type == "cpu" and opts["dtype"] == "float32":  # the arithmetic's side of the limit (benchmarks/roof.py)
+        from benchmarks.roof import compute_roof, linear_macs_per_token
+        from medusa_train.backbone.rows import rows_linear
+
+        paths = {"gemm": torch.nn.functional.linear, "rows": rows_linear}
+        roof = compute_roof({p: paths[p] for p in linears}, sorted({1} | {t.num_nodes for _, t in trees}),
+                            backbone.config.hidden_size, linear_macs_per_token(backbone))
 
     accuracies = assumed_rank_accuracies()
     given = opts["accept_length"]
@@ -233,7 +241,15 @@ def main(**overrides) -> int:
               | {"device": machine, "threads": torch.get_num_threads(), "cpu_capability":
                  torch.backends.cpu.get_cpu_capability()},
               "weight_bytes_per_step": limit_bytes, "bandwidth_bytes_per_s": bandwidth, "limit_ms": limit_ms,
-              "linears": {}}
+              "linears": {}, "compute_roof": roof}
+    if roof:
+        print(f"Compute limit (benchmarks/roof.py): {roof['macs_per_token'] / 1e6:.0f} M multiply-adds a token at the "
+              f"fastest rate measured, {roof['peak_macs_per_s'] / 1e9:.1f} G/s (torch's GEMM at 1024 cubed: "
+              f"{roof['gemm_1024_macs_per_s'] / 1e9:.1f}): "
+              + ", ".join(f"{n} tokens {ms:.2f} ms" for n, ms in roof["compute_limit_ms"].items())
+              + "; each path's rate at that many rows, from the caches (G/s): "
+              + "; ".join(f"{p} " + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in rates.items())
+                          for p, rates in roof["path_macs_per_s"].items()))
     for path in linears:
         plain, plain_explicit, results = measured[path]
         print(f"\n{LINEAR_NAMES[path]}: plain step {plain * 1e3:.2f} ms ({plain / (limit_ms / 1e3):.2f}x the memory "

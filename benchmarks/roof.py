@@ -1,0 +1,59 @@
+"""The compute side of a decoding step's limit on a CPU: how long the arithmetic of a step over N tokens takes.
+
+A step over N tokens reads the backbone's weights once (the memory limit, ``bench_decode.read_bandwidth``) and does
+N multiply-adds with each weight of its linear layers. At one row the reading dominates; from some N on the
+arithmetic does, and no kernel can make a verify over that many nodes cost what a plain step costs. Two rates are
+measured here, both from the caches (a weight small enough to stay in them, so no memory traffic counts):
+
+- ``path``: the linear path the decoder runs (the row kernel or torch's GEMM) at exactly N rows, against a weight
+  the size of a few of the backbone's rows: what the step's own arithmetic gets at that N.
+
+The compute limit of a step over N tokens is the backbone's linear multiply-adds per token (attention over the
+context left out: ~6% at context 256 for the 135M model) times N over the peak rate; the path's rate says how far
+the kernel is from it. The peak is the fastest rate measured here, torch's GEMM over a large square product or a
+path at its most rows (MKL's GEMM is slow on AMD CPUs: a lower bound on what the vector units can do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from medusa_train.tree.cost import median_times
+
+
+def linear_macs_per_token(backbone: torch.nn.Module) -> int:
+    """Multiply-adds of one token through every linear layer of ``backbone`` (LM head included)."""
+    return sum(m.weight.numel() for m in backbone.modules() if isinstance(m, torch.nn.Linear))
+
+
+@torch.no_grad()
+def macs_per_second(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int, out_features: int,
+                    in_features: int, repeats: int = 30) -> float:
+    """Multiply-adds per second of ``linear(x, w)`` for ``rows`` float32 rows against a (out, in) weight, median of
+    ``repeats`` calls, each call repeated so one timing lasts ~ms."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=generator)
+    w = torch.randn(out_features, in_features, generator=generator)
+    macs = rows * out_features * in_features
+    inner = max(1, int(2e7 // macs))  # ~20 M multiply-adds a timing
+
+    def run():
+        for _ in range(inner):
+            linear(x, w)
+
+    seconds = median_times([run], repeats, 2, torch.device("cpu"))[0]
+    return macs * inner / seconds
+
+
+def compute_roof(linears: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]], sizes: list[int],
+                 in_features: int, macs_per_token: int) -> dict:
+    """Each linear path's multiply-add rate at each row count in ``sizes`` against a cached (512 x
+    ``in_features``) weight, torch's GEMM over a 1024-cubed product, the fastest of them all as the peak, and each
+    size's compute limit in ms at that peak."""
+    by_path = {name: {str(n): macs_per_second(fn, n, 512, in_features) for n in sizes} for name, fn in linears.items()}
+    gemm = macs_per_second(torch.mm, 1024, 1024, 1024, repeats=5)
+    peak = max([gemm, *(rate for rates in by_path.values() for rate in rates.values())])
+    return {"peak_macs_per_s": peak, "gemm_1024_macs_per_s": gemm, "macs_per_token": macs_per_token,
+            "path_macs_per_s": by_path, "compute_limit_ms": {str(n): macs_per_token * n / peak * 1e3 for n in sizes}}
