@@ -16,6 +16,9 @@
 #include <algorithm>
 #include <cstdint>
 
+// into L2, not L1: a 16-row step's inputs and this block's weights fill L1 already (L1 measured slower from 4 rows on)
+#define PREFETCH_HINT _MM_HINT_T1
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the row kernel needs AVX2 with FMA, or AVX-512"
 #endif
@@ -48,15 +51,21 @@ static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline float vsum(vec a) { return sum8(a); }
 #endif
 
+// ahead: the next block's weights (NR rows, contiguous after this block's), asked for while this block computes, or
+// null. Without it the kernel paid its arithmetic and its memory stream one after the other (a 16-token pass's
+// linears took the sum of the two limits, a 1-token pass's 1.3x the memory limit: docs/results.md, "Step cost");
+// a prefetch changes no result.
 template <int MB>
 static inline void block(const float* X, const float* W, float* Y, int64_t m0, int64_t n0, int64_t nr, int64_t K,
-                         int64_t KV, int64_t N) {
+                         int64_t KV, int64_t N, const char* ahead) {
   vec acc[NR][MB];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < MB; ++i) acc[r][i] = vzero();
   const float* w[NR];
   for (int r = 0; r < NR; ++r) w[r] = W + (n0 + (r < nr ? r : 0)) * K;
   for (int64_t k = 0; k < KV; k += VW) {
+    if (ahead)  // NR * VW floats of the next block per step: its whole NR * K by the end of this one
+      for (int64_t b = 0; b < NR * VW * 4; b += 64) _mm_prefetch(ahead + k * NR * 4 + b, PREFETCH_HINT);
     vec wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = vload(w[r] + k);
     for (int i = 0; i < MB; ++i) {
@@ -74,10 +83,10 @@ static inline void block(const float* X, const float* W, float* Y, int64_t m0, i
 
 template <int MB>
 static inline void rows_from(const float* X, const float* W, float* Y, int64_t m0, int64_t n0, int64_t nr,
-                             int64_t K, int64_t KV, int64_t N, int64_t left) {
+                             int64_t K, int64_t KV, int64_t N, int64_t left, const char* ahead) {
   if constexpr (MB > 0) {
-    if (left == MB) return block<MB>(X, W, Y, m0, n0, nr, K, KV, N);
-    rows_from<MB - 1>(X, W, Y, m0, n0, nr, K, KV, N, left);
+    if (left == MB) return block<MB>(X, W, Y, m0, n0, nr, K, KV, N, ahead);
+    rows_from<MB - 1>(X, W, Y, m0, n0, nr, K, KV, N, left, ahead);
   }
 }
 
@@ -92,9 +101,12 @@ static void rows_linear(int64_t x_ptr, int64_t w_ptr, int64_t y_ptr, int64_t M, 
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * NR, nr = std::min<int64_t>(NR, N - n0);
+      // the first pass over this block's weights asks for the next block's (the later passes read this one's
+      // from the cache)
+      const char* ahead = n0 + NR < N ? reinterpret_cast<const char*>(W + (n0 + NR) * K) : nullptr;
       int64_t m0 = 0;
-      for (; m0 + MBMAX <= M; m0 += MBMAX) block<MBMAX>(X, W, Y, m0, n0, nr, K, KV, N);
-      rows_from<MBMAX - 1>(X, W, Y, m0, n0, nr, K, KV, N, M - m0);
+      for (; m0 + MBMAX <= M; m0 += MBMAX, ahead = nullptr) block<MBMAX>(X, W, Y, m0, n0, nr, K, KV, N, ahead);
+      rows_from<MBMAX - 1>(X, W, Y, m0, n0, nr, K, KV, N, M - m0, ahead);
     }
   });
 }
