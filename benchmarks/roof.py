@@ -2,11 +2,10 @@
 
 A step over N tokens reads the backbone's weights once (the memory limit, ``bench_decode.read_bandwidth``) and does
 N multiply-adds with each weight of its linear layers. At one row the reading dominates; from some N on the
-arithmetic does, and no kernel can make a verify over that many nodes cost what a plain step costs. Two rates are
-measured here, both from the caches (a weight small enough to stay in them, so no memory traffic counts):
-
-- ``path``: the linear path the decoder runs (the row kernel or torch's GEMM) at exactly N rows, against a weight
-  the size of a few of the backbone's rows: what the step's own arithmetic gets at that N.
+arithmetic does, and no kernel can make a verify over that many nodes cost what a plain step costs. The rates are
+measured from the caches (a weight small enough to stay in them, so no memory traffic counts): each linear path the
+decoder runs (the row kernel or torch's GEMM) at exactly N rows against a 512-row weight, what the step's own
+arithmetic gets at that N, and torch's GEMM over a 1024-cubed product.
 
 The compute limit of a step over N tokens is the backbone's linear multiply-adds per token (attention over the
 context left out: ~6% at context 256 for the 135M model) times N over the peak rate; the path's rate says how far
