@@ -49,6 +49,7 @@ import torch
 from benchmarks.bench_options import bench_options
 from benchmarks.steps import DecodeStepParts
 from medusa_train import MedusaModel, load_backbone
+from medusa_train.backbone.attention import use_grouped_attention
 from medusa_train.backbone.rows import RowLinear, linear_path, use_row_kernel
 from medusa_train.decoding import TokenTree
 from medusa_train.tree.cost import device_name, median_times
@@ -200,6 +201,7 @@ def main(**overrides) -> int:
     backbone = shaped_backbone(opts["shape"], opts["dtype"], device) if opts["shape"] else \
         load_backbone(opts["model"], dtype=opts["dtype"])[0].to(device)
     print(use_row_kernel(backbone)[1])
+    use_grouped_attention()  # as load_exported_draft does: medusa_train/backbone/attention.py
     model = MedusaModel.from_backbone(backbone, num_heads=num_heads, share_lm_head=opts["share_lm_head"] == "true",
                                       next_token_input=opts["reads"] != "plain",
                                       path_input=opts["reads"] in ("path", "prefix"),

@@ -114,6 +114,7 @@ def load_exported_draft(heads_dir: str | os.PathLike | ExportedDraft, model: Eva
     Returns:
         ``(MedusaModel, tokenizer)`` in eval mode.
     """
+    from medusa_train.backbone.attention import use_grouped_attention
     from medusa_train.backbone.load import load_backbone
     from medusa_train.backbone.rows import use_row_kernel
 
@@ -130,6 +131,7 @@ def load_exported_draft(heads_dir: str | os.PathLike | ExportedDraft, model: Eva
                                         attn_implementation=model.attn_implementation)
     backbone.to(device)
     use_row_kernel(backbone)  # a CPU float32 backbone's decoding steps: medusa_train/backbone/rows.py
+    use_grouped_attention()  # a CPU step's masked tokens read the cached keys once: medusa_train/backbone/attention.py
     draft = load_draft(heads, backbone)
     for part in draft.draft_modules():
         part.to(backbone.get_output_embeddings().weight.dtype)
