@@ -1,15 +1,16 @@
-"""The row kernel: a backbone's float32 linear layers on a CPU, for the 2-16 rows of a verify step.
+"""The row kernel: a backbone's float32 linear layers on a CPU, for the few rows of a decoding step.
 
 A decoding step on a CPU is memory-bound: a 1-token step and a verify over a few tree nodes read the same
 weights. A library GEMM does not treat them alike: at 2-16 rows it packs the weights on each call and computes
 afterwards, so a 2-token verify in float32 costs 1.8x a 1-token step on an AVX2 CPU (``docs/results.md``, "Step
 cost"). ``rows.cpp`` streams each weight once and uses it for every row, in ``nn.Linear``'s own layout
 (nothing is copied), and sums each output the same way whatever the number of rows, so a row's output is
-bitwise the same in any verify it is part of. On an Intel CPU a 1-token step stays on torch's GEMV (MKL's);
-on other vendors' CPUs MKL's 1- and 2-row paths are slow and the kernel takes every step from one row.
+bitwise the same in any verify it is part of. On an Intel CPU a 1-token step stays on torch's GEMV (MKL's) and
+2-16 rows take the kernel; on other vendors' CPUs MKL's small-row paths are slow and the kernel takes every step
+from one row to 64 (``row_range``).
 
 ``use_row_kernel(model)`` switches every plain ``nn.Linear`` of a model to it. A switched layer uses the kernel
-only where it applies (no autograd, float32 CPU tensors, ``MIN_ROWS`` to ``MAX_ROWS`` rows) and ``F.linear`` everywhere
+only where it applies (no autograd, float32 CPU tensors, the rows ``row_range`` gives) and ``F.linear`` everywhere
 else: training, prefill, bfloat16 and CUDA are untouched. Every decoder on the machine gets it at once (HF
 ``generate``, prompt lookup and ours run the same backbone), so a speedup still divides by the best plain
 decoding there. The kernel is compiled for this CPU on first use (AVX-512 or AVX2 with FMA; ~10 s, kept in
@@ -28,14 +29,18 @@ import torch.nn.functional as F
 
 #: the fewest rows (tokens in a step) the kernel takes, by instruction set, on an Intel CPU. One row stays torch's
 #: there (MKL's GEMV streams the weights already, 9% faster than the kernel's on the AVX2 code paths); on AVX-512
-#: two rows too (MKL's 2-row path was as fast as the kernel there); more than 16 go to torch's GEMM (faster from 32
-#: rows on both: docs/results.md, "Step cost against the machine's limit")
+#: two rows too (MKL's 2-row path was as fast as the kernel there)
 MIN_ROWS = {"AVX512": 4, "AVX2": 2}
+#: the most rows it takes on an Intel CPU: more go to torch's GEMM (faster from 32 rows on both instruction sets:
+#: docs/results.md, "Step cost against the machine's limit")
+MAX_ROWS = 16
 #: on any other CPU, from one row: MKL gives other vendors' CPUs slower small-row paths (AMD EPYC, AVX-512, float32:
 #: the backbone's 1-token pass 48.6 ms on MKL's GEMV, 31.1 ms on the kernel; a 2-token pass 74.4 against 36.9).
 #: A plain step, HF ``generate``'s included, then runs the kernel too: every speedup still divides by it
 MIN_ROWS_ELSEWHERE = 1
-MAX_ROWS = 16
+#: ... and to 64 rows, a verify over the largest tree (AMD EPYC, float32, the backbone's pass over 32 / 64 tokens:
+#: 127 / 175 ms on torch's GEMM, 80 / 135 on the kernel; the same on the AVX2 code paths)
+MAX_ROWS_ELSEWHERE = 64
 ENV_SWITCH = "MEDUSA_TRAIN_ROW_KERNEL"  #: ``0`` / ``off``: never switch layers
 SOURCE = Path(__file__).with_suffix(".cpp")  #: rows.cpp beside this file
 
@@ -132,12 +137,14 @@ def cpu_vendor() -> str | None:
 
 
 @functools.cache
-def _min_rows() -> int:
-    """The fewest rows a switched layer sends to the kernel here (more than ``MAX_ROWS``: none)."""
+def row_range() -> tuple[int, int]:
+    """The fewest and the most rows a switched layer sends to the kernel on this CPU (``(1, 0)``: none)."""
     isa = cpu_isa()
     if isa is None:
-        return MAX_ROWS + 1
-    return MIN_ROWS[isa] if cpu_vendor() in ("GenuineIntel", None) else MIN_ROWS_ELSEWHERE
+        return 1, 0
+    if cpu_vendor() in ("GenuineIntel", None):
+        return MIN_ROWS[isa], MAX_ROWS
+    return MIN_ROWS_ELSEWHERE, MAX_ROWS_ELSEWHERE
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -165,7 +172,8 @@ class RowLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (_min_rows() <= rows <= MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+        fewest, most = row_range()
+        if (fewest <= rows <= most and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
                 and w.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             y = _rows_linear(x.reshape(rows, x.shape[-1]), w)
             if self.bias is not None:

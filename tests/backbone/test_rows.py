@@ -18,12 +18,13 @@ from helpers.decoding import hf_greedy, install_oracle_heads, prompts
 from medusa_train import MedusaModel
 from medusa_train.backbone.rows import (
     MAX_ROWS,
+    MAX_ROWS_ELSEWHERE,
     MIN_ROWS,
     RowLinear,
-    _min_rows,
     cpu_isa,
     linear_path,
     row_kernel,
+    row_range,
     rows_linear,
     use_row_kernel,
     without_row_kernel,
@@ -79,19 +80,21 @@ def test_other_calls_are_exactly_torchs(kernel):
     reference = torch.nn.Linear(24, 40, bias=True)
     reference.load_state_dict(layer.state_dict())
     layer.__class__ = RowLinear
-    many = torch.randn(MAX_ROWS + 1, 24, generator=g)  # a prefill's rows
+    fewest, most = row_range()
+    assert (fewest, most) in [(MIN_ROWS[cpu_isa()], MAX_ROWS), (1, MAX_ROWS_ELSEWHERE)]
+    many = torch.randn(most + 1, 24, generator=g)  # a prefill's rows
     with torch.no_grad():
         assert torch.equal(layer(many), reference(many))
         one = torch.randn(1, 1, 24, generator=g)  # a plain step: torch's GEMV on an Intel CPU, else the kernel's
         assert min(MIN_ROWS.values()) >= 2
-        expected = reference(one) if _min_rows() > 1 else rows_linear(one[0], layer.weight)[None] + layer.bias
+        expected = reference(one) if fewest > 1 else rows_linear(one[0], layer.weight)[None] + layer.bias
         assert torch.equal(layer(one), expected)
         half = torch.randn(3, 24, generator=g).bfloat16()
         assert torch.equal(layer.bfloat16()(half), reference.bfloat16()(half))
         layer.float(), reference.float()
-        few = torch.randn(2, MAX_ROWS // 2, 24, generator=g)  # a verify's rows, batched dims kept; bias added
+        few = torch.randn(2, most // 2, 24, generator=g)  # a verify's rows, batched dims kept; bias added
         torch.testing.assert_close(layer(few), reference(few), rtol=1e-5, atol=1e-5)
-        assert layer(few).shape == (2, MAX_ROWS // 2, 40)
+        assert layer(few).shape == (2, most // 2, 40)
     x = torch.randn(3, 24, generator=g, requires_grad=True)  # autograd: torch's path, gradients included
     layer(x).sum().backward()
     grad = x.grad.clone()
