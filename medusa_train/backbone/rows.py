@@ -20,6 +20,7 @@ line says why. ``MEDUSA_TRAIN_ROW_KERNEL=0`` turns it off (a benchmark's "before
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -200,6 +201,20 @@ def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
     for layer in layers:
         layer.__class__ = RowLinear
     return len(layers), f"row kernel: {len(layers)} float32 linear layers ({cpu_isa()})"
+
+
+@contextlib.contextmanager
+def row_kernel_during(model: torch.nn.Module):
+    """``use_row_kernel`` for the block only: the layers it switched are plain ``nn.Linear`` again after it (greedy
+    replies from a backbone that trains before and after them). Yields ``use_row_kernel``'s ``(count, message)``."""
+    before = {id(m) for m in model.modules() if type(m) is RowLinear}
+    switched = use_row_kernel(model)
+    try:
+        yield switched
+    finally:
+        for layer in model.modules():
+            if type(layer) is RowLinear and id(layer) not in before:
+                layer.__class__ = torch.nn.Linear
 
 
 def without_row_kernel(model: torch.nn.Module) -> int:

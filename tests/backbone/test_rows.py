@@ -24,6 +24,7 @@ from medusa_train.backbone.rows import (
     cpu_isa,
     linear_path,
     row_kernel,
+    row_kernel_during,
     row_range,
     rows_linear,
     use_row_kernel,
@@ -114,6 +115,20 @@ def test_switching_keeps_the_models_weights_and_state_dict(kernel):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert without_row_kernel(model) == count and linear_path(model) == "torch GEMM"
     assert use_row_kernel(model.bfloat16())[0] == 0  # nothing to do in bfloat16
+
+
+def test_the_kernel_for_a_block_switches_back_only_what_it_switched(kernel):
+    model = make_tiny_backbone("llama", seed=3)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    use_row_kernel(model.model.layers[0])  # switched before: stays switched
+    kept = [m for m in linears if type(m) is RowLinear]
+    assert 0 < len(kept) < len(linears)
+    with row_kernel_during(model) as (count, _):
+        assert count == len(linears) - len(kept) and all(type(m) is RowLinear for m in linears)
+    assert [m for m in linears if type(m) is RowLinear] == kept
+    with pytest.raises(RuntimeError), row_kernel_during(model):  # and after an error too
+        raise RuntimeError
+    assert [m for m in linears if type(m) is RowLinear] == kept
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
