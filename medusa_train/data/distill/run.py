@@ -194,6 +194,7 @@ def _in_process(model, tokenizer, batches, cfg: DistillConfig, eos_ids: list[int
 
 def _load(cfg: DistillConfig):
     from medusa_train.backbone.load import load_backbone
+    from medusa_train.backbone.rows import use_row_kernel
 
     m = cfg.model
     model, tokenizer = load_backbone(m.name_or_path, dtype=m.dtype, quantization=m.quantization,
@@ -201,6 +202,9 @@ def _load(cfg: DistillConfig):
                                      bnb_compute_dtype=m.bnb_compute_dtype, bnb_double_quant=m.bnb_double_quant)
     if torch.cuda.is_available() and not m.quantization:
         model.to("cuda")
+    # a float32 CPU backbone's batched steps on the row kernel: 123.6 -> 156.7 tokens/s at batch 32 on the AVX2 code
+    # paths of an AMD CPU, the same replies (docs/log/2026-11-28-step-cost.md); elsewhere nothing changes
+    print(f"[medusa_train] {use_row_kernel(model)[1]}", flush=True)
     return model, tokenizer
 
 
