@@ -47,11 +47,30 @@ SOURCE = Path(__file__).with_suffix(".cpp")  #: rows.cpp beside this file
 
 # the instruction sets the kernel is written for, by torch's name for the CPU's capability, and their flags
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+#: added where an AVX-512 CPU has AVX512-BF16: the kernel then takes bfloat16 layers too (``rows_linear_bf16``)
+BF16_FLAGS = ["-mavx512bf16"]
 
 
 def switched_off() -> bool:
     """True when ``MEDUSA_TRAIN_ROW_KERNEL`` says not to use the kernel."""
     return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def build_flags(isa: str) -> list[str]:
+    """The compiler's instruction-set flags for ``isa`` on this CPU (AVX512-BF16's added where it has it)."""
+    return ISA_FLAGS[isa] + (BF16_FLAGS if isa == "AVX512" and "avx512_bf16" in cpu_flags() else [])
 
 
 def cpu_isa() -> str | None:
@@ -87,7 +106,7 @@ def row_kernel():
         _ninja_on_path()
         # named by its instruction set and a digest of source, flags and torch: a cache shared between machines
         # or environments never hands one the other's build
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa]],
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *build_flags(isa)],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, a read-only cache: the layers stay on F.linear
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -121,7 +140,7 @@ def _ninja_on_path() -> None:
 def _build_digest(isa: str) -> str:
     import hashlib
 
-    key = SOURCE.read_bytes() + f"|{torch.__version__}|{' '.join(ISA_FLAGS[isa])}".encode()
+    key = SOURCE.read_bytes() + f"|{torch.__version__}|{' '.join(build_flags(isa))}".encode()
     return hashlib.sha256(key).hexdigest()[:10]
 
 
@@ -148,25 +167,48 @@ def row_range() -> tuple[int, int]:
     return MIN_ROWS_ELSEWHERE, MAX_ROWS_ELSEWHERE
 
 
+def bf16_possible() -> bool:
+    """Whether the kernel can take bfloat16 layers here: an AVX-512 CPU with AVX512-BF16, not Intel's (there torch's
+    bfloat16 GEMM has AMX, against which the kernel is unmeasured); on the AMD EPYC torch's bfloat16 linears stream
+    their weights at 9-14 GB/s where the float32 kernel reaches 23-31 (docs/results.md, "Step cost")."""
+    return cpu_isa() == "AVX512" and "avx512_bf16" in cpu_flags() and cpu_vendor() not in ("GenuineIntel", None)
+
+
+@functools.cache
+def row_dtypes() -> frozenset:
+    """The dtypes the built kernel takes on this CPU: float32, and bfloat16 where ``bf16_possible`` (none unbuilt)."""
+    kernel = row_kernel()
+    if isinstance(kernel, str):
+        return frozenset()
+    bf16 = bf16_possible() and hasattr(kernel, "rows_linear_bf16")
+    return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
+
+
 def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` through the row kernel: x (M, K) and w (N, K) float32 CPU tensors; (M, N) float32."""
+    """``x @ w.T`` through the row kernel: x (M, K) and w (N, K) CPU tensors of one dtype it takes (float32, or
+    bfloat16 where ``row_dtypes`` has it: float32 sums rounded to bfloat16); (M, N) in that dtype."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"rows_linear: x (M, K) and w (N, K), not {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or w.device.type != "cpu":
-        raise ValueError("rows_linear: float32 CPU tensors only")
+    if x.dtype != w.dtype or x.dtype not in row_dtypes() or x.device.type != "cpu" or w.device.type != "cpu":
+        taken = ", ".join(sorted(str(d).removeprefix("torch.") for d in row_dtypes())) or "none: not built"
+        raise ValueError(f"rows_linear: CPU tensors of one dtype the kernel takes here ({taken}), not "
+                         f"{x.dtype} / {w.dtype} on {x.device} / {w.device}")
     return _rows_linear(x, w)
 
 
 def _rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``rows_linear`` once its arguments are known to fit (``RowLinear.forward`` checks them on its own way)."""
     x, w = x.contiguous(), w.contiguous()
-    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    row_kernel().rows_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    kernel = row_kernel()
+    run = kernel.rows_linear if x.dtype == torch.float32 else kernel.rows_linear_bf16
+    run(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])
     return y
 
 
 class RowLinear(torch.nn.Linear):
-    """An ``nn.Linear`` that runs a decoding step's few float32 CPU rows through the row kernel.
+    """An ``nn.Linear`` that runs a decoding step's few CPU rows through the row kernel (float32; bfloat16 where
+    ``row_dtypes`` has it and the layer has no bias: the kernel rounds its sums once, with no bias to add).
 
     The same parameters and state dict as the layer it was; ``use_row_kernel`` switches a layer's class to it."""
 
@@ -174,8 +216,9 @@ class RowLinear(torch.nn.Linear):
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         fewest, most = row_range()
-        if (fewest <= rows <= most and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
-                and w.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        if (fewest <= rows <= most and x.dtype == w.dtype and x.dtype in row_dtypes() and x.device.type == "cpu"
+                and w.device.type == "cpu" and (x.dtype == torch.float32 or self.bias is None)
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             y = _rows_linear(x.reshape(rows, x.shape[-1]), w)
             if self.bias is not None:
                 y += self.bias
@@ -184,7 +227,8 @@ class RowLinear(torch.nn.Linear):
 
 
 def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
-    """Switch ``model``'s plain ``nn.Linear`` layers to ``RowLinear`` when it sits on a CPU in float32.
+    """Switch ``model``'s plain ``nn.Linear`` layers to ``RowLinear`` when it sits on a CPU in float32 (or in
+    bfloat16, bias-free layers, where ``bf16_possible``).
 
     Returns ``(layers switched, what was done)``; 0 layers where the model is elsewhere or in another dtype,
     the kernel is switched off, or it could not be built (the reason is in the message). Quantized and adapter
@@ -192,15 +236,23 @@ def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
     params = list(model.parameters())
     if not params or any(p.device.type != "cpu" for p in params):
         return 0, "row kernel: not used (the model is not on a CPU)"
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
+    wanted = {torch.float32, torch.bfloat16} if bf16_possible() else {torch.float32}
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype in wanted
+              and (m.weight.dtype == torch.float32 or m.bias is None)]
     if not layers:
-        return 0, "row kernel: not used (no float32 linear layers)"
+        kinds = "float32 or bias-free bfloat16" if len(wanted) > 1 else "float32"
+        return 0, f"row kernel: not used (no {kinds} linear layers)"
     kernel = row_kernel()
     if isinstance(kernel, str):
-        return 0, f"row kernel: {kernel}; float32 steps use torch's GEMM"
+        return 0, f"row kernel: {kernel}; these steps use torch's GEMM"
+    layers = [m for m in layers if m.weight.dtype in row_dtypes()]
+    if not layers:
+        return 0, "row kernel: not used (built without bfloat16 here)"
     for layer in layers:
         layer.__class__ = RowLinear
-    return len(layers), f"row kernel: {len(layers)} float32 linear layers ({cpu_isa()})"
+    kinds = sorted({str(m.weight.dtype).removeprefix("torch.") for m in layers})
+    bf16 = ", AVX512-BF16" if torch.bfloat16 in row_dtypes() else ""
+    return len(layers), f"row kernel: {len(layers)} {' and '.join(kinds)} linear layers ({cpu_isa()}{bf16})"
 
 
 @contextlib.contextmanager
@@ -226,6 +278,6 @@ def without_row_kernel(model: torch.nn.Module) -> int:
 
 
 def linear_path(model: torch.nn.Module) -> str:
-    """What a decoding step's float32 linear layers run on, for a report: the row kernel or torch's GEMM."""
+    """What a decoding step's linear layers run on, for a report: the row kernel or torch's GEMM."""
     switched = sum(type(m) is RowLinear for m in model.modules())
     return f"row kernel ({cpu_isa()}, {switched} layers)" if switched else "torch GEMM"

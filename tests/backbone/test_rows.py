@@ -1,9 +1,10 @@
-"""The row kernel (``medusa_train/backbone/rows.py``): a decoding step's float32 CPU linears.
+"""The row kernel (``medusa_train/backbone/rows.py``): a decoding step's float32 (and bfloat16) CPU linears.
 
 What it must hold: the product of ``F.linear`` to float32 accuracy on any shape (tails of K, N and rows
 included); each row's output bitwise the same whatever rows sit beside it (every verify a row is part of agrees); every other
-call (a 1-token step, autograd, bfloat16, a prefill's many rows) exactly ``F.linear``'s; greedy decoding
-unchanged; a model's weights and state dict untouched.
+call (a 1-token step on Intel, autograd, bfloat16 with a bias, a prefill's many rows) exactly ``F.linear``'s; greedy
+decoding unchanged; a model's weights and state dict untouched. Where the CPU has AVX512-BF16 (not Intel's), bfloat16
+rows too: the float32 sum of their exact products rounded once, and bitwise the same beside any other rows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from medusa_train.backbone.rows import (
     linear_path,
     row_kernel,
     row_kernel_during,
+    row_dtypes,
     row_range,
     rows_linear,
     use_row_kernel,
@@ -114,7 +116,8 @@ def test_switching_keeps_the_models_weights_and_state_dict(kernel):
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert without_row_kernel(model) == count and linear_path(model) == "torch GEMM"
-    assert use_row_kernel(model.bfloat16())[0] == 0  # nothing to do in bfloat16
+    # in bfloat16: every (bias-free) layer where the kernel takes bfloat16 here (AVX512-BF16, not Intel), else none
+    assert use_row_kernel(model.bfloat16())[0] == (count if torch.bfloat16 in row_dtypes() else 0)
 
 
 def test_the_kernel_for_a_block_switches_back_only_what_it_switched(kernel):
@@ -155,3 +158,33 @@ def test_a_switched_off_kernel_switches_nothing(monkeypatch):
         assert count == 0 and "MEDUSA_TRAIN_ROW_KERNEL=0" in note
     finally:
         row_kernel.cache_clear()
+
+
+bf16_only = pytest.mark.skipif("torch.bfloat16 not in row_dtypes()",
+                               reason="the kernel takes bfloat16 on AVX512-BF16 CPUs other than Intel's")
+
+
+@bf16_only
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_bfloat16_rows_are_the_float32_sums_rounded_once(kernel, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(64, k, generator=g).bfloat16()
+    exact = x.double() @ w.double().T  # bf16 products are exact in float32; only the sum's order and one rounding
+    together = rows_linear(x, w)
+    assert together.dtype == torch.bfloat16 and together.shape == (64, n)
+    torch.testing.assert_close(together.double(), exact, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
+    for start, rows in [(0, 1), (5, 1), (0, 2), (3, 4), (9, 7), (16, 16), (1, 63)]:
+        assert torch.equal(rows_linear(x[start:start + rows], w), together[start:start + rows]), (start, rows)
+
+
+@bf16_only
+def test_bfloat16_layers_with_a_bias_stay_torchs(kernel):
+    layer = torch.nn.Linear(24, 40, bias=True).bfloat16()
+    free = torch.nn.Linear(24, 40, bias=False).bfloat16()
+    model = torch.nn.Sequential(layer, torch.nn.ReLU(), torch.nn.Linear(40, 24, bias=False).bfloat16(), free)
+    count, note = use_row_kernel(model)
+    assert count == 2 and type(layer) is torch.nn.Linear and type(free) is RowLinear and "bfloat16" in note
+    x = torch.randn(3, 24).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(free(x), rows_linear(x, free.weight))
+
