@@ -5,7 +5,7 @@
 also asks as a follow-up turn ("Continue"), one per normalised text. Distillation passes over every conversation that contains one of them and training removes every copy
 (``held_out``), so the draft never trains on them. ``continuations``: the backbone's greedy replies to them (untrimmed,
 unfiltered, ``max_new_tokens`` long at most), made once and cached under ``$MEDUSA_TRAIN_CACHE/validation``, keyed by
-the model, the tokenizer with its chat template, the dtype and the prompts. Training walks its draft along them
+the model, the tokenizer with its chat template, the dtype, what the linears run on and the prompts. Training walks its draft along them
 (``model/walk.py``), build-tree calibrates on them and ``evaluate bench.source=validation`` decodes them.
 """
 
@@ -121,11 +121,15 @@ def model_fingerprint(backbone) -> str:
 
 def continuations_key(backbone, tokenizer, dtype: str, prompts: Sequence[str], max_new_tokens: int,
                       max_prompt_tokens: int) -> str:
+    from medusa_train.backbone.rows import linears_for
     from medusa_train.data.cache import tokenizer_fingerprint
 
+    # the linears' path too: the row kernel rounds its sums otherwise than torch's GEMM, so a reply made on one is
+    # not the text the decoders produce on the other
+    linears = linears_for(backbone.get_input_embeddings().weight.device, getattr(torch, dtype))
     parts = {"format": FORMAT, "model": model_fingerprint(backbone), "tokenizer": tokenizer_fingerprint(tokenizer),
-             "dtype": dtype, "prompts": hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest(),
-             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens}
+             "dtype": dtype, "linears": linears, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+             "prompts": hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 

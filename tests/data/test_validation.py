@@ -78,3 +78,25 @@ def test_a_distilled_files_prompts_come_from_its_own_source(tmp_path):
     (tmp_path / "d.stats.json").write_text(json.dumps({"source": SHAREGPT}))
     assert prompt_source(str(distilled)) == SHAREGPT
     assert prompt_source(str(tmp_path / "other.jsonl")) == str(tmp_path / "other.jsonl")
+
+
+def test_a_cached_continuation_names_the_linears_it_was_made_on(bpe_tokenizer, monkeypatch):
+    """The row kernel rounds its sums otherwise than torch's GEMM: greedy replies made on one are not the text the
+    decoders produce on the other, so the cache keeps them apart."""
+    from helpers.backbones import make_tiny_backbone
+
+    from medusa_train.backbone.rows import row_dtypes, row_kernel
+    from medusa_train.data.validation import continuations_key
+
+    backbone = make_tiny_backbone("llama")
+    on = continuations_key(backbone, bpe_tokenizer, "float32", ["a prompt"], 8, 16)
+    built = not isinstance(row_kernel(), str)
+    monkeypatch.setenv("MEDUSA_TRAIN_ROW_KERNEL", "0")
+    row_kernel.cache_clear(), row_dtypes.cache_clear()
+    try:
+        off = continuations_key(backbone, bpe_tokenizer, "float32", ["a prompt"], 8, 16)
+    finally:
+        monkeypatch.undo()
+        row_kernel.cache_clear(), row_dtypes.cache_clear()
+    assert (on != off) == built
+    assert continuations_key(backbone, bpe_tokenizer, "float32", ["a prompt"], 8, 16) == on
