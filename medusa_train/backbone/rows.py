@@ -11,7 +11,7 @@ from one row to 64 (``row_range``).
 
 ``use_row_kernel(model)`` switches every plain ``nn.Linear`` of a model to it. A switched layer uses the kernel
 only where it applies (no autograd, float32 CPU tensors, the rows ``row_range`` gives) and ``F.linear`` everywhere
-else: training, prefill, bfloat16 and CUDA are untouched. Every decoder on the machine gets it at once (HF
+else: training, prefill, CUDA and bfloat16 where the kernel does not take it are untouched. Every decoder on the machine gets it at once (HF
 ``generate``, prompt lookup and ours run the same backbone), so a speedup still divides by the best plain
 decoding there. The kernel is compiled for this CPU on first use (AVX-512 or AVX2 with FMA; ~10 s, kept in
 torch's ``~/.cache/torch_extensions`` and imported from there afterwards); without a compiler, or on another CPU, layers stay as they are and one
@@ -97,7 +97,20 @@ def row_kernel():
     isa = cpu_isa()
     if isa is None:
         return f"not built: this CPU's capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2 or AVX-512"
-    name = f"medusa_train_rows_{isa.lower()}_{_build_digest(isa)}"
+    # with AVX512-BF16's flag where the CPU has it; a compiler without that flag still builds the float32 kernel
+    tries = [build_flags(isa)] + ([ISA_FLAGS[isa]] if build_flags(isa) != ISA_FLAGS[isa] else [])
+    failures = []
+    for flags in tries:
+        built = _build(isa, flags)
+        if not isinstance(built, str):
+            return built
+        failures.append(built)
+    return failures[0]
+
+
+def _build(isa: str, flags: list[str]):
+    """The kernel built (or imported, built before) with ``flags``, or a string saying why it could not be."""
+    name = f"medusa_train_rows_{isa.lower()}_{_build_digest(flags)}"
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
@@ -110,7 +123,7 @@ def row_kernel():
         _ninja_on_path()
         # named by its instruction set and a digest of source, flags and torch: a cache shared between machines
         # or environments never hands one the other's build
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *build_flags(isa)],
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, a read-only cache: the layers stay on F.linear
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -141,10 +154,10 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def _build_digest(isa: str) -> str:
+def _build_digest(flags: list[str]) -> str:
     import hashlib
 
-    key = SOURCE.read_bytes() + f"|{torch.__version__}|{' '.join(build_flags(isa))}".encode()
+    key = SOURCE.read_bytes() + f"|{torch.__version__}|{' '.join(flags)}".encode()
     return hashlib.sha256(key).hexdigest()[:10]
 
 
@@ -174,7 +187,7 @@ def row_range() -> tuple[int, int]:
 def bf16_possible() -> bool:
     """Whether the kernel can take bfloat16 layers here: an AVX-512 CPU with AVX512-BF16, not Intel's (there torch's
     bfloat16 GEMM has AMX, against which the kernel is unmeasured); on the AMD EPYC torch's bfloat16 linears stream
-    their weights at 9-14 GB/s where the float32 kernel reaches 23-31 (docs/results.md, "Step cost")."""
+    their weights at 9-14 GB/s where the kernel's bf16 path reaches 19-27 (docs/results.md, "Step cost")."""
     return cpu_isa() == "AVX512" and "avx512_bf16" in cpu_flags() and cpu_vendor() not in ("GenuineIntel", None)
 
 

@@ -22,6 +22,7 @@ from medusa_train.backbone.rows import (
     MAX_ROWS_ELSEWHERE,
     MIN_ROWS,
     RowLinear,
+    cpu_flags,
     cpu_isa,
     linear_path,
     row_dtypes,
@@ -188,3 +189,20 @@ def test_bfloat16_layers_with_a_bias_stay_torchs(kernel):
     with torch.no_grad():
         assert torch.equal(free(x), rows_linear(x, free.weight))
 
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags() or cpu_isa() != "AVX512",
+                    reason="only where the build adds AVX512-BF16's flag")
+def test_a_compiler_without_the_bf16_flag_still_builds_the_float32_kernel(kernel, monkeypatch):
+    from medusa_train.backbone import rows
+
+    monkeypatch.setattr(rows, "BF16_FLAGS", ["-mno-such-flag-here"])  # what a compiler without it answers
+    rows.row_kernel.cache_clear(), rows.row_dtypes.cache_clear()
+    try:
+        built = rows.row_kernel()
+        assert not isinstance(built, str), built
+        assert rows.row_dtypes() == frozenset({torch.float32}) and not hasattr(built, "rows_linear_bf16")
+    finally:
+        monkeypatch.undo()
+        rows.row_kernel.cache_clear(), rows.row_dtypes.cache_clear()
+    assert torch.bfloat16 in rows.row_dtypes() or not rows.bf16_possible()
