@@ -10,12 +10,12 @@ bitwise the same in any verify it is part of. On an Intel CPU a 1-token step sta
 from one row to 64 (``row_range``).
 
 ``use_row_kernel(model)`` switches every plain ``nn.Linear`` of a model to it. A switched layer uses the kernel
-only where it applies (no autograd, float32 CPU tensors, the rows ``row_range`` gives) and ``F.linear`` everywhere
-else: training, prefill, CUDA and bfloat16 where the kernel does not take it are untouched. Every decoder on the machine gets it at once (HF
-``generate``, prompt lookup and ours run the same backbone), so a speedup still divides by the best plain
-decoding there. The kernel is compiled for this CPU on first use (AVX-512 or AVX2 with FMA; ~10 s, kept in
-torch's ``~/.cache/torch_extensions`` and imported from there afterwards); without a compiler, or on another CPU, layers stay as they are and one
-line says why. ``MEDUSA_TRAIN_ROW_KERNEL=0`` turns it off (a benchmark's "before").
+only where it applies (no autograd, CPU tensors of a dtype ``row_dtypes`` has, the rows ``row_range`` gives) and
+``F.linear`` everywhere else: training, prefill, CUDA and the dtypes the kernel does not take are untouched. Every
+decoder on the machine gets it at once (HF ``generate``, prompt lookup and ours run the same backbone), so a
+speedup still divides by the best plain decoding there. The kernel is compiled for this CPU on first use (AVX-512
+or AVX2 with FMA; ~10 s, kept in torch's ``~/.cache/torch_extensions`` and imported from there afterwards);
+without a compiler, or on another CPU, layers stay as they are and one line says why. ``MEDUSA_TRAIN_ROW_KERNEL=0`` turns it off (a benchmark's "before").
 
 bfloat16: where an AVX-512 CPU has AVX512-BF16 and is not Intel's (``bf16_possible``), the kernel takes bias-free
 bfloat16 layers too (one instruction sums pairs of bf16 products into float32 lanes; each output rounded once to
@@ -60,16 +60,17 @@ def switched_off() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty where unknown)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where unknown), read once a process."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def build_flags(isa: str) -> list[str]:

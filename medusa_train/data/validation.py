@@ -5,8 +5,9 @@
 also asks as a follow-up turn ("Continue"), one per normalised text. Distillation passes over every conversation that contains one of them and training removes every copy
 (``held_out``), so the draft never trains on them. ``continuations``: the backbone's greedy replies to them (untrimmed,
 unfiltered, ``max_new_tokens`` long at most), made once and cached under ``$MEDUSA_TRAIN_CACHE/validation``, keyed by
-the model, the tokenizer with its chat template, the dtype, what the linears run on and the prompts. Training walks its draft along them
-(``model/walk.py``), build-tree calibrates on them and ``evaluate bench.source=validation`` decodes them.
+the model, the tokenizer with its chat template, the dtype, what the linears run on and the prompts. Training walks
+its draft along them (``model/walk.py``), build-tree calibrates on them and ``evaluate bench.source=validation``
+decodes them.
 """
 
 from __future__ import annotations

@@ -190,7 +190,6 @@ def test_bfloat16_layers_with_a_bias_stay_torchs(kernel):
         assert torch.equal(free(x), rows_linear(x, free.weight))
 
 
-
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags() or cpu_isa() != "AVX512",
                     reason="only where the build adds AVX512-BF16's flag")
 def test_a_compiler_without_the_bf16_flag_still_builds_the_float32_kernel(kernel, monkeypatch):
