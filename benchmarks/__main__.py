@@ -9,6 +9,7 @@
     python -m benchmarks loop heads=... tree=...  # the real decode loop against the timed verify step
     python -m benchmarks tokenize  # the data's tokenisation: first run, cached run, peak memory
     python -m benchmarks eagle3_served  # an EAGLE-3 draft in vLLM: a drafting step's cost, served = simulated
+    python -m benchmarks served_step  # a step drafting K = 0..3 tokens: vLLM's beside our decoder's, same draft
     python -m benchmarks lookup_walk heads=... tree=...  # a lookup chain's expected gain: per position vs walked
     python -m benchmarks gpu_check heads=... prompts=...  # on a GPU: walk beside decoding, build-tree, evaluate
     python -m benchmarks big_vocab  # a draft's decode step against a plain one on a 262,144-token vocabulary
@@ -27,7 +28,8 @@ import sys
 
 BENCHMARKS = {"loss": "bench_loss", "decode": "bench_decode", "flex": "bench_flex", "train": "bench_train", "vocab": "bench_vocab",
               "rounding": "bench_rounding", "loop": "bench_loop", "tokenize": "bench_tokenize",
-              "eagle3_served": "bench_eagle3_served", "lookup_walk": "bench_lookup_walk",
+              "eagle3_served": "bench_eagle3_served", "served_step": "bench_served_step",
+              "lookup_walk": "bench_lookup_walk",
               "gpu_check": "bench_gpu_check", "curve": "bench_curve", "big_vocab": "bench_big_vocab", "peers": "bench_peers",
               "peers_score": "bench_peers_score"}
 

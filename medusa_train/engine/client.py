@@ -19,6 +19,8 @@ SPEC_PREFIX = "vllm:spec_decode_"
 #: one observation per request per decode step, drafted or not (vLLM V1's IterationStats): its count is the
 #: decode steps taken; the older name is read where the newer one is absent
 DECODE_STEP_COUNTS = ("vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count")
+#: the same histograms' sums: the seconds those decode steps took (prefill not among them)
+DECODE_STEP_SECONDS = tuple(name.removesuffix("_count") + "_sum" for name in DECODE_STEP_COUNTS)
 _SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -48,15 +50,24 @@ class SpecCounters:
     accepted: float = 0.0
     per_position: list[float] = field(default_factory=list)  # accepted tokens at draft position 0, 1, ...
     decode_steps: float | None = None  # decode steps of every request, drafted or not (None: not exposed)
+    decode_seconds: float | None = None  # the seconds those steps took, as the engine clocked them
 
     def __sub__(self, earlier: SpecCounters) -> SpecCounters:
         n = max(len(self.per_position), len(earlier.per_position))
         pad = lambda v: v + [0.0] * (n - len(v))  # noqa: E731
-        steps = None if self.decode_steps is None or earlier.decode_steps is None \
-            else self.decode_steps - earlier.decode_steps
+        less = lambda a, b: None if a is None or b is None else a - b  # noqa: E731
         return SpecCounters(self.drafts - earlier.drafts, self.draft_tokens - earlier.draft_tokens,
                             self.accepted - earlier.accepted,
-                            [a - b for a, b in zip(pad(self.per_position), pad(earlier.per_position))], steps)
+                            [a - b for a, b in zip(pad(self.per_position), pad(earlier.per_position))],
+                            less(self.decode_steps, earlier.decode_steps),
+                            less(self.decode_seconds, earlier.decode_seconds))
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The engine's mean decode step: the steps' seconds over their count (``None`` where not exposed or
+        none ran); one request at a time, the time one step of that request took."""
+        return self.decode_seconds / self.decode_steps if self.decode_steps and self.decode_seconds is not None \
+            else None
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -97,7 +108,7 @@ def spec_counters(samples: Sequence[tuple[str, dict[str, str], float]]) -> SpecC
     all zero on a server without speculation)."""
     counters = SpecCounters()
     per_position: dict[int, float] = {}
-    steps = {name: 0.0 for name in DECODE_STEP_COUNTS}
+    steps = {name: 0.0 for name in DECODE_STEP_COUNTS + DECODE_STEP_SECONDS}
     seen = set()
     for name, labels, value in samples:
         if name in steps:
@@ -117,6 +128,8 @@ def spec_counters(samples: Sequence[tuple[str, dict[str, str], float]]) -> SpecC
             per_position[position] = per_position.get(position, 0.0) + value
     counters.per_position = [per_position.get(i, 0.0) for i in range(max(per_position, default=-1) + 1)]
     counters.decode_steps = next((steps[name] for name in DECODE_STEP_COUNTS if name in seen), None)
+    counters.decode_seconds = next((steps[s] for c, s in zip(DECODE_STEP_COUNTS, DECODE_STEP_SECONDS)
+                                    if c in seen and s in seen), None)  # the sum beside the count read
     return counters
 
 

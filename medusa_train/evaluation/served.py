@@ -78,7 +78,8 @@ def measure_phase(client: EngineClient, conversations: Sequence[list[dict]], max
         ``tokens`` (completion tokens, stop tokens included), ``replies``, ``decode_steps`` (``None`` where the
         server does not expose them), ``tokens_per_step`` ((tokens - replies) / decode steps),
         ``mean_acceptance_length`` and ``per_position_acceptance`` (vLLM's, per drafted step), ``drafts``,
-        ``accepted``, ``drafted_share``, ``steps_from_accepted`` (tokens - replies - accepted: a cross-check of
+        ``accepted``, ``drafted_share``, ``step_ms`` (the engine's mean decode step, as it clocks them: at
+        concurrency 1 what one step of a request costs), ``steps_from_accepted`` (tokens - replies - accepted: a cross-check of
         the decode steps that over-counts accepted tokens a stop cut off), ``tokens_per_s``, the prompts'
         token counts, and at concurrency 1 the replies' tokens (``outputs``, without the stop token).
     """
@@ -96,6 +97,7 @@ def measure_phase(client: EngineClient, conversations: Sequence[list[dict]], max
     return {"concurrency": concurrency, "temperature": temperature, "tokens": tokens,
             "replies": len(replies), "seconds": round(seconds, 3), "tokens_per_s": tokens / max(seconds, 1e-9),
             "decode_steps": steps, "tokens_per_step": (tokens - len(replies)) / steps if steps else None,
+            "step_ms": None if counters.step_seconds is None else 1e3 * counters.step_seconds,
             "mean_acceptance_length": counters.mean_acceptance_length,
             "per_position_acceptance": counters.per_position_acceptance, "drafts": counters.drafts,
             "accepted": counters.accepted, "drafted_share": counters.drafted_share,

@@ -176,6 +176,7 @@ def test_spec_decode_counters_parse_and_subtract():
     assert delta.per_position_acceptance == pytest.approx([2 / 6, 1 / 6, 0.0])
     assert SpecCounters().mean_acceptance_length is None  # no speculation: no figure, not 1.0
     assert now.decode_steps is None and delta.drafted_share is None  # this exposition has no step count
+    assert now.step_seconds is None
 
 
 def test_decode_steps_are_the_inter_token_latency_count_and_give_the_drafted_share():
@@ -185,7 +186,7 @@ def test_decode_steps_are_the_inter_token_latency_count_and_give_the_drafted_sha
         return textwrap.dedent(f'''\
             vllm:inter_token_latency_seconds_bucket{{engine="0",le="0.01",model_name="m"}} 3.0
             vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {steps}
-            vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} 4.2
+            vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} {steps / 50}
             vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}
             vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} 5.0
         ''')
@@ -194,8 +195,12 @@ def test_decode_steps_are_the_inter_token_latency_count_and_give_the_drafted_sha
     delta = after - before
     assert delta.decode_steps == 40.0 and delta.drafts == 10.0
     assert delta.drafted_share == pytest.approx(0.25)
-    older = spec_counters(parse_metrics('vllm:time_per_output_token_seconds_count{engine="0"} 7.0\n'))
+    assert delta.decode_seconds == pytest.approx(0.8) and delta.step_seconds == pytest.approx(0.02)  # 20 ms a step
+    older = spec_counters(parse_metrics('vllm:time_per_output_token_seconds_count{engine="0"} 7.0\n'
+                                        'vllm:time_per_output_token_seconds_sum{engine="0"} 0.35\n'))
     assert older.decode_steps == 7.0  # the metric's earlier name is read where the newer one is absent
+    assert older.step_seconds == pytest.approx(0.05)
+    assert SpecCounters(decode_steps=0.0, decode_seconds=0.0).step_seconds is None  # no step ran: no figure
 
 
 def test_the_server_gets_vllms_dtype_names(stand_in):
