@@ -7,9 +7,10 @@ The draft is an EAGLE-3 draft at random weights with a 4,096-token draft vocabul
 trains, saved as ``train`` exports it): it accepts next to nothing, so a step is what drafting K tokens and verifying
 K + 1 costs, whatever a trained draft would accept. Every row runs the packaged model in ``dtype`` on the same prompts:
 
-- **vLLM** (``.venv-vllm``, started by the toolkit, greedy, concurrency 1): one server per K, K = 0 (no speculation)
-  first and again last (how far the machine drifted meanwhile); a step = the engine's own clock, its inter-token
-  latency histogram's sum over its count (decode steps only, no prefill, no HTTP);
+- **vLLM** (``.venv-vllm``, started by the toolkit, greedy, concurrency 1): one server per K (K = 0: no speculation)
+  in the order 0, 1, 2, 3, 3, 2, 1, 0, each K's step the mean of its two runs, so a drift of the machine's speed
+  through the run falls on every K alike; a step = the engine's own clock, its inter-token latency histogram's sum
+  over its count (decode steps only, no prefill, no HTTP);
 - **HF ``generate``** (the plain step every in-process speedup divides by) and **our decoder** with
   ``TokenTree.chain(K)``, the draft loaded as ``evaluate`` loads it (``load_exported_draft``: row kernel, grouped
   attention), taking turns prompt by prompt; a step = decode seconds over verify steps (HF: over its forwards after
@@ -82,8 +83,10 @@ def ours(draft_folder: Path, dtype: str, conversations: list[list[dict]], max_to
 
 def served(draft_folder: Path, dtype: str, conversations: list[list[dict]], max_tokens: int, ks: list[int],
            log_dir: Path) -> dict:
-    """vLLM's step at K = 0, each of ``ks``, and K = 0 again, one server each: ``{"K=0": {...}, "K=1": ...,
-    "K=0 again": ...}`` as ``measure_phase`` reports a phase (``step_ms``: the engine's mean decode step)."""
+    """vLLM's step at K = 0 and each of ``ks``, one server each, in the order 0, ks, ks reversed, 0 (each K timed
+    twice, a drift of the machine's speed through the run falling on every K alike): ``{"K=0": {...}, ...}`` with
+    ``step_ms`` the mean of the two, ``step_ms_runs`` both, and each run's phase as ``measure_phase`` reports it
+    (``step_ms``: the engine's mean decode step)."""
     from medusa_train.backbone.generation import eos_token_ids
     from medusa_train.backbone.load import load_backbone, resolve_model_path
     from medusa_train.engine import VllmServer
@@ -93,18 +96,22 @@ def served(draft_folder: Path, dtype: str, conversations: list[list[dict]], max_
     backbone, tokenizer = load_backbone(folder, dtype="float32")
     eos = eos_token_ids(backbone, tokenizer)
     del backbone
-    rows = {}
-    for name, k in [("K=0", 0), *((f"K={k}", k) for k in ks), ("K=0 again", 0)]:
+    runs: dict[str, list[dict]] = {}
+    for i, k in enumerate([0, *ks, *reversed(ks), 0]):
+        name = f"K={k}"
         spec = {"method": "eagle3", "model": str(draft_folder), "num_speculative_tokens": k} if k else None
         print(f"[served_step] vLLM {dtype}, {name}: starting a server", flush=True)
-        with VllmServer(folder, dtype=dtype, speculative_config=spec,
-                        log_path=log_dir / f"vllm-{name.replace(' ', '-')}.log") as client:
+        with VllmServer(folder, dtype=dtype, speculative_config=spec, log_path=log_dir / f"vllm-{i}-{name}.log") as client:
             client.chat(conversations[0], max_tokens=8, stop_token_ids=eos)  # untimed warm-up
             time.sleep(1.0)
-            rows[name] = measure_phase(client, conversations, max_tokens, eos)
-        print(f"[served_step] vLLM {dtype}, {name}: {rows[name]['step_ms']:.1f} ms a step, "
-              f"{rows[name]['tokens_per_step']:.3f} tokens per step", flush=True)
-    return rows
+            phase = measure_phase(client, conversations, max_tokens, eos)
+        runs.setdefault(name, []).append(phase)
+        print(f"[served_step] vLLM {dtype}, {name}: {phase['step_ms']:.1f} ms a step, "
+              f"{phase['tokens_per_step']:.3f} tokens per step", flush=True)
+    return {name: {"step_ms": statistics.mean(r["step_ms"] for r in phases),
+                   "step_ms_runs": [r["step_ms"] for r in phases],
+                   "tokens_per_step": statistics.mean(r["tokens_per_step"] for r in phases), "runs": phases}
+            for name, phases in runs.items()}
 
 
 def main(dtype: str = "float32", prompts: str = "8", max_tokens: str = "96", ks: str = "1,2,3", vocab: str = "4096",
@@ -144,10 +151,12 @@ def table(result: dict) -> str:
     lines.append(f"| HF generate / our decoder (replies = HF's: {same}/{result['prompts']}) | {plain:.1f} | "
                  + " | ".join(cells) + " |")
     if served_rows:
-        base = statistics.mean([served_rows["K=0"]["step_ms"], served_rows["K=0 again"]["step_ms"]])
+        base = served_rows["K=0"]["step_ms"]
         cells = [f"{served_rows[k]['step_ms']:.1f} ({served_rows[k]['step_ms'] / base:.2f}x)" for k in ks]
-        lines.append(f"| vLLM (K=0 first / last: {served_rows['K=0']['step_ms']:.1f} / "
-                     f"{served_rows['K=0 again']['step_ms']:.1f}) | {base:.1f} | " + " | ".join(cells) + " |")
+        lines.append(f"| vLLM | {base:.1f} | " + " | ".join(cells) + " |")
+        spread = "; ".join(f"{k} " + " / ".join(f"{v:.1f}" for v in served_rows[k]["step_ms_runs"])
+                           for k in served_rows)
+        lines.append(f"vLLM's two runs of each K (ms; first, then last): {spread}")
         accepted = ", ".join(f"{k} {served_rows[k]['tokens_per_step']:.3f}" for k in ks)
         lines.append(f"tokens per step served (a random draft: ~1): {accepted}")
     return "\n".join(lines)
