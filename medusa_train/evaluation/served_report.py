@@ -95,7 +95,7 @@ def _figures(phase: dict) -> dict:
     """A phase's counted figures (tokens per step first: the definition every row shares)."""
     return {k: phase.get(k) for k in ("tokens_per_step", "decode_steps", "tokens", "replies", "tokens_per_s",
                                       "mean_acceptance_length", "per_position_acceptance", "drafts", "accepted",
-                                      "drafted_share", "steps_from_accepted")}
+                                      "drafted_share", "steps_from_accepted", "step_ms", "seconds")}
 
 
 def best_free(rows: dict, key: str = "tokens_per_s") -> tuple[str, dict] | None:

@@ -53,6 +53,8 @@ def test_every_served_row_counts_tokens_per_decode_step_and_the_heads_agree_with
     plain, ngram, heads = rows["plain"], rows["ngram"], rows["draft"]
     assert plain["decode_steps"] == plain["tokens"] - plain["replies"] and plain["tokens_per_step"] == 1.0
     assert plain["mean_acceptance_length"] is None
+    for row in (plain, heads):  # the engine's clock of a step: one request at a time, its steps fit in the wall time
+        assert 0 < row["step_ms"] * row["decode_steps"] <= 1e3 * row["seconds"], row
     assert heads["drafts"] == heads["decode_steps"] > 0 and heads["drafted_share"] == 1.0
     assert abs(heads["tokens_per_step"] / heads["mean_acceptance_length"] - 1) <= 0.01, heads
     assert heads["tokens_per_step"] > 1.0
