@@ -161,13 +161,22 @@ def write_json(path: str | os.PathLike, record: dict) -> Path:
 
 def format_row(row: dict, concurrency: int) -> str:
     """One table line: K, tokens/s at concurrency 1 and at ``concurrency``, tokens per decode step (after each
-    reply's first; vLLM's per-drafted-step acceptance length beside it), start-up."""
+    reply's first; vLLM's per-drafted-step acceptance length beside it), the engine's step time, start-up."""
     per_step = f"{row['tokens_per_step']:.3f}" if row.get("tokens_per_step") else "-"
     accepted = f"{row['mean_acceptance_length']:.3f}" if row["mean_acceptance_length"] else "-"
+    step = f"; a step {row['step_ms']:.1f} ms" if row.get("step_ms") else ""
     name = f"K={row['k']}" if server_of(row) in (PLAIN_SERVER, DRAFT_SERVER) else server_of(row)
     return (f"{name}: {row['tokens_per_s']:.1f} tokens/s at concurrency 1, "
             f"{row[f'tokens_per_s_c{concurrency}']:.1f} at {concurrency}; {per_step} tokens per step "
-            f"(vLLM's acceptance length per drafted step {accepted}); start-up {row['startup_s']:.0f} s")
+            f"(vLLM's acceptance length per drafted step {accepted}){step}; start-up {row['startup_s']:.0f} s")
+
+
+def why(row: dict, plain: dict | None) -> str:
+    """``: <tokens per step> tokens per step, a step <x>x the plain one``: a row's tokens/s over the plain server's
+    is the first over the second (empty where the engine did not report both)."""
+    if not (plain and row.get("tokens_per_step") and row.get("step_ms") and plain.get("step_ms")):
+        return ""
+    return f": {row['tokens_per_step']:.3f} tokens per step, a step {row['step_ms'] / plain['step_ms']:.2f}x the plain one"
 
 
 def verdict(record: dict) -> str:
@@ -178,14 +187,15 @@ def verdict(record: dict) -> str:
         return _verdict_without_draft(record)
     best, plain, faster = choose(rows)
     if faster:
-        versus = f", {best['tokens_per_s'] / plain['tokens_per_s']:.2f}x without speculation" if plain else ""
+        versus = f", {best['tokens_per_s'] / plain['tokens_per_s']:.2f}x without speculation{why(best, plain)}" \
+            if plain else ""
         line = f"fastest at concurrency 1: K={best['k']} ({best['tokens_per_s']:.1f} tokens/s{versus})"
     elif not checked(best):
         line = ("every K's greedy replies part from serving without speculation beyond rounding: none is "
                 "recommended (see each row's outputs)")
     else:
         line = (f"no K beats serving without speculation here (best K={best['k']}: "
-                f"{best['tokens_per_s'] / plain['tokens_per_s']:.2f}x); serve the base model alone")
+                f"{best['tokens_per_s'] / plain['tokens_per_s']:.2f}x{why(best, plain)}); serve the base model alone")
     winner, free = fastest_server(rows)
     if free is None:
         return line
@@ -272,7 +282,7 @@ def measure_server_row(server: str, k: int | None, spec: dict | None, export: Pa
     return {"server": server, "k": k, "speculative_config": spec, "startup_s": round(startup, 1),
             "tokens_per_s": one["tokens_per_s"],
             f"tokens_per_s_c{cfg.concurrency}": many["tokens_per_s"],
-            "tokens_per_step": one["tokens_per_step"], "decode_steps": one["decode_steps"],
+            "tokens_per_step": one["tokens_per_step"], "decode_steps": one["decode_steps"], "step_ms": one["step_ms"],
             "mean_acceptance_length": one["mean_acceptance_length"], "drafted_share": one["drafted_share"],
             "per_position_acceptance": one["per_position_acceptance"], "tokens": one["tokens"],
             REPLIES: one["outputs"], "prompt_tokens": one["prompt_tokens"]}

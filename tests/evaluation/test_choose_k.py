@@ -78,6 +78,14 @@ def test_the_fastest_k_at_concurrency_1_is_kept_and_the_serve_line_uses_it(heads
         "K=1: 23.7 tokens/s at concurrency 1, 139.2 at 8; 1.200 tokens per step (vLLM's acceptance length per "
         "drafted step 1.234); start-up 91 s")
     assert "- tokens per step (vLLM's acceptance length per drafted step -)" in format_row(ROWS[0], 8)
+    # where the engine clocks its steps, the line says what a step took, and the verdict why the kept K is faster
+    assert format_row({**ROWS[1], "tokens_per_step": 1.2, "step_ms": 42.5}, 8).endswith(
+        "drafted step 1.234); a step 42.5 ms; start-up 91 s")
+    timed = [dict(ROWS[0], step_ms=44.2, tokens_per_step=1.0), dict(ROWS[1], step_ms=50.8, tokens_per_step=1.2),
+             ROWS[2]]
+    assert verdict(serving_record(timed, SETTINGS, "base", export, "cpu")) == (
+        "fastest at concurrency 1: K=1 (23.7 tokens/s, 1.05x without speculation: 1.200 tokens per step, a step "
+        "1.15x the plain one)")
 
 
 def test_when_no_k_beats_serving_without_speculation_none_is_recommended(heads):
