@@ -1,4 +1,5 @@
-"""Grouped-query attention for a decoding step's few masked tokens on a CPU, without copying the cache.
+"""Attention for a decoding step on a CPU: a step's few masked tokens over grouped heads without copying the cache,
+and a bf16 (or fp16) 1-token step in float32.
 
 transformers' ``sdpa`` attention copies every cached key and value once per query head of a group (``repeat_kv``)
 whenever a step of more than one token carries a mask: a verify over tree nodes, HF prompt lookup's check of its
@@ -7,12 +8,19 @@ both (``enable_gqa=True``) and gives bitwise the same output. The packaged model
 heads) copied 1.3 MB a layer for each 2-16 token step at context 256, 1.7-4.2 ms of a 30-52 ms backbone pass on the
 BF16 CPU in float32 (``docs/results.md``, "Step cost").
 
-``use_grouped_attention()`` registers the ``sdpa`` attention under transformers' own name (``AttentionInterface``),
-for every model of the process at once, so HF ``generate``, HF prompt lookup and our decoder run the same attention
-(a speedup still divides by the best plain decoding). It takes only the case above: a CPU, no autograd, a 4D mask,
-more than one query token, grouped heads, none of sdpa's extras (a position bias, a paged cache, a soft cap); every
-other call (a 1-token step, training, prefill without a mask, CUDA) is transformers' own function, unchanged.
+torch's CPU SDPA in bf16 takes ~0.55 us a cached position for a single query token (float32: ~0.1; bf16 over 4-16
+tokens: no slower than float32): 150 us a layer at context 256, 570 at 1,024, the largest part of a bf16 plain
+step after the linears. A 1-token step in bf16 or fp16 attends in float32 instead (its query, keys and values
+widened, the output rounded back): the same sums, rounded once, at float32's speed.
+
+``use_grouped_attention()`` registers this function under transformers' own name (``AttentionInterface``), for
+every model of the process at once, so HF ``generate``, HF prompt lookup and our decoder run the same attention (a
+speedup still divides by the best plain decoding). It takes only the cases above: a CPU, no autograd, none of
+sdpa's extras (a position bias, a paged cache, a soft cap); every other call (training, a prefill without a mask,
+CUDA, a float32 1-token step) is transformers' own function, unchanged. ``attention_for`` names what a step runs
+(a cached greedy reply says which it was made on).
 """
+
 
 from __future__ import annotations
 
@@ -23,19 +31,28 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 #: the sdpa keywords the grouped path does not handle (any of them set: transformers' own function runs)
 EXTRAS = ("position_bias", "cache", "softcap")
+WIDENED = (torch.bfloat16, torch.float16)  #: the dtypes whose 1-token CPU steps attend in float32
 
 
 def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa_attention_forward``, with a CPU step of several masked tokens over grouped heads sent to
-    SDPA's grouped-query path instead of through copies of the keys and values: (batch, query, heads, dim)."""
-    if (getattr(module, "num_key_value_groups", 1) > 1 and query.shape[2] > 1 and query.device.type == "cpu"
-            and attention_mask is not None and attention_mask.dim() == 4 and not torch.is_grad_enabled()
+    """transformers' ``sdpa_attention_forward``, with a CPU decoding step taken by SDPA directly: several masked
+    tokens over grouped heads through its grouped-query path instead of through copies of the keys and values, a
+    bf16 or fp16 1-token step in float32. (batch, query, heads, dim)."""
+    if (query.device.type == "cpu" and not torch.is_grad_enabled()
             and not any(kwargs.get(name) is not None for name in EXTRAS)):
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                             scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
+        grouped = getattr(module, "num_key_value_groups", 1) > 1
+        mask = attention_mask if attention_mask is None or attention_mask.dim() == 4 else False
+        if query.shape[2] == 1 and query.dtype in WIDENED and mask is not False:
+            out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(),
+                                                 attn_mask=None if mask is None else mask.float(), dropout_p=dropout,
+                                                 scale=scaling, enable_gqa=grouped)
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        if grouped and query.shape[2] > 1 and mask is not None and mask is not False:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                 enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
 
@@ -48,3 +65,12 @@ def use_grouped_attention() -> None:
 def transformers_sdpa() -> None:
     """Put transformers' own ``sdpa`` back (a benchmark's "before", a test's reference)."""
     AttentionInterface.register("sdpa", sdpa_attention_forward)
+
+
+def attention_for(device: torch.device | str, dtype: torch.dtype) -> str:
+    """What a decoding step's attention runs for a model on ``device`` in ``dtype`` in this process: ``sdpa`` (as
+    transformers has it), or with ``use_grouped_attention``'s CPU paths (``sdpa, CPU steps: ...``). The float32
+    1-token step of a bf16 model rounds otherwise than torch's bf16 one, so a cached greedy reply names it."""
+    if AttentionInterface._global_mapping.get("sdpa") is not grouped_sdpa_forward or torch.device(device).type != "cpu":
+        return "sdpa"
+    return "sdpa, CPU steps: grouped" + (", 1 token in float32" if dtype in WIDENED else "")

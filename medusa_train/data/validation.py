@@ -122,14 +122,18 @@ def model_fingerprint(backbone) -> str:
 
 def continuations_key(backbone, tokenizer, dtype: str, prompts: Sequence[str], max_new_tokens: int,
                       max_prompt_tokens: int) -> str:
+    from medusa_train.backbone.attention import attention_for, use_grouped_attention
     from medusa_train.backbone.rows import linears_for
     from medusa_train.data.cache import tokenizer_fingerprint
 
-    # the linears' path too: the row kernel rounds its sums otherwise than torch's GEMM, so a reply made on one is
-    # not the text the decoders produce on the other
-    linears = linears_for(backbone.get_input_embeddings().weight.device, getattr(torch, dtype))
+    # the linears' and the attention's paths too: the row kernel rounds its sums otherwise than torch's GEMM, a bf16
+    # 1-token step in float32 otherwise than in bf16, so a reply made on one is not the text the decoders produce
+    # on the other (the replies are made with the decoders' attention: ``greedy_replies``)
+    use_grouped_attention()
+    device, torch_dtype = backbone.get_input_embeddings().weight.device, getattr(torch, dtype)
     parts = {"format": FORMAT, "model": model_fingerprint(backbone), "tokenizer": tokenizer_fingerprint(tokenizer),
-             "dtype": dtype, "linears": linears, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+             "dtype": dtype, "linears": linears_for(device, torch_dtype), "attention": attention_for(device, torch_dtype),
+             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
              "prompts": hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -158,9 +162,11 @@ def greedy_replies(backbone, tokenizer, prompts: Sequence[str], max_new_tokens: 
     training backbone's validation replies took 6.8 min at 16 tokens/s on torch's GEMV, AVX2 code paths)."""
     from tqdm.auto import tqdm
 
+    from medusa_train.backbone.attention import use_grouped_attention
     from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
     from medusa_train.backbone.rows import row_kernel_during
 
+    use_grouped_attention()  # the decoders' attention too (a bf16 1-token step in float32 rounds otherwise)
     device = backbone.get_input_embeddings().weight.device
     eos = eos_token_ids(backbone)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)

@@ -1,21 +1,28 @@
-"""Grouped-query attention for a CPU step's masked tokens (``medusa_train/backbone/attention.py``).
+"""Attention for a CPU decoding step (``medusa_train/backbone/attention.py``).
 
 What it must hold: a verify step's hidden states bitwise those of transformers' own ``sdpa`` (which copies the keys
-and values per query head), reached without those copies; every other call (a 1-token step, autograd, a model
-without grouped heads) transformers' own function; greedy decoding unchanged, ours and HF ``generate`` alike.
+and values per query head), reached without those copies; a bf16 1-token step exactly float32 SDPA over the widened
+tensors, rounded once; every other call (a float32 1-token step, autograd, a model without grouped heads)
+transformers' own function; greedy decoding unchanged, ours and HF ``generate`` alike.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers.backbones import make_tiny_backbone
 from helpers.decoding import hf_greedy, install_oracle_heads, prompts
 from transformers import AttentionInterface
 
 from medusa_train import MedusaModel
 from medusa_train.backbone import attention
-from medusa_train.backbone.attention import grouped_sdpa_forward, transformers_sdpa, use_grouped_attention
+from medusa_train.backbone.attention import (
+    attention_for,
+    grouped_sdpa_forward,
+    transformers_sdpa,
+    use_grouped_attention,
+)
 from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.decoding.generate import tree_forward
 
@@ -97,3 +104,34 @@ def test_greedy_decoding_with_grouped_attention_is_plain_greedy(registered):
         out = tree_generate(model, ids, TokenTree.from_name("default"), max_new_tokens=24, eos_token_id=1)
         assert out.sequences.tolist() == reference.tolist()
         assert max(out.accept_lengths) >= 3
+
+
+def test_a_bf16_one_token_step_attends_in_float32(registered, delegated):
+    """torch's CPU SDPA in bf16 takes ~5x float32's time at one query token (``docs/results.md``, "Step cost"): such a
+    step attends in float32 and rounds once, with or without a mask, grouped heads or not; a cached reply names it."""
+    backbone = make_tiny_backbone("llama", seed=6)
+    layer = backbone.model.layers[0].self_attn
+    neox = make_tiny_backbone("gpt_neox").gpt_neox.layers[0].attention  # no grouped heads
+    g = torch.Generator().manual_seed(1)
+    mask = torch.zeros(1, 1, 1, 9, dtype=torch.bfloat16)
+    mask[..., 2] = torch.finfo(torch.bfloat16).min  # one cached position hidden
+    with torch.no_grad():
+        for module, heads in ((layer, 2), (neox, 4)):
+            q = torch.randn(1, 4, 1, 16, generator=g).bfloat16()
+            k, v = (torch.randn(1, heads, 9, 16, generator=g).bfloat16() for _ in range(2))
+            for m in (None, mask):
+                out, _ = grouped_sdpa_forward(module, q, k, v, m)
+                wide = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                      attn_mask=None if m is None else m.float(), enable_gqa=heads == 2)
+                assert out.dtype == torch.bfloat16 and torch.equal(out, wide.bfloat16().transpose(1, 2))
+                own, _ = attention.sdpa_attention_forward(module, q, k, v, m)  # torch's bf16 kernel
+                assert torch.allclose(out.float(), own.float(), rtol=2 ** -7, atol=2 ** -7)
+        assert len(delegated) == 4  # only the comparisons' own calls
+        grouped_sdpa_forward(layer, q.float(), k.float(), v.float(), None)  # float32: transformers' own
+    assert len(delegated) == 5
+    use_grouped_attention()
+    assert attention_for("cpu", torch.bfloat16) == "sdpa, CPU steps: grouped, 1 token in float32"
+    assert attention_for("cpu", torch.float32) == "sdpa, CPU steps: grouped"
+    assert attention_for("cuda", torch.bfloat16) == "sdpa"
+    transformers_sdpa()
+    assert attention_for("cpu", torch.bfloat16) == "sdpa"
