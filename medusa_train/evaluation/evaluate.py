@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from medusa_train.backbone.attention import attention_for
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
 from medusa_train.backbone.rows import linear_path
 from medusa_train.config.evaluate import BaselinesConfig, DecodeConfig
@@ -278,6 +279,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
         "device": str(model.lm_head.weight.device), "torch_threads": torch.get_num_threads(),
         "linear_layers": linear_path(model.backbone),
+        "attention": attention_for(model.lm_head.weight.device, model.lm_head.weight.dtype),
         "warmup": warmup, "cpu_load_average_at_start": round(load_at_start, 2),
         "plain_decoding": _plain_decoding(report["plain_reference"], gen.temperature),
         "prompt_lookup": lookup_settings,
