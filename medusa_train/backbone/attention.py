@@ -21,7 +21,6 @@ CUDA, a float32 1-token step) is transformers' own function, unchanged. ``attent
 (a cached greedy reply says which it was made on).
 """
 
-
 from __future__ import annotations
 
 import torch
@@ -43,15 +42,15 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     if (query.device.type == "cpu" and not torch.is_grad_enabled()
             and not any(kwargs.get(name) is not None for name in EXTRAS)):
         grouped = getattr(module, "num_key_value_groups", 1) > 1
-        mask = attention_mask if attention_mask is None or attention_mask.dim() == 4 else False
-        if query.shape[2] == 1 and query.dtype in WIDENED and mask is not False:
+        four_d = attention_mask is not None and attention_mask.dim() == 4
+        if query.shape[2] == 1 and query.dtype in WIDENED and (attention_mask is None or four_d):
             out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(),
-                                                 attn_mask=None if mask is None else mask.float(), dropout_p=dropout,
-                                                 scale=scaling, enable_gqa=grouped)
+                                                 attn_mask=attention_mask.float() if four_d else None,
+                                                 dropout_p=dropout, scale=scaling, enable_gqa=grouped)
             return out.to(query.dtype).transpose(1, 2).contiguous(), None
-        if grouped and query.shape[2] > 1 and mask is not None and mask is not False:
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                 enable_gqa=True)
+        if grouped and query.shape[2] > 1 and four_d:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                 scale=scaling, enable_gqa=True)
             return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)

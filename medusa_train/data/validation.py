@@ -122,14 +122,13 @@ def model_fingerprint(backbone) -> str:
 
 def continuations_key(backbone, tokenizer, dtype: str, prompts: Sequence[str], max_new_tokens: int,
                       max_prompt_tokens: int) -> str:
-    from medusa_train.backbone.attention import attention_for, use_grouped_attention
+    from medusa_train.backbone.attention import attention_for
     from medusa_train.backbone.rows import linears_for
     from medusa_train.data.cache import tokenizer_fingerprint
 
     # the linears' and the attention's paths too: the row kernel rounds its sums otherwise than torch's GEMM, a bf16
     # 1-token step in float32 otherwise than in bf16, so a reply made on one is not the text the decoders produce
-    # on the other (the replies are made with the decoders' attention: ``greedy_replies``)
-    use_grouped_attention()
+    # on the other (``continuations`` makes them with the decoders' attention)
     device, torch_dtype = backbone.get_input_embeddings().weight.device, getattr(torch, dtype)
     parts = {"format": FORMAT, "model": model_fingerprint(backbone), "tokenizer": tokenizer_fingerprint(tokenizer),
              "dtype": dtype, "linears": linears_for(device, torch_dtype), "attention": attention_for(device, torch_dtype),
@@ -187,6 +186,9 @@ def continuations(backbone, tokenizer, prompts: Sequence[str], max_new_tokens: i
                   progress: bool = True, root: str | os.PathLike | None = None) -> Continuations:
     """The backbone's greedy continuations of ``prompts`` (``greedy_replies``), read from the cache or made and cached;
     the file is written whole, then renamed."""
+    from medusa_train.backbone.attention import use_grouped_attention
+
+    use_grouped_attention()  # the decoders' attention, before the key names it (a bf16 1-token step in float32)
     dtype = str(next(backbone.parameters()).dtype).removeprefix("torch.")
     key = continuations_key(backbone, tokenizer, dtype, prompts, max_new_tokens, max_prompt_tokens)
     path = Path(root or cache_root()) / f"{key}.json"

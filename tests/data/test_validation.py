@@ -100,3 +100,24 @@ def test_a_cached_continuation_names_the_linears_it_was_made_on(bpe_tokenizer, m
         row_kernel.cache_clear(), row_dtypes.cache_clear()
     assert (on != off) == built
     assert continuations_key(backbone, bpe_tokenizer, "float32", ["a prompt"], 8, 16) == on
+
+
+def test_a_cached_continuation_names_the_attention_it_was_made_on(bpe_tokenizer):
+    """A bf16 1-token step attends in float32 under the decoders' attention and in bf16 under transformers' own:
+    replies made under one are not the text the decoders produce under the other."""
+    from helpers.backbones import make_tiny_backbone
+    from transformers import AttentionInterface
+
+    from medusa_train.backbone.attention import transformers_sdpa, use_grouped_attention
+    from medusa_train.data.validation import continuations_key
+
+    backbone = make_tiny_backbone("llama")
+    before = AttentionInterface._global_mapping["sdpa"]
+    try:
+        transformers_sdpa()
+        theirs = continuations_key(backbone, bpe_tokenizer, "bfloat16", ["a prompt"], 8, 16)
+        use_grouped_attention()
+        ours = continuations_key(backbone, bpe_tokenizer, "bfloat16", ["a prompt"], 8, 16)
+    finally:
+        AttentionInterface.register("sdpa", before)
+    assert theirs != ours
