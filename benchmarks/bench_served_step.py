@@ -87,15 +87,11 @@ def served(draft_folder: Path, dtype: str, conversations: list[list[dict]], max_
     twice, a drift of the machine's speed through the run falling on every K alike): ``{"K=0": {...}, ...}`` with
     ``step_ms`` the mean of the two, ``step_ms_runs`` both, and each run's phase as ``measure_phase`` reports it
     (``step_ms``: the engine's mean decode step)."""
-    from medusa_train.backbone.generation import eos_token_ids
-    from medusa_train.backbone.load import load_backbone, resolve_model_path
+    from medusa_train.backbone.load import load_without_weights
     from medusa_train.engine import VllmServer
     from medusa_train.evaluation.served import measure_phase
 
-    folder = resolve_model_path(MODEL)[0]
-    backbone, tokenizer = load_backbone(folder, dtype="float32")
-    eos = eos_token_ids(backbone, tokenizer)
-    del backbone
+    _, eos, _, folder = load_without_weights(MODEL)  # a client's view: the end-of-turn ids and the folder served
     runs: dict[str, list[dict]] = {}
     for i, k in enumerate([0, *ks, *reversed(ks), 0]):
         name = f"K={k}"
