@@ -17,13 +17,18 @@ class ServerConfig:
     args: list[str] = field(default_factory=list)  #: more vLLM server flags, as typed after `vllm serve MODEL`
     enforce_eager: bool | None = None  #: --enforce-eager (null: where there is no CUDA; it skips a slow compile on CPU)
     kv_cache_gib: int = 2  #: VLLM_CPU_KVCACHE_SPACE (whole GiB) for the CPU build (GPU builds ignore it)
+    #: VLLM_CPU_NUM_OF_RESERVED_CPU for the CPU build: cores kept from the engine's compute threads (0: every core
+    #: computes, as our decoders' threads do; vLLM's own default, 1 on x86, halves a 2-core machine's engine:
+    #: distillation 305 -> 476 tokens/s with 0, docs/results.md#distilling-through-the-engine; null: vLLM's default)
+    reserved_cpus: int | None = 0
     startup_timeout: float = 600  #: seconds to wait for /health
     request_timeout: float = 600  #: seconds one request may take
 
     def server_kwargs(self) -> dict:
         """The ``engine.VllmServer`` arguments these settings give."""
         return {"python": self.python, "port": self.port, "enforce_eager": self.enforce_eager,
-                "extra_args": self.args, "kv_cache_gib": self.kv_cache_gib, "startup_timeout": self.startup_timeout}
+                "extra_args": self.args, "kv_cache_gib": self.kv_cache_gib, "reserved_cpus": self.reserved_cpus,
+                "startup_timeout": self.startup_timeout}
 
 
 @dataclass

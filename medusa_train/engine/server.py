@@ -79,14 +79,17 @@ class VllmServer:
         seed: ``--seed``.
         extra_args: More server flags, as a user would type them.
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) for the CPU build (ignored by GPU builds).
+        reserved_cpus: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` for the CPU build: cores kept from the engine's compute
+            threads for its front end (``None``: vLLM's default, one on x86, which leaves a 2-core machine one core
+            to compute on while our decoders run two threads). GPU builds ignore it.
         log_path: Where the server's output goes (default: a temporary file, named in errors).
         startup_timeout: Seconds to wait for ``/health``.
     """
 
     def __init__(self, model: str, *, dtype: str, speculative_config: dict | None = None, python: str | None = None,
                  port: int | None = None, host: str = "127.0.0.1", enforce_eager: bool | None = None, seed: int = 0,
-                 extra_args: Sequence[str] = (), kv_cache_gib: int | None = 2, log_path: str | os.PathLike | None = None,
-                 startup_timeout: float = 600.0):
+                 extra_args: Sequence[str] = (), kv_cache_gib: int | None = 2, reserved_cpus: int | None = 0,
+                 log_path: str | os.PathLike | None = None, startup_timeout: float = 600.0):
         from medusa_train.config.dtype import canonical_dtype, dtype_rule
 
         if canonical_dtype(dtype) is None:  # vLLM's --dtype takes the long names only: bf16 becomes bfloat16
@@ -99,7 +102,7 @@ class VllmServer:
 
             enforce_eager = not torch.cuda.is_available()
         self.enforce_eager, self.seed, self.extra_args = enforce_eager, seed, list(extra_args)
-        self.kv_cache_gib, self.startup_timeout = kv_cache_gib, startup_timeout
+        self.kv_cache_gib, self.reserved_cpus, self.startup_timeout = kv_cache_gib, reserved_cpus, startup_timeout
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
@@ -136,6 +139,8 @@ class VllmServer:
         env = dict(os.environ)
         if self.kv_cache_gib is not None:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.kv_cache_gib)))  # vLLM reads an int
+        if self.reserved_cpus is not None:
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(int(self.reserved_cpus)))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._started = time.perf_counter()
         with open(self.log_path, "ab") as log:

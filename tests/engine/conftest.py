@@ -38,7 +38,7 @@ def trained_heads(tmp_path_factory) -> str:
 def free_servers(model_folder, tmp_path_factory):
     """The packaged model served in float32 without speculation and with vLLM's n-gram speculation, as a user
     runs them already: the served evaluations of every engine test attach to them (``served.plain_url``,
-    ``served.ngram_url``), so they start once a session."""
+    ``served.ngram_url``), so they start once a session. ``log_dir`` holds their logs (``plain.log``, ``ngram.log``)."""
     import contextlib
 
     from medusa_train.config.engine import ServedConfig
@@ -56,4 +56,4 @@ def free_servers(model_folder, tmp_path_factory):
             server.launch()
         for server in servers.values():
             server.wait_ready()
-        yield {name: server.url for name, server in servers.items()}
+        yield {**{name: server.url for name, server in servers.items()}, "log_dir": logs}

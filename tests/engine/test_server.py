@@ -28,6 +28,7 @@ STAND_IN = textwrap.dedent('''\
     port = int(args[args.index("--port") + 1])
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(os.environ["STAND_IN_PIDS"], "w").write(f"{{os.getpid()}} {{child.pid}}")
+    print("reserved cpus:", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"), flush=True)
     if "--fail" in args:
         print("RuntimeError: no such model", flush=True); sys.exit(3)
     class Health(http.server.BaseHTTPRequestHandler):
@@ -73,6 +74,24 @@ def test_stop_ends_the_server_and_the_processes_it_started(stand_in, tmp_path):
         parent, child = _pids(tmp_path)
     assert _gone(parent) and _gone(child)
     assert not client.healthy()
+
+
+@pytest.mark.integration
+def test_the_engine_computes_on_every_core_unless_told_otherwise(stand_in, tmp_path, monkeypatch):
+    """vLLM's CPU build keeps one core of an x86 machine from its compute threads unless told otherwise: on the
+    2-core CPUs the engine computed on one core while our decoders ran on two. The server is started with none
+    kept (``reserved_cpus=0``); the user's own ``VLLM_CPU_NUM_OF_RESERVED_CPU`` stands, and ``None`` is vLLM's default."""
+    def started_with(name: str, **kwargs) -> str:
+        log = tmp_path / f"{name}.log"
+        with VllmServer("/m", dtype="float32", python=str(stand_in), log_path=log, **kwargs):
+            pass
+        return next(line for line in log.read_text().splitlines() if line.startswith("reserved cpus:"))
+
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    assert started_with("default") == "reserved cpus: 0"
+    assert started_with("vllm-default", reserved_cpus=None) == "reserved cpus: None"
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    assert started_with("user") == "reserved cpus: 1"
 
 
 @pytest.mark.integration
