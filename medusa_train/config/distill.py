@@ -58,9 +58,10 @@ class DistillConfig:
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     filters: FilterConfig = field(default_factory=FilterConfig)
     progress: bool = True  #: tqdm bar with tokens/s
-    #: stop starting conversations after this many minutes of generating (a server's start-up not counted): the
-    #: data sized to the machine. What was written is kept, the stats say how many of the selected prompts were
-    #: done (``stopped_at_max_minutes``), and a later run on the same output goes on from there (null: no limit)
+    #: stop starting conversations once the command has run this many minutes, loading the model or starting a
+    #: server included (what the user waits for; those in flight finish): the data sized to the machine. What was
+    #: written is kept, the stats say how many of the selected prompts were done (``stopped_at_max_minutes``), and
+    #: a later run on the same output goes on from there (null: no limit)
     max_minutes: float | None = None
     #: null: generate in-process (Hugging Face, batch_size at a time) | vllm: start a vLLM server on model.name_or_path
     #: for the run | openai: the OpenAI-compatible server(s) at url (data parallelism over several)

@@ -185,6 +185,20 @@ def test_distillation_through_the_server_survives_its_kill_and_writes_the_in_pro
     assert local.records == len(local_by_id)
 
 
+def test_max_minutes_counts_the_servers_start_up(tmp_path):
+    """``max_minutes`` is the command's own time, the server's start-up in it (what a user waits for): with a
+    budget shorter than the start-up, only the first wave of conversations runs (``concurrency`` of them; none
+    starts after the budget), and the stats say it stopped there. Counting from the first request instead, the
+    9 seconds would start several waves of these 2-turn, 32-token conversations."""
+    from medusa_train.data.distill import distill
+
+    budget_s = 9
+    stats = distill(_distill_cfg(tmp_path / "sized.jsonl", engine="vllm", concurrency=2, max_minutes=budget_s / 60))
+    assert stats.engine_startup_seconds > budget_s, "the claim needs a start-up longer than the budget (~30 s here)"
+    assert stats.stopped_at_max_minutes and stats.run_conversations == 2
+    assert stats.records + sum(stats.skipped.values()) == 2 < stats.selected == 16
+
+
 def test_heads_with_their_own_output_layers_load_and_propose(model_folder, tmp_path):
     """The other layout vLLM accepts from us: plain heads with their own (whole-vocabulary) output layers
     (``lm_heads.{h}.weight``, ``original_lm_head: false``). The engine loads them and proposes K tokens a step."""

@@ -104,6 +104,7 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
 
     if (model is None) != (tokenizer is None):
         raise ValueError("pass both model and tokenizer, or neither (then config.model is loaded)")
+    called = time.perf_counter()  # max_minutes counts from here: loading the model or starting a server is in it
     cfg = config if isinstance(config, DistillConfig) else build_distill_config(config)
     cfg.output = str(cfg.output or default_output(cfg))
     output = Path(cfg.output)
@@ -148,8 +149,8 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
             raise ValueError("neither the model's generation config nor the tokenizer names an eos token")
         todo = [p for p in selection.prompts if p.id not in done]
 
-        def out_of_time() -> bool:  # max_minutes of generating spent (``started`` is set after any server start-up)
-            return bool(cfg.max_minutes) and time.perf_counter() - started >= cfg.max_minutes * 60
+        def out_of_time() -> bool:  # max_minutes of this command spent, a server's start-up or the model's load in it
+            return bool(cfg.max_minutes) and time.perf_counter() - called >= cfg.max_minutes * 60
 
         if cfg.engine:
             from medusa_train.data.distill.served import distill_served, engine_clients
