@@ -35,8 +35,8 @@ class DistillStage:
     batch_size: int = 32  #: in-process: faster than 16 or 64 in bf16 here (docs/log/2026-11-28-results-moved-off-the-page.md#distilling-through-the-engine)
     dtype: str = "auto"  #: auto: bfloat16 where it runs natively (GPU, AVX512-BF16/AMX CPU), else float32
     #: the data sized to the machine: no conversation starts after this many minutes of the stage, the server's
-    #: start-up in them, and the log says how many prompts were done. 2,400 prompts take ~9 min through vLLM on the
-    #: BF16 CPU (25 s of start-up); on the AVX2 CPU in float32 they took 40 after 2.7 min of start-up: there the
+    #: start-up in them, and the log says how many prompts were done. 2,400 prompts take 9-10 min through vLLM on the
+    #: BF16 CPU (25-27 s of start-up); on the AVX2 CPU in float32 they took 40 after 2.7 min of start-up: there the
     #: demo's other stages leave it ~7 min of distilling for ~35 in all (docs/results.md#the-demo-time-and-result).
     #: null: all num_prompts
     max_minutes: float | None = 10
