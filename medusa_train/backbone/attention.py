@@ -13,6 +13,11 @@ tokens: no slower than float32): 150 us a layer at context 256, 570 at 1,024, th
 step after the linears. A 1-token step in bf16 or fp16 attends in float32 instead (its query, keys and values
 widened, the output rounded back): the same sums, rounded once, at float32's speed.
 
+Batched greedy replies (``backbone/batched.py``) step many prompts at once over one left-padded cache: given
+``row_starts`` (where each row's own keys begin), each row attends over its own keys alone through the 1-token path
+above, so its output is bitwise that of the same step taken alone (padded keys, even masked, change how a row's
+sums round).
+
 ``use_grouped_attention()`` registers this function under transformers' own name (``AttentionInterface``), for
 every model of the process at once, so HF ``generate``, HF prompt lookup and our decoder run the same attention (a
 speedup still divides by the best plain decoding). It takes only the cases above: a CPU, no autograd, none of
@@ -38,7 +43,17 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' ``sdpa_attention_forward``, with a CPU decoding step taken by SDPA directly: several masked
     tokens over grouped heads through its grouped-query path instead of through copies of the keys and values, a
-    bf16 or fp16 1-token step in float32. (batch, query, heads, dim)."""
+    bf16 or fp16 1-token step in float32; with ``row_starts`` (a batch of 1-token steps over caches of different
+    lengths, left-padded), each row over its own keys from its start, alone. (batch, query, heads, dim)."""
+    row_starts = kwargs.pop("row_starts", None)
+    if row_starts is not None:
+        if query.shape[2] != 1 or len(row_starts) != query.shape[0]:
+            raise ValueError(f"row_starts: one start per row of a batch of 1-token steps, not {len(row_starts)} for "
+                             f"a query of shape {tuple(query.shape)}")
+        rows = [grouped_sdpa_forward(module, query[r:r + 1], key[r:r + 1, :, start:], value[r:r + 1, :, start:], None,
+                                     dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)[0]
+                for r, start in enumerate(row_starts)]
+        return torch.cat(rows), None
     if (query.device.type == "cpu" and not torch.is_grad_enabled()
             and not any(kwargs.get(name) is not None for name in EXTRAS)):
         grouped = getattr(module, "num_key_value_groups", 1) > 1

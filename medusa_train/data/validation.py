@@ -155,13 +155,17 @@ def prompt_fits(tokenizer, text: str, max_prompt_tokens: int | None) -> bool:
 def greedy_replies(backbone, tokenizer, prompts: Sequence[str], max_new_tokens: int,
                    max_prompt_tokens: int | None = None, progress: bool = True, desc: str = "greedy continuations",
                    ) -> tuple[list[str], list[tuple[torch.Tensor, int]]]:
-    """``(prompts kept, [(ids (1, len), prompt length)])``: the backbone's greedy reply to each prompt (HF ``generate``,
-    one prompt at a time, stopping at the backbone's eos as the evaluation's decoders do), prompts longer than
-    ``max_prompt_tokens`` passed over. A float32 CPU backbone's steps run the row kernel, as the decoders' do (a
-    training backbone's validation replies took 6.8 min at 16 tokens/s on torch's GEMV, AVX2 code paths)."""
+    """``(prompts kept, [(ids (1, len), prompt length)])``: the backbone's greedy reply to each prompt (HF ``generate``'s
+    for that prompt alone, stopping at the backbone's eos as the evaluation's decoders do), prompts longer than
+    ``max_prompt_tokens`` passed over. A CPU backbone's steps run the row kernel, as the decoders' do (a training
+    backbone's validation replies took 6.8 min at 16 tokens/s on torch's GEMV, AVX2 code paths), and where each
+    reply stays bitwise its one-prompt reply, many prompts a step (``backbone/batched.py``; 4.0 min one at a time
+    on the AVX2 code paths): the first group's first reply is checked against ``generate``'s for that prompt
+    alone, and a difference turns batching off, with a line saying so."""
     from tqdm.auto import tqdm
 
     from medusa_train.backbone.attention import use_grouped_attention
+    from medusa_train.backbone.batched import batch_rows, batched_greedy
     from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
     from medusa_train.backbone.rows import row_kernel_during
 
@@ -169,16 +173,38 @@ def greedy_replies(backbone, tokenizer, prompts: Sequence[str], max_new_tokens: 
     device = backbone.get_input_embeddings().weight.device
     eos = eos_token_ids(backbone)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    kept, sequences = [], []
-    with row_kernel_during(backbone):
-        for text in tqdm(prompts, desc=desc, unit="prompt", disable=not progress):
-            ids = encode_chat(tokenizer, [{"role": "user", "content": text}]).to(device)
-            if max_prompt_tokens is not None and ids.shape[1] > max_prompt_tokens:
-                continue
-            new, _ = plain_generate(backbone, ids, max_new_tokens, eos, pad)
+    kept, encoded = [], []
+    for text in prompts:
+        ids = encode_chat(tokenizer, [{"role": "user", "content": text}]).to(device)
+        if max_prompt_tokens is None or ids.shape[1] <= max_prompt_tokens:
             kept.append(text)
-            sequences.append((torch.cat([ids[0], torch.tensor(new, dtype=ids.dtype, device=device)])[None],
-                              ids.shape[1]))
+            encoded.append(ids)
+    with row_kernel_during(backbone):
+        rows, _ = batch_rows(backbone)
+        replies: list[list[int] | None] = [None] * len(encoded)
+        with tqdm(total=len(encoded), desc=f"{desc} ({rows} a step)" if rows > 1 else desc, unit="prompt",
+                  disable=not progress) as bar:
+            if rows > 1 and encoded:  # the first group batched, its first reply checked against generate's alone
+                alone = plain_generate(backbone, encoded[0], max_new_tokens, eos, pad)[0]
+                group = batched_greedy(backbone, encoded[:rows], max_new_tokens, eos, rows)
+                if group[0] == alone:
+                    replies[:len(group)] = group
+                else:
+                    print(f"[medusa_train] {desc}: a batched step's reply differs from generate's for the first "
+                          "prompt; one prompt at a time")
+                    replies[0], rows = alone, 1
+                bar.update(sum(r is not None for r in replies))
+            rest = [i for i, r in enumerate(replies) if r is None]
+            if rows > 1:
+                for i, reply in zip(rest, batched_greedy(backbone, [encoded[i] for i in rest], max_new_tokens, eos,
+                                                         rows, finished=lambda _: bar.update(1))):
+                    replies[i] = reply
+            else:
+                for i in rest:
+                    replies[i] = plain_generate(backbone, encoded[i], max_new_tokens, eos, pad)[0]
+                    bar.update(1)
+    sequences = [(torch.cat([ids[0], torch.tensor(new, dtype=ids.dtype, device=device)])[None], ids.shape[1])
+                 for ids, new in zip(encoded, replies)]
     return kept, sequences
 
 
