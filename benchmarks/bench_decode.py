@@ -245,9 +245,11 @@ def main(**overrides) -> int:
               "weight_bytes_per_step": limit_bytes, "bandwidth_bytes_per_s": bandwidth, "limit_ms": limit_ms,
               "linears": {}, "compute_roof": roof}
     if roof:
-        print(f"Compute limit (benchmarks/roof.py): {roof['macs_per_token'] / 1e6:.0f} M multiply-adds a token at the "
-              f"fastest rate measured, {roof['peak_macs_per_s'] / 1e9:.1f} G/s (torch's GEMM at 1024 cubed: "
-              f"{roof['gemm_1024_macs_per_s'] / 1e9:.1f}): "
+        fma = roof["fma_peak_macs_per_s"]
+        print(f"Compute limit (benchmarks/roof.py): {roof['macs_per_token'] / 1e6:.0f} M multiply-adds a token at "
+              f"{roof['peak_macs_per_s'] / 1e9:.1f} G/s ("
+              + (f"the FMA chains' peak {fma / 1e9:.1f}; " if fma else "the fastest rate measured; ")
+              + f"torch's GEMM at 1024 cubed: {roof['gemm_1024_macs_per_s'] / 1e9:.1f}): "
               + ", ".join(f"{n} tokens {ms:.2f} ms" for n, ms in roof["compute_limit_ms"].items())
               + "; each path's rate at that many rows, from the caches (G/s): "
               + "; ".join(f"{p} " + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in rates.items())

@@ -9,8 +9,10 @@ arithmetic gets at that N, and torch's GEMM over a 1024-cubed product.
 
 The compute limit of a step over N tokens is the backbone's linear multiply-adds per token (attention over the
 context left out: ~6% at context 256 for the 135M model) times N over the peak rate; the path's rate says how far
-the kernel is from it. The peak is the fastest rate measured here, torch's GEMM over a large square product or a
-path at its most rows (MKL's GEMM is slow on AMD CPUs: a lower bound on what the vector units can do).
+the kernel is from it. The peak is the vector units' own: register-only FMA chains on every thread
+(``fma_peak.cpp``, built with the row kernel's instruction-set flags), or where that cannot be built the fastest
+rate measured here, torch's GEMM over a large square product or a path at its most rows (MKL's GEMM is slow on AMD
+CPUs: 87 G/s on the BF16 CPU, whose FMA chains reach 117).
 """
 
 from __future__ import annotations
@@ -46,6 +48,29 @@ def macs_per_second(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     return macs * inner / seconds
 
 
+def vector_peak_macs_per_s(repeats: int = 5) -> float | None:
+    """The CPU's multiply-add peak over torch's threads (``fma_peak.cpp``: the best of ``repeats`` ~0.1 s runs), or
+    None where it cannot be built here (no compiler, not an AVX2 / AVX-512 CPU)."""
+    from pathlib import Path
+
+    from medusa_train.backbone.rows import build_flags, cpu_isa
+
+    isa = cpu_isa()
+    if isa is None:
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        source = Path(__file__).with_name("fma_peak.cpp")
+        module = load(name=f"medusa_train_fma_peak_{isa.lower()}", sources=[str(source)],
+                      extra_cflags=["-O2", "-fopenmp", *build_flags(isa)], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as err:  # no compiler or ninja: the fastest measured rate stands in
+        print(f"FMA peak not measured ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})")
+        return None
+    threads = torch.get_num_threads()
+    return max(module.fma_peak(10_000_000, threads) for _ in range(repeats))
+
+
 def compute_roof(linears: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]], sizes: list[int],
                  in_features: int, macs_per_token: int) -> dict:
     """Each linear path's multiply-add rate at each row count in ``sizes`` against a cached (512 x
@@ -53,6 +78,8 @@ def compute_roof(linears: dict[str, Callable[[torch.Tensor, torch.Tensor], torch
     size's compute limit in ms at that peak."""
     by_path = {name: {str(n): macs_per_second(fn, n, 512, in_features) for n in sizes} for name, fn in linears.items()}
     gemm = macs_per_second(torch.mm, 1024, 1024, 1024, repeats=5)
-    peak = max([gemm, *(rate for rates in by_path.values() for rate in rates.values())])
-    return {"peak_macs_per_s": peak, "gemm_1024_macs_per_s": gemm, "macs_per_token": macs_per_token,
+    fma = vector_peak_macs_per_s()
+    peak = max([fma or 0.0, gemm, *(rate for rates in by_path.values() for rate in rates.values())])
+    return {"peak_macs_per_s": peak, "fma_peak_macs_per_s": fma, "gemm_1024_macs_per_s": gemm,
+            "macs_per_token": macs_per_token,
             "path_macs_per_s": by_path, "compute_limit_ms": {str(n): macs_per_token * n / peak * 1e3 for n in sizes}}
