@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 #: prompts a batched step takes at most (the packaged model, float32, 32 validation prompts of 64 tokens: 8 rows
 #: 16.8 s, 16 rows 13.5, 32 rows 12.5; one at a time ~5x as long)
@@ -31,7 +32,6 @@ def batch_rows(backbone, wanted: int = DEFAULT_ROWS) -> tuple[int, str]:
     """``(rows, why)``: how many prompts one greedy step may take on ``backbone`` as it is now with every reply
     bitwise its one-prompt reply (1: one at a time), and what says so."""
     from transformers import AttentionInterface, DynamicCache
-    from transformers.cache_utils import DynamicLayer
 
     from medusa_train.backbone.attention import grouped_sdpa_forward
     from medusa_train.backbone.rows import RowLinear, row_range
@@ -66,39 +66,35 @@ def _prefill(backbone, ids: torch.Tensor):
     return cache, int(out.logits[0, -1].argmax())
 
 
-def _appending_layer():
+class AppendingLayer(DynamicLayer):
     """A dynamic cache layer that appends into room kept after its keys: ``DynamicLayer`` copies the whole cache
     on every step (``torch.cat``), which for a batch of 32 rows took half a step's time."""
-    from transformers.cache_utils import DynamicLayer
 
-    class AppendingLayer(DynamicLayer):
-        def fill(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
-            """Start from ``keys`` and ``values`` (batch, heads, length, dim) with ``room`` more positions kept."""
-            self.lazy_initialization(keys, values)
-            shape = (*keys.shape[:2], keys.shape[2] + room, keys.shape[3])
-            self.key_room, self.value_room = keys.new_zeros(shape), values.new_zeros(shape)
-            self.key_room[:, :, :keys.shape[2]] = keys
-            self.value_room[:, :, :keys.shape[2]] = values
-            self._view(keys.shape[2])
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+        """Start from ``keys`` and ``values`` (batch, heads, length, dim) with ``room`` more positions kept."""
+        self.lazy_initialization(keys, values)
+        shape = (*keys.shape[:2], keys.shape[2] + room, keys.shape[3])
+        self.key_room, self.value_room = keys.new_zeros(shape), values.new_zeros(shape)
+        self.key_room[:, :, :keys.shape[2]] = keys
+        self.value_room[:, :, :keys.shape[2]] = values
+        self._view(keys.shape[2])
 
-        def _view(self, length: int) -> None:
-            self.keys, self.values = self.key_room[:, :, :length], self.value_room[:, :, :length]
+    def _view(self, length: int) -> None:
+        self.keys, self.values = self.key_room[:, :, :length], self.value_room[:, :, :length]
 
-        def update(self, key_states, value_states, *args, **kwargs):
-            length, more = self.keys.shape[2], key_states.shape[2]
-            if length + more > self.key_room.shape[2]:  # out of room: the same again with as much room as it had
-                self.fill(self.keys, self.values, self.key_room.shape[2])
-            self.key_room[:, :, length:length + more] = key_states
-            self.value_room[:, :, length:length + more] = value_states
-            self._view(length + more)
-            return self.keys, self.values
+    def update(self, key_states, value_states, *args, **kwargs):
+        length, more = self.keys.shape[2], key_states.shape[2]
+        if length + more > self.key_room.shape[2]:  # out of room: the same again with as much room as it had
+            self.fill(self.keys, self.values, self.key_room.shape[2])
+        self.key_room[:, :, length:length + more] = key_states
+        self.value_room[:, :, length:length + more] = value_states
+        self._view(length + more)
+        return self.keys, self.values
 
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            length = self.keys.shape[2]
-            self.key_room, self.value_room = self.key_room[indices], self.value_room[indices]
-            self._view(length)
-
-    return AppendingLayer()
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        length = self.keys.shape[2]
+        self.key_room, self.value_room = self.key_room[indices], self.value_room[indices]
+        self._view(length)
 
 
 def _left_padded(backbone, caches: list, lengths: list[int], room: int):
@@ -114,7 +110,7 @@ def _left_padded(backbone, caches: list, lengths: list[int], room: int):
         for row, (cache, length) in enumerate(zip(caches, lengths)):
             keys[row, :, longest - length:] = cache.layers[i].keys[0]
             values[row, :, longest - length:] = cache.layers[i].values[0]
-        merged.layers[i] = _appending_layer()
+        merged.layers[i] = AppendingLayer()
         merged.layers[i].fill(keys, values, room)
     return merged
 
