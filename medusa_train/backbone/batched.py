@@ -70,31 +70,26 @@ class AppendingLayer(DynamicLayer):
     """A dynamic cache layer that appends into room kept after its keys: ``DynamicLayer`` copies the whole cache
     on every step (``torch.cat``), which for a batch of 32 rows took half a step's time."""
 
-    def fill(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
-        """Start from ``keys`` and ``values`` (batch, heads, length, dim) with ``room`` more positions kept."""
-        self.lazy_initialization(keys, values)
-        shape = (*keys.shape[:2], keys.shape[2] + room, keys.shape[3])
-        self.key_room, self.value_room = keys.new_zeros(shape), values.new_zeros(shape)
-        self.key_room[:, :, :keys.shape[2]] = keys
-        self.value_room[:, :, :keys.shape[2]] = values
-        self._view(keys.shape[2])
+    def hold(self, key_room: torch.Tensor, value_room: torch.Tensor, length: int) -> None:
+        """Take ``key_room`` and ``value_room`` (batch, heads, room, dim), their first ``length`` positions filled."""
+        self.lazy_initialization(key_room, value_room)
+        self.key_room, self.value_room = key_room, value_room
+        self._view(length)
 
     def _view(self, length: int) -> None:
         self.keys, self.values = self.key_room[:, :, :length], self.value_room[:, :, :length]
 
     def update(self, key_states, value_states, *args, **kwargs):
         length, more = self.keys.shape[2], key_states.shape[2]
-        if length + more > self.key_room.shape[2]:  # out of room: the same again with as much room as it had
-            self.fill(self.keys, self.values, self.key_room.shape[2])
+        if length + more > self.key_room.shape[2]:  # _left_padded keeps room for every step a reply can take
+            raise RuntimeError(f"AppendingLayer: {length} + {more} positions, room for {self.key_room.shape[2]}")
         self.key_room[:, :, length:length + more] = key_states
         self.value_room[:, :, length:length + more] = value_states
         self._view(length + more)
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        length = self.keys.shape[2]
-        self.key_room, self.value_room = self.key_room[indices], self.value_room[indices]
-        self._view(length)
+        self.hold(self.key_room[indices], self.value_room[indices], self.keys.shape[2])
 
 
 def _left_padded(backbone, caches: list, lengths: list[int], room: int):
@@ -105,13 +100,13 @@ def _left_padded(backbone, caches: list, lengths: list[int], room: int):
     longest, merged = max(lengths), DynamicCache(config=backbone.config)
     for i in range(len(merged.layers)):
         first = caches[0].layers[i].keys
-        keys = first.new_zeros(len(caches), first.shape[1], longest, first.shape[3])
+        keys = first.new_zeros(len(caches), first.shape[1], longest + room, first.shape[3])
         values = keys.clone()
         for row, (cache, length) in enumerate(zip(caches, lengths)):
-            keys[row, :, longest - length:] = cache.layers[i].keys[0]
-            values[row, :, longest - length:] = cache.layers[i].values[0]
+            keys[row, :, longest - length:longest] = cache.layers[i].keys[0]
+            values[row, :, longest - length:longest] = cache.layers[i].values[0]
         merged.layers[i] = AppendingLayer()
-        merged.layers[i].fill(keys, values, room)
+        merged.layers[i].hold(keys, values, longest)
     return merged
 
 
@@ -137,7 +132,7 @@ def batched_greedy(backbone, prompts: Sequence[torch.Tensor], max_new_tokens: in
         del caches
         width = max(lengths)  # the merged cache's length before this group's first step
         live = list(range(len(group)))  # positions in the group of the rows still stepping
-
+        device = prompts[group[0]].device
         steps = 0
         while True:
             ended = [slot for slot in live
@@ -151,7 +146,6 @@ def batched_greedy(backbone, prompts: Sequence[torch.Tensor], max_new_tokens: in
                 if not live:
                     break
                 cache.batch_select_indices(torch.tensor(keep))
-            device = prompts[group[0]].device
             starts = [width - lengths[slot] for slot in live]
             tokens = torch.tensor([[replies[group[slot]][-1]] for slot in live], device=device)
             positions = torch.tensor([[lengths[slot] + steps] for slot in live], device=device)
