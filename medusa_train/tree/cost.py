@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from medusa_train.backbone.rows import linear_path
-from medusa_train.decoding.acceptance import greedy_accept
+from medusa_train.decoding.acceptance import greedy_accept, top_token
 from medusa_train.decoding.generate import compact_cache, propose, tree_pass
 from medusa_train.decoding.graphs import StaticSteps, graphs_wanted
 from medusa_train.decoding.tree import TokenTree
@@ -132,7 +132,7 @@ class DecodeSteps:
                 "attention_mask": torch.zeros(1, 1, 1, self.context + 1, dtype=self.dtype, device=self.device),
                 "position_ids": torch.tensor([[self.context]], device=self.device)}
             step = self.model(token, past_key_values=self.cache, use_cache=True, **extra)
-        self.model.base_logits(step.hidden_states[:, -1]).argmax(-1).item()
+        top_token(self.model.base_logits(step.hidden_states[:, -1])[0])
         self._back()
 
     def _back(self) -> None:

@@ -20,6 +20,7 @@ from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.decoding.acceptance import (
     Acceptance,
     accept,
+    NodeArgmax,
     greedy_accept,
     probabilities,
     rejection_accept,
@@ -45,6 +46,33 @@ def test_greedy_walks_the_argmax_path():
     # the deepest path
     logits = logits_from({0: {3: 0.5}, 1: {1: 0.5}, 3: {9: 0.5}, 6: {0: 0.5}})
     assert greedy_accept(HAND, HAND_TOKENS, logits) == Acceptance([0, 1, 3, 6], 0)
+
+
+def test_greedy_in_bf16_takes_the_same_tokens_as_torchs_argmax_and_reads_only_the_walked_rows():
+    """bf16 rows widened before their argmax (and asked for lazily on a CPU) give torch's own bf16 argmax, ties and
+    all: logits on a coarse grid tie often, and the first of the tied tokens must still win."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        logits = (torch.randint(0, 6, (HAND.num_nodes, 10), generator=generator) / 4).to(torch.bfloat16)
+        tokens = torch.randint(0, 10, (HAND.num_nodes,), generator=generator)
+        tokens[1:] = torch.where(torch.rand(HAND.num_nodes - 1, generator=generator) < 0.5,
+                                 logits.argmax(-1)[HAND.parents[1:]], tokens[1:])  # paths that walk deep
+        best = logits.argmax(-1).tolist()  # torch's bf16 argmax: the reference
+
+        def longest(node):
+            path = [node]
+            for child in HAND.children[node]:
+                if int(tokens[child]) == best[node] and len(below := longest(child)) + 1 > len(path):
+                    path = [node, *below]
+            return path
+
+        path = longest(0)
+        assert greedy_accept(HAND, tokens, logits) == Acceptance(path, best[path[-1]]), trial
+        lazy = NodeArgmax(logits)
+        assert [lazy[n] for n in range(HAND.num_nodes)] == best
+    lazy = NodeArgmax(logits)
+    lazy[3]
+    assert list(lazy.asked) == [3]  # one row read, not the tree's seven
 
 
 def test_every_rule_is_greedy_at_temperature_zero():
