@@ -19,8 +19,8 @@ from medusa_train import MedusaModel
 from medusa_train.decoding import TokenTree, tree_generate
 from medusa_train.decoding.acceptance import (
     Acceptance,
-    accept,
     NodeArgmax,
+    accept,
     greedy_accept,
     probabilities,
     rejection_accept,
@@ -48,6 +48,15 @@ def test_greedy_walks_the_argmax_path():
     assert greedy_accept(HAND, HAND_TOKENS, logits) == Acceptance([0, 1, 3, 6], 0)
 
 
+def _walk(tree, tokens, best, node):
+    """The longest path below ``node`` whose tokens are their parents' argmax (the first child wins ties)."""
+    path = [node]
+    for child in tree.children[node]:
+        if tokens[child] == best[node] and len(below := _walk(tree, tokens, best, child)) + 1 > len(path):
+            path = [node, *below]
+    return path
+
+
 def test_greedy_in_bf16_takes_the_same_tokens_as_torchs_argmax_and_reads_only_the_walked_rows():
     """bf16 rows widened before their argmax (and asked for lazily on a CPU) give torch's own bf16 argmax, ties and
     all: logits on a coarse grid tie often, and the first of the tied tokens must still win."""
@@ -59,14 +68,7 @@ def test_greedy_in_bf16_takes_the_same_tokens_as_torchs_argmax_and_reads_only_th
                                  logits.argmax(-1)[HAND.parents[1:]], tokens[1:])  # paths that walk deep
         best = logits.argmax(-1).tolist()  # torch's bf16 argmax: the reference
 
-        def longest(node):
-            path = [node]
-            for child in HAND.children[node]:
-                if int(tokens[child]) == best[node] and len(below := longest(child)) + 1 > len(path):
-                    path = [node, *below]
-            return path
-
-        path = longest(0)
+        path = _walk(HAND, tokens.tolist(), best, 0)
         assert greedy_accept(HAND, tokens, logits) == Acceptance(path, best[path[-1]]), trial
         lazy = NodeArgmax(logits)
         assert [lazy[n] for n in range(HAND.num_nodes)] == best
