@@ -224,9 +224,16 @@ def main(**overrides) -> int:
     roof = None
     if device.type == "cpu" and opts["dtype"] == "float32":  # the arithmetic's side of the limit (benchmarks/roof.py)
         from benchmarks.roof import compute_roof, linear_macs_per_token
-        from medusa_train.backbone.rows import rows_linear
+        from medusa_train.backbone.rows import pack_weight, rows_linear
 
-        paths = {"gemm": torch.nn.functional.linear, "rows": rows_linear}
+        packed = {}  # the kernel's weights packed once, as a switched layer holds them
+
+        def kernel(x, w):
+            if id(w) not in packed:
+                packed[id(w)] = (w, pack_weight(w))
+            return rows_linear(x, w, packed[id(w)][1])
+
+        paths = {"gemm": torch.nn.functional.linear, "rows": kernel}
         roof = compute_roof({p: paths[p] for p in linears}, sorted({1} | {t.num_nodes for _, t in trees}),
                             backbone.config.hidden_size, linear_macs_per_token(backbone))
 

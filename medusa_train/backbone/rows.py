@@ -3,23 +3,28 @@
 A decoding step on a CPU is memory-bound: a 1-token step and a verify over a few tree nodes read the same
 weights. A library GEMM does not treat them alike: at 2-16 rows it packs the weights on each call and computes
 afterwards, so a 2-token verify in float32 costs 1.8x a 1-token step on an AVX2 CPU (``docs/results.md``, "Step
-cost"). ``rows.cpp`` streams each weight once and uses it for every row, in ``nn.Linear``'s own layout
-(nothing is copied), and sums each output the same way whatever the number of rows, so a row's output is
-bitwise the same in any verify it is part of. On an Intel CPU a 1-token step stays on torch's GEMV (MKL's) and
-2-16 rows take the kernel; on other vendors' CPUs MKL's small-row paths are slow and the kernel takes every step
-from one row to 64 (``row_range``).
+cost"). ``rows.cpp`` packs each layer's weights once (``pack_weight``: panels of 32 outputs on AVX-512, 16 on
+AVX2, k-major, so a vector load brings one k for every output of the panel) and streams them once a step, used
+by every row; each output is one vector lane summing its k in order, so a row's output is bitwise the same in any
+verify it is part of, and no lanes are summed across at the end (the kernel before this one read ``nn.Linear``'s
+own layout and summed each output's lanes: as long as the products themselves at K = 576). On an Intel CPU a
+1-token step stays on torch's GEMV (MKL's) and 2-16 rows take the kernel; on other vendors' CPUs MKL's small-row
+paths are slow and the kernel takes every step from one row to 64 (``row_range``).
 
 ``use_row_kernel(model)`` switches every plain ``nn.Linear`` of a model to it. A switched layer uses the kernel
 only where it applies (no autograd, CPU tensors of a dtype ``row_dtypes`` has, the rows ``row_range`` gives) and
-``F.linear`` everywhere else: training, prefill, CUDA and the dtypes the kernel does not take are untouched. Every
-decoder on the machine gets it at once (HF ``generate``, prompt lookup and ours run the same backbone), so a
-speedup still divides by the best plain decoding there. The kernel is compiled for this CPU on first use (AVX-512
-or AVX2 with FMA; ~10 s, kept in torch's ``~/.cache/torch_extensions`` and imported from there afterwards);
-without a compiler, or on another CPU, layers stay as they are and one line says why. ``MEDUSA_TRAIN_ROW_KERNEL=0`` turns it off (a benchmark's "before").
+``F.linear`` everywhere else: training, prefill, CUDA and the dtypes the kernel does not take are untouched. It
+packs its weights at its first kernel call and again whenever they change (a new tensor, or one written in place:
+its version counter), and holds the packed copy until switched back: the weights' memory twice while decoding,
+none of it in the state dict. Every decoder on the machine gets it at once (HF ``generate``, prompt lookup and
+ours run the same backbone), so a speedup still divides by the best plain decoding there. The kernel is compiled
+for this CPU on first use (AVX-512 or AVX2 with FMA; ~10 s, kept in torch's ``~/.cache/torch_extensions`` and
+imported from there afterwards); without a compiler, or on another CPU, layers stay as they are and one line says
+why. ``MEDUSA_TRAIN_ROW_KERNEL=0`` turns it off (a benchmark's "before").
 
 bfloat16: where an AVX-512 CPU has AVX512-BF16 and is not Intel's (``bf16_possible``), the kernel takes bias-free
-bfloat16 layers too (one instruction sums pairs of bf16 products into float32 lanes; each output rounded once to
-bf16, to nearest even): on the AMD EPYC torch's bf16 linears read their weights at 9-14 GB/s, the kernel at 19-27.
+bfloat16 layers too (one instruction sums a pair of bf16 products into each float32 lane; each output rounded
+once to bf16, to nearest even): on the AMD EPYC torch's bf16 linears read their weights at 9-14 GB/s.
 """
 
 from __future__ import annotations
@@ -202,46 +207,84 @@ def row_dtypes() -> frozenset:
     return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
 
 
-def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (N, K) packed as the kernel reads it: panels of ``panel`` outputs (the last one padded with zeros), each
+    holding for every step along K its outputs' weights side by side (float32: one k, as (panels, K, panel);
+    bfloat16: a pair of k, as (panels, K / 2, panel, 2), an odd K padded with a zero weight). A copy: ``w`` is left
+    as it is."""
+    panel = row_kernel().panel
+    n, k = w.shape
+    panels, steps = -(-n // panel), k if w.dtype == torch.float32 else -(-k // 2)
+    padded = torch.zeros(panels * panel, k if w.dtype == torch.float32 else 2 * steps, dtype=w.dtype)
+    padded[:n, :k] = w
+    if w.dtype == torch.float32:
+        return padded.view(panels, panel, k).transpose(1, 2).contiguous()
+    return padded.view(panels, panel, steps, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T`` through the row kernel: x (M, K) and w (N, K) CPU tensors of one dtype it takes (float32, or
-    bfloat16 where ``row_dtypes`` has it: float32 sums rounded to bfloat16); (M, N) in that dtype."""
+    bfloat16 where ``row_dtypes`` has it: float32 sums rounded to bfloat16); (M, N) in that dtype. Packs ``w`` on
+    every call unless given ``packed`` (``pack_weight(w)``, made by the caller once; a switched layer keeps its
+    own: ``RowLinear``)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"rows_linear: x (M, K) and w (N, K), not {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != w.dtype or x.dtype not in row_dtypes() or x.device.type != "cpu" or w.device.type != "cpu":
         taken = ", ".join(sorted(str(d).removeprefix("torch.") for d in row_dtypes())) or "none: not built"
         raise ValueError(f"rows_linear: CPU tensors of one dtype the kernel takes here ({taken}), not "
                          f"{x.dtype} / {w.dtype} on {x.device} / {w.device}")
-    return _rows_linear(x, w)
+    return _rows_linear(x, pack_weight(w.contiguous()) if packed is None else packed, w.shape[0])
 
 
-def _rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``rows_linear`` once its arguments are known to fit (``RowLinear.forward`` checks them on its own way)."""
-    x, w = x.contiguous(), w.contiguous()
-    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+def _rows_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``x @ w.T`` from ``w`` packed (``pack_weight``) with ``n`` outputs, once the arguments are known to fit (bf16
+    rows of an odd K get the zero input their last pair's weight is padded against)."""
+    x = x.contiguous() if x.dtype == torch.float32 or x.shape[1] % 2 == 0 else F.pad(x, (0, 1))
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
     kernel = row_kernel()
     run = kernel.rows_linear if x.dtype == torch.float32 else kernel.rows_linear_bf16
-    run(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])
+    run(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], n)
     return y
+
+
+PACKED = "_row_kernel_packed"  #: a switched layer's attribute: (weight's data pointer, its version, packed weights)
 
 
 class RowLinear(torch.nn.Linear):
     """An ``nn.Linear`` that runs a decoding step's few CPU rows through the row kernel (float32; bfloat16 where
     ``row_dtypes`` has it and the layer has no bias: the kernel rounds its sums once, with no bias to add).
 
-    The same parameters and state dict as the layer it was; ``use_row_kernel`` switches a layer's class to it."""
+    The same parameters and state dict as the layer it was; ``use_row_kernel`` switches a layer's class to it. Its
+    weights packed for the kernel are made at the first call that takes the kernel and again whenever the weight
+    changes (another tensor, or the same one written in place: its version counter)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         fewest, most = row_range()
-        if (fewest <= rows <= most and x.dtype == w.dtype and x.dtype in row_dtypes() and x.device.type == "cpu"
-                and w.device.type == "cpu" and (x.dtype == torch.float32 or self.bias is None)
+        if (fewest <= rows <= most and x.dtype == w.dtype and x.dtype in row_dtypes()
+                and x.device.type == "cpu" and w.device.type == "cpu" and (x.dtype == torch.float32 or self.bias is None)
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            y = _rows_linear(x.reshape(rows, x.shape[-1]), w)
+            y = _rows_linear(x.reshape(rows, x.shape[-1]), self._packed(), w.shape[0])
             if self.bias is not None:
                 y += self.bias
             return y.reshape(*x.shape[:-1], w.shape[0])
         return F.linear(x, w, self.bias)
+
+    def _packed(self) -> torch.Tensor:
+        """The weight packed for the kernel, packed again where the weight is not the one packed."""
+        w, held = self.weight, self.__dict__.get(PACKED)
+        if held is None or held[0] != w.data_ptr() or held[1] != w._version:
+            with torch.no_grad():
+                held = (w.data_ptr(), w._version, pack_weight(w.detach().contiguous()))
+            self.__dict__[PACKED] = held
+        return held[2]
+
+
+def _switch_back(layer: torch.nn.Module) -> None:
+    """A ``RowLinear`` a plain ``nn.Linear`` again, its packed weights let go."""
+    layer.__dict__.pop(PACKED, None)
+    layer.__class__ = torch.nn.Linear
 
 
 def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
@@ -284,24 +327,25 @@ def row_kernel_during(model: torch.nn.Module):
     finally:
         for layer in model.modules():
             if type(layer) is RowLinear and id(layer) not in before:
-                layer.__class__ = torch.nn.Linear
+                _switch_back(layer)
 
 
 def without_row_kernel(model: torch.nn.Module) -> int:
     """Switch ``RowLinear`` layers back to ``nn.Linear`` (a benchmark's "before" on the same model)."""
     layers = [m for m in model.modules() if type(m) is RowLinear]
     for layer in layers:
-        layer.__class__ = torch.nn.Linear
+        _switch_back(layer)
     return len(layers)
 
 
 def linears_for(device: torch.device | str, dtype: torch.dtype) -> str:
     """What a decoding step's linear layers run on for a backbone on ``device`` in ``dtype`` once ``use_row_kernel``
-    has run: the row kernel (``row kernel (AVX512)``) or ``torch``. Its sums round differently from torch's, so a
-    cached greedy reply names the one it was made on."""
+    has run: the row kernel (``row kernel, panels (AVX512)``) or ``torch``. Its sums round differently from torch's
+    (and from those of the kernel before it, which summed each output's lanes at the end), so a cached greedy reply
+    names the one it was made on."""
     if torch.device(device).type != "cpu" or dtype not in row_dtypes():
         return "torch"
-    return f"row kernel ({cpu_isa()})"
+    return f"row kernel, panels ({cpu_isa()})"
 
 
 def linear_path(model: torch.nn.Module) -> str:

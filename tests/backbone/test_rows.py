@@ -135,6 +135,35 @@ def test_the_kernel_for_a_block_switches_back_only_what_it_switched(kernel):
     assert [m for m in linears if type(m) is RowLinear] == kept
 
 
+def test_a_switched_layer_packs_its_weights_again_whenever_they_change(kernel):
+    """The packed copy follows the weight: written in place (an optimizer step, ``load_state_dict``) or replaced by
+    another tensor, the next step packs again; a switched-back layer holds no copy."""
+    from medusa_train.backbone.rows import PACKED
+
+    g = torch.Generator().manual_seed(1)
+    layer, x = torch.nn.Linear(24, 40), torch.randn(1, 24, generator=g)
+    layer.__class__ = RowLinear
+    fewest, _ = row_range()
+    x = x.expand(max(fewest, 1), 24).contiguous()
+
+    def expected():
+        return rows_linear(x, layer.weight) + layer.bias
+
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected())
+        first = layer.__dict__[PACKED][2]
+        assert torch.equal(layer(x), expected()) and layer.__dict__[PACKED][2] is first  # kept while unchanged
+        layer.weight.mul_(2)  # in place
+        assert torch.equal(layer(x), expected()) and layer.__dict__[PACKED][2] is not first
+        layer.weight = torch.nn.Parameter(torch.randn(40, 24, generator=g))  # another tensor
+        assert torch.equal(layer(x), expected())
+        layer.load_state_dict({"weight": torch.randn(40, 24, generator=g), "bias": layer.bias.clone()})
+        assert torch.equal(layer(x), expected())
+    model = torch.nn.Sequential(layer)
+    assert without_row_kernel(model) == 1 and PACKED not in layer.__dict__ and type(layer) is torch.nn.Linear
+    assert PACKED not in model.state_dict() and all(PACKED not in k for k in model.state_dict())
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
 def test_greedy_decoding_with_the_kernel_is_plain_greedy(kernel, arch):
     """Every decoder row runs the same switched backbone: ours stays token-identical to HF ``generate``, and
