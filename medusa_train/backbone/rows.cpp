@@ -34,8 +34,12 @@ static inline vec vzero() { return _mm512_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline vec vbroadcast(float v) { return _mm512_set1_ps(v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline void vstore(float* y, vec v, int n) {  // the first n lanes
   _mm512_mask_storeu_ps(y, n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1), v);
+}
+static inline vec vload_first(const float* p, int n) {  // the first n lanes, zeros after
+  return _mm512_maskz_loadu_ps(n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1), p);
 }
 #else
 #define VW 8
@@ -46,10 +50,16 @@ static inline vec vzero() { return _mm256_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vec vbroadcast(float v) { return _mm256_set1_ps(v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline __m256i first_lanes(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 static inline void vstore(float* y, vec v, int n) {
   if (n >= 8) return _mm256_storeu_ps(y, v);
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes), v);
+  _mm256_maskstore_ps(y, first_lanes(n), v);
+}
+static inline vec vload_first(const float* p, int n) {
+  return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes(n));
 }
 #endif
 #define PANEL (NR * VW)  // outputs a panel holds
@@ -61,6 +71,7 @@ struct F32 {
   typedef float T;
   static constexpr int KS = 1;
   static inline vec input(const T* x) { return vbroadcast(*x); }
+  static inline vec bias(const T* b, int n) { return vload_first(b, n); }
   static inline vec madd(vec w, vec x, vec acc) { return vfma(w, x, acc); }
   static inline void store(T* y, vec v, int n) { vstore(y, v, n); }
 };
@@ -76,6 +87,12 @@ struct BF16 {
     return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
   }
   static inline vec madd(vec w, vec x, vec acc) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+  static inline vec bias(const T* b, int n) {  // n bf16 values widened (exactly) to float32 lanes, zeros after
+    uint16_t first[16] = {0};
+    if (n < 16) std::memcpy(first, b, 2 * n);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(n < 16 ? first : b));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
   static inline void store(T* y, vec v, int n) {  // round to nearest even (NaN kept a quiet NaN), as torch rounds
     const __m512i u = _mm512_castps_si512(v);
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
@@ -92,8 +109,8 @@ struct BF16 {
 
 // rows m0 .. m0 + R - 1 against one panel (its first output n0): R x NR accumulators, the panel read once
 template <class E, int R>
-static inline void pass(const typename E::T* X, const float* panel, typename E::T* Y, int64_t m0, int64_t n0,
-                        int64_t K, int64_t N) {
+static inline void pass(const typename E::T* X, const float* panel, const typename E::T* B, typename E::T* Y,
+                        int64_t m0, int64_t n0, int64_t K, int64_t N) {
   vec acc[R][NR];
   for (int i = 0; i < R; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = vzero();
@@ -106,27 +123,35 @@ static inline void pass(const typename E::T* X, const float* panel, typename E::
       for (int r = 0; r < NR; ++r) acc[i][r] = E::madd(w[r], xv, acc[i][r]);
     }
   }
-  for (int r = 0; r < NR; ++r) {
+  for (int r = 0; r < NR; ++r) {  // the sums, plus the bias if any (in float32), rounded once to the output type
     const int64_t left = N - n0 - r * VW;
     if (left <= 0) break;
-    for (int i = 0; i < R; ++i) E::store(Y + (m0 + i) * N + n0 + r * VW, acc[i][r], int(std::min<int64_t>(left, VW)));
+    const int n = int(std::min<int64_t>(left, VW));
+    if (B) {
+      const vec b = E::bias(B + n0 + r * VW, n);
+      for (int i = 0; i < R; ++i) acc[i][r] = vadd(acc[i][r], b);
+    }
+    for (int i = 0; i < R; ++i) E::store(Y + (m0 + i) * N + n0 + r * VW, acc[i][r], n);
   }
 }
 
 template <class E, int R>
-static inline void pass_of(const typename E::T* X, const float* panel, typename E::T* Y, int64_t m0, int64_t n0,
-                           int64_t K, int64_t N, int64_t rows) {
+static inline void pass_of(const typename E::T* X, const float* panel, const typename E::T* B, typename E::T* Y,
+                           int64_t m0, int64_t n0, int64_t K, int64_t N, int64_t rows) {
   if constexpr (R > 0) {
-    if (rows == R) return pass<E, R>(X, panel, Y, m0, n0, K, N);
-    pass_of<E, R - 1>(X, panel, Y, m0, n0, K, N, rows);
+    if (rows == R) return pass<E, R>(X, panel, B, Y, m0, n0, K, N);
+    pass_of<E, R - 1>(X, panel, B, Y, m0, n0, K, N, rows);
   }
 }
 
-// y (M, N) = x (M, K) @ w (N, K)^T, x and y row-major in E's element type, w as pack_weight packs it, y written whole.
+// y (M, N) = x (M, K) @ w (N, K)^T (+ b (N,) where bias_ptr is not 0), x, b and y in E's element type, x and y
+// row-major, w as pack_weight packs it, y written whole.
 template <class E>
-static void rows_linear_of(int64_t x_ptr, int64_t packed_ptr, int64_t y_ptr, int64_t M, int64_t K, int64_t N) {
+static void rows_linear_of(int64_t x_ptr, int64_t packed_ptr, int64_t bias_ptr, int64_t y_ptr, int64_t M, int64_t K,
+                           int64_t N) {
   typedef typename E::T T;
   const T* X = reinterpret_cast<const T*>(x_ptr);
+  const T* B = reinterpret_cast<const T*>(bias_ptr);
   const float* packed = reinterpret_cast<const float*>(packed_ptr);  // 32-bit lanes: a float or a bf16 pair
   T* Y = reinterpret_cast<T*>(y_ptr);
   const int64_t panels = (N + PANEL - 1) / PANEL, lanes = (K / E::KS) * PANEL;
@@ -134,15 +159,15 @@ static void rows_linear_of(int64_t x_ptr, int64_t packed_ptr, int64_t y_ptr, int
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t m0 = 0; m0 < M; m0 += MB)  // the later passes read the panel from the caches
-        pass_of<E, MB>(X, packed + p * lanes, Y, m0, p * PANEL, K, N, std::min<int64_t>(MB, M - m0));
+        pass_of<E, MB>(X, packed + p * lanes, B, Y, m0, p * PANEL, K, N, std::min<int64_t>(MB, M - m0));
   });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("panel") = PANEL;
-  m.def("rows_linear", &rows_linear_of<F32>, "y = x @ w.T for a few float32 rows, w packed (pack_weight)");
+  m.def("rows_linear", &rows_linear_of<F32>, "y = x @ w.T (+ b) for a few float32 rows, w packed (pack_weight)");
 #if HAS_BF16
   m.def("rows_linear_bf16", &rows_linear_of<BF16>,
-        "y = x @ w.T for a few bfloat16 rows (float32 sums, rounded to nearest even), w packed (pack_weight)");
+        "y = x @ w.T (+ b) for a few bfloat16 rows (float32 sums and bias, rounded to nearest even), w packed");
 #endif
 }

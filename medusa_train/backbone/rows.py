@@ -22,9 +22,10 @@ for this CPU on first use (AVX-512 or AVX2 with FMA; ~10 s, kept in torch's ``~/
 imported from there afterwards); without a compiler, or on another CPU, layers stay as they are and one line says
 why. ``MEDUSA_TRAIN_ROW_KERNEL=0`` turns it off (a benchmark's "before").
 
-bfloat16: where an AVX-512 CPU has AVX512-BF16 and is not Intel's (``bf16_possible``), the kernel takes bias-free
-bfloat16 layers too (one instruction sums a pair of bf16 products into each float32 lane; each output rounded
-once to bf16, to nearest even): on the AMD EPYC torch's bf16 linears read their weights at 9-14 GB/s.
+bfloat16: where an AVX-512 CPU has AVX512-BF16 and is not Intel's (``bf16_possible``), the kernel takes bfloat16
+layers too (one instruction sums a pair of bf16 products into each float32 lane; the bias added in float32; each
+output rounded once to bf16, to nearest even): on the AMD EPYC torch's bf16 linears read their weights at 9-14 GB/s.
+A draft vocabulary's rows of the LM head take the kernel as the LM head does (``step_linear``).
 """
 
 from __future__ import annotations
@@ -222,63 +223,72 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, panel, steps, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def rows_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T`` through the row kernel: x (M, K) and w (N, K) CPU tensors of one dtype it takes (float32, or
-    bfloat16 where ``row_dtypes`` has it: float32 sums rounded to bfloat16); (M, N) in that dtype. Packs ``w`` on
-    every call unless given ``packed`` (``pack_weight(w)``, made by the caller once; a switched layer keeps its
-    own: ``RowLinear``)."""
+def rows_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` through the row kernel: x (M, K), w (N, K) and bias (N,) CPU tensors of one dtype it
+    takes (float32, or bfloat16 where ``row_dtypes`` has it: float32 sums and bias rounded once to bfloat16); (M, N)
+    in that dtype. Packs ``w`` on every call unless given ``packed`` (``pack_weight(w)``, made by the caller once; a
+    switched layer keeps its own: ``RowLinear``)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"rows_linear: x (M, K) and w (N, K), not {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != w.dtype or x.dtype not in row_dtypes() or x.device.type != "cpu" or w.device.type != "cpu":
         taken = ", ".join(sorted(str(d).removeprefix("torch.") for d in row_dtypes())) or "none: not built"
         raise ValueError(f"rows_linear: CPU tensors of one dtype the kernel takes here ({taken}), not "
                          f"{x.dtype} / {w.dtype} on {x.device} / {w.device}")
-    return _rows_linear(x, pack_weight(w.contiguous()) if packed is None else packed, w.shape[0])
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != w.dtype or bias.device.type != "cpu"):
+        raise ValueError(f"rows_linear: a bias of shape ({w.shape[0]},) in {w.dtype} on the CPU, not "
+                         f"{tuple(bias.shape)} in {bias.dtype} on {bias.device}")
+    return _rows_linear(x, pack_weight(w.contiguous()) if packed is None else packed, w.shape[0], bias)
 
 
-def _rows_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``x @ w.T`` from ``w`` packed (``pack_weight``) with ``n`` outputs, once the arguments are known to fit (bf16
-    rows of an odd K get the zero input their last pair's weight is padded against)."""
+def _rows_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` from ``w`` packed (``pack_weight``) with ``n`` outputs, once the arguments are known to
+    fit (bf16 rows of an odd K get the zero input their last pair's weight is padded against); the bias is added to
+    the float32 sums before their one rounding."""
     x = x.contiguous() if x.dtype == torch.float32 or x.shape[1] % 2 == 0 else F.pad(x, (0, 1))
+    bias = None if bias is None else bias.detach().to(x.dtype).contiguous()
     y = torch.empty(x.shape[0], n, dtype=x.dtype)
     kernel = row_kernel()
     run = kernel.rows_linear if x.dtype == torch.float32 else kernel.rows_linear_bf16
-    run(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], n)
+    run(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], n)
     return y
 
 
-PACKED = "_row_kernel_packed"  #: a switched layer's attribute: (weight's data pointer, its version, packed weights)
+PACKED = "_row_kernel_packed"  #: where a holder keeps its packed weight: (the weight's data pointer, version, packed)
+
+
+def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, held: dict) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` through the row kernel where it applies to this call (no autograd, CPU tensors of
+    a dtype ``row_dtypes`` has, the rows ``row_range`` gives), else None. ``held``: the dict its packed weight is kept
+    in (a layer's own ``__dict__``, a draft vocabulary's), packed again whenever the weight is not the one packed
+    (another tensor, or the same one written in place: its version counter)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    fewest, most = row_range()
+    if not (fewest <= rows <= most and x.dtype == weight.dtype and x.dtype in row_dtypes() and x.device.type == "cpu"
+            and weight.device.type == "cpu" and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))):
+        return None
+    packed = held.get(PACKED)
+    if packed is None or packed[0] != weight.data_ptr() or packed[1] != weight._version:
+        with torch.no_grad():
+            packed = (weight.data_ptr(), weight._version, pack_weight(weight.detach().contiguous()))
+        held[PACKED] = packed
+    y = _rows_linear(x.reshape(rows, x.shape[-1]), packed[2], weight.shape[0], bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class RowLinear(torch.nn.Linear):
     """An ``nn.Linear`` that runs a decoding step's few CPU rows through the row kernel (float32; bfloat16 where
-    ``row_dtypes`` has it and the layer has no bias: the kernel rounds its sums once, with no bias to add).
+    ``row_dtypes`` has it: its sums and bias rounded once), ``step_linear``; every other call is ``F.linear``'s.
 
-    The same parameters and state dict as the layer it was; ``use_row_kernel`` switches a layer's class to it. Its
-    weights packed for the kernel are made at the first call that takes the kernel and again whenever the weight
-    changes (another tensor, or the same one written in place: its version counter)."""
+    The same parameters and state dict as the layer it was; ``use_row_kernel`` switches a layer's class to it. It
+    packs its weight at the first call that takes the kernel and keeps the packed copy in its ``__dict__`` (not a
+    parameter or buffer: never in the state dict)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        fewest, most = row_range()
-        if (fewest <= rows <= most and x.dtype == w.dtype and x.dtype in row_dtypes()
-                and x.device.type == "cpu" and w.device.type == "cpu" and (x.dtype == torch.float32 or self.bias is None)
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            y = _rows_linear(x.reshape(rows, x.shape[-1]), self._packed(), w.shape[0])
-            if self.bias is not None:
-                y += self.bias
-            return y.reshape(*x.shape[:-1], w.shape[0])
-        return F.linear(x, w, self.bias)
-
-    def _packed(self) -> torch.Tensor:
-        """The weight packed for the kernel, packed again where the weight is not the one packed."""
-        w, held = self.weight, self.__dict__.get(PACKED)
-        if held is None or held[0] != w.data_ptr() or held[1] != w._version:
-            with torch.no_grad():
-                held = (w.data_ptr(), w._version, pack_weight(w.detach().contiguous()))
-            self.__dict__[PACKED] = held
-        return held[2]
+        y = step_linear(x, self.weight, self.bias, self.__dict__)
+        return F.linear(x, self.weight, self.bias) if y is None else y
 
 
 def _switch_back(layer: torch.nn.Module) -> None:
@@ -289,7 +299,7 @@ def _switch_back(layer: torch.nn.Module) -> None:
 
 def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
     """Switch ``model``'s plain ``nn.Linear`` layers to ``RowLinear`` when it sits on a CPU in float32 (or in
-    bfloat16, bias-free layers, where ``bf16_possible``).
+    bfloat16, where ``bf16_possible``).
 
     Returns ``(layers switched, what was done)``; 0 layers where the model is elsewhere or in another dtype,
     the kernel is switched off, or it could not be built (the reason is in the message). Quantized and adapter
@@ -298,10 +308,9 @@ def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
     if not params or any(p.device.type != "cpu" for p in params):
         return 0, "row kernel: not used (the model is not on a CPU)"
     wanted = {torch.float32, torch.bfloat16} if bf16_possible() else {torch.float32}
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype in wanted
-              and (m.weight.dtype == torch.float32 or m.bias is None)]
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype in wanted]
     if not layers:
-        kinds = "float32 or bias-free bfloat16" if len(wanted) > 1 else "float32"
+        kinds = "float32 or bfloat16" if len(wanted) > 1 else "float32"
         return 0, f"row kernel: not used (no {kinds} linear layers)"
     kernel = row_kernel()
     if isinstance(kernel, str):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from medusa_train.backbone.rows import RowLinear, step_linear
+
 
 def label_counts(labels: Iterable, vocab_size: int) -> torch.Tensor:
     """How often each token is a target in ``labels`` (rows of token ids; negatives such as the ignore index are
@@ -181,5 +183,10 @@ class DraftVocab(nn.Module):
     def project(self, features: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """``lm_head`` over ``features``, restricted to the map's tokens: (..., K) logits."""
         weight, bias = self.rows(lm_head)
-        return nn.functional.linear(features.to(weight.dtype), weight, bias)
+        features = features.to(weight.dtype)
+        if type(lm_head) is RowLinear and not lm_head.weight.requires_grad:  # a frozen LM head's rows, gathered
+            logits = step_linear(features, weight, bias, self.__dict__)  # once: a step's few rows take the kernel
+            if logits is not None:
+                return logits
+        return nn.functional.linear(features, weight, bias)
 

@@ -207,16 +207,56 @@ def test_bfloat16_rows_are_the_float32_sums_rounded_once(kernel, n, k):
         assert torch.equal(rows_linear(x[start:start + rows], w), together[start:start + rows]), (start, rows)
 
 
-@bf16_only
-def test_bfloat16_layers_with_a_bias_stay_torchs(kernel):
-    layer = torch.nn.Linear(24, 40, bias=True).bfloat16()
-    free = torch.nn.Linear(24, 40, bias=False).bfloat16()
-    model = torch.nn.Sequential(layer, torch.nn.ReLU(), torch.nn.Linear(40, 24, bias=False).bfloat16(), free)
-    count, note = use_row_kernel(model)
-    assert count == 2 and type(layer) is torch.nn.Linear and type(free) is RowLinear and "bfloat16" in note
-    x = torch.randn(3, 24).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bias_is_added_to_the_float32_sums_before_their_one_rounding(kernel, dtype):
+    """float32: bitwise the bias added to the kernel's sums afterwards; bfloat16 (where the kernel takes it): the
+    float32 sum plus the bias rounded once, as torch's bf16 linear rounds, and bitwise the same beside other rows."""
+    if dtype not in row_dtypes():
+        pytest.skip("the kernel takes bfloat16 on AVX512-BF16 CPUs other than Intel's")
+    g = torch.Generator().manual_seed(2)
+    for n, k in [(40, 24), (7, 13), (1536, 576)]:
+        w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+        x = torch.randn(20, k, generator=g).to(dtype)
+        got = rows_linear(x, w, bias=b)
+        if dtype == torch.float32:
+            assert torch.equal(got, rows_linear(x, w) + b)
+        else:
+            exact = x.double() @ w.double().T + b.double()
+            torch.testing.assert_close(got.double(), exact, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
+        for start, rows in [(0, 1), (3, 4), (5, 15)]:
+            assert torch.equal(rows_linear(x[start:start + rows], w, bias=b), got[start:start + rows])
+    layer = torch.nn.Linear(24, 40, bias=True).to(dtype)
+    assert use_row_kernel(torch.nn.Sequential(layer))[0] == 1 and type(layer) is RowLinear
+    x = torch.randn(3, 24, generator=g).to(dtype)
     with torch.no_grad():
-        assert torch.equal(free(x), rows_linear(x, free.weight))
+        assert torch.equal(layer(x), rows_linear(x, layer.weight, bias=layer.bias))
+    with pytest.raises(ValueError, match="a bias of shape"):
+        rows_linear(x, layer.weight, bias=layer.bias[:5])
+
+
+def test_a_draft_vocabularys_projection_takes_the_kernel_as_its_lm_head_does(kernel):
+    """The heads' projection onto their draft vocabulary (rows of the LM head): the kernel's product where the LM head
+    is switched, packed once and kept, torch's where it is not."""
+    from medusa_train.backbone.rows import PACKED
+    from medusa_train.model.draft_vocab import DraftVocab
+
+    g = torch.Generator().manual_seed(5)
+    lm_head = torch.nn.Linear(24, 100, bias=False).requires_grad_(False)  # frozen, as every recipe's
+    vocab = DraftVocab(torch.tensor([3, 17, 42, 99, 0, 58]), 100)
+    features = torch.randn(row_range()[0] + 1, 24, generator=g)
+    with torch.no_grad():
+        plain = vocab.project(features, lm_head)
+        assert PACKED not in vocab.__dict__
+        torch.testing.assert_close(plain, features @ lm_head.weight[vocab.token_map].T)
+        lm_head.__class__ = RowLinear
+        switched = vocab.project(features, lm_head)
+        assert torch.equal(switched, rows_linear(features, lm_head.weight[vocab.token_map]))
+        packed = vocab.__dict__[PACKED][2]
+        vocab.project(features, lm_head)
+        assert vocab.__dict__[PACKED][2] is packed
+        lm_head.requires_grad_(True)  # a trainable one: gathered each call, so torch's
+        torch.testing.assert_close(vocab.project(features, lm_head), plain)
+        assert vocab.__dict__[PACKED][2] is packed
 
 
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags() or cpu_isa() != "AVX512",
