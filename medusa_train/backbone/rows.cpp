@@ -44,7 +44,7 @@ static inline vec vload_first(const float* p, int n) {  // the first n lanes, ze
 #else
 #define VW 8
 #define NR 3  // 3 x 8 outputs
-#define MB 4  // 4 x 3 accumulators + 3 weight vectors + 1 input of the 16 registers (2 x 6, 2 x 5, 4 x 2: slower)
+#define MB 4  // 4 x 3 accumulators + 3 weight vectors + 1 input of the 16 registers (6 x 2, 5 x 2, 2 x 4: slower)
 typedef __m256 vec;
 static inline vec vzero() { return _mm256_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }

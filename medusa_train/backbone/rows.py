@@ -3,7 +3,7 @@
 A decoding step on a CPU is memory-bound: a 1-token step and a verify over a few tree nodes read the same
 weights. A library GEMM does not treat them alike: at 2-16 rows it packs the weights on each call and computes
 afterwards, so a 2-token verify in float32 costs 1.8x a 1-token step on an AVX2 CPU (``docs/results.md``, "Step
-cost"). ``rows.cpp`` packs each layer's weights once (``pack_weight``: panels of 32 outputs on AVX-512, 16 on
+cost"). ``rows.cpp`` packs each layer's weights once (``pack_weight``: panels of 32 outputs on AVX-512, 24 on
 AVX2, k-major, so a vector load brings one k for every output of the panel) and streams them once a step, used
 by every row; each output is one vector lane summing its k in order, so a row's output is bitwise the same in any
 verify it is part of, and no lanes are summed across at the end (the kernel before this one read ``nn.Linear``'s
@@ -254,14 +254,14 @@ def _rows_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tens
     return y
 
 
-PACKED = "_row_kernel_packed"  #: where a holder keeps its packed weight: (the weight's data pointer, version, packed)
+PACKED = "_row_kernel_packed"  #: where a holder keeps its packed weight: (the weight, its data pointer and version, packed)
 
 
 def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, held: dict) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` through the row kernel where it applies to this call (no autograd, CPU tensors of
     a dtype ``row_dtypes`` has, the rows ``row_range`` gives), else None. ``held``: the dict its packed weight is kept
     in (a layer's own ``__dict__``, a draft vocabulary's), packed again whenever the weight is not the one packed
-    (another tensor, or the same one written in place: its version counter)."""
+    (another tensor, other data under it, or the same data written in place: its version counter)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     fewest, most = row_range()
     if not (fewest <= rows <= most and x.dtype == weight.dtype and x.dtype in row_dtypes() and x.device.type == "cpu"
@@ -270,9 +270,9 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                                   or (bias is not None and bias.requires_grad)))):
         return None
     packed = held.get(PACKED)
-    if packed is None or packed[0] != weight.data_ptr() or packed[1] != weight._version:
+    if packed is None or packed[0] is not weight or packed[1] != (weight.data_ptr(), weight._version):
         with torch.no_grad():
-            packed = (weight.data_ptr(), weight._version, pack_weight(weight.detach().contiguous()))
+            packed = (weight, (weight.data_ptr(), weight._version), pack_weight(weight.detach().contiguous()))
         held[PACKED] = packed
     y = _rows_linear(x.reshape(rows, x.shape[-1]), packed[2], weight.shape[0], bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])

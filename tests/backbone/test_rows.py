@@ -159,6 +159,8 @@ def test_a_switched_layer_packs_its_weights_again_whenever_they_change(kernel):
         assert torch.equal(layer(x), expected())
         layer.load_state_dict({"weight": torch.randn(40, 24, generator=g), "bias": layer.bias.clone()})
         assert torch.equal(layer(x), expected())
+        layer.weight.data = torch.randn(40, 24, generator=g)  # other data under the same parameter
+        assert torch.equal(layer(x), expected())
     model = torch.nn.Sequential(layer)
     assert without_row_kernel(model) == 1 and PACKED not in layer.__dict__ and type(layer) is torch.nn.Linear
     assert PACKED not in model.state_dict() and all(PACKED not in k for k in model.state_dict())
