@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 #: the fewest rows (tokens in a step) the kernel takes, by instruction set, on an Intel CPU. One row stays torch's
 #: there (MKL's GEMV streams the weights already, 9% faster than the kernel's on the AVX2 code paths); on AVX-512
-#: two rows too (MKL's 2-row path was as fast as the kernel there)
+#: two rows too (MKL's 2-row path was as fast as the kernel there). Measured against the kernel before packed panels
+#: (eighth session); the panels' kernel is 9-13% faster at 1-4 rows on AMD and not yet measured on an Intel CPU
 MIN_ROWS = {"AVX512": 4, "AVX2": 2}
 #: the most rows it takes on an Intel CPU: more go to torch's GEMM (faster from 32 rows on both instruction sets:
 #: docs/results.md, "Step cost against the machine's limit")
