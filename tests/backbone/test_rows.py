@@ -276,3 +276,28 @@ def test_a_compiler_without_the_bf16_flag_still_builds_the_float32_kernel(kernel
         monkeypatch.undo()
         rows.row_kernel.cache_clear(), rows.row_dtypes.cache_clear()
     assert torch.bfloat16 in rows.row_dtypes() or not rows.bf16_possible()
+
+
+@pytest.mark.skipif(cpu_isa() != "AVX512", reason="on an AVX2 CPU the tests above run the AVX2 build itself")
+def test_the_avx2_build_holds_the_same_on_an_avx512_cpu(kernel, monkeypatch):
+    """The AVX2 build has code of its own (24-output panels, 4 rows a pass, the next panel prefetched over a layer's
+    passes): the product and each row's bitwise invariance, built and run here, where the tests above run AVX-512's."""
+    from medusa_train.backbone import rows
+
+    avx2 = rows._build("AVX2", rows.ISA_FLAGS["AVX2"])
+    assert not isinstance(avx2, str), avx2
+    assert avx2.panel == 24
+    monkeypatch.setattr(rows, "row_kernel", lambda: avx2)
+    for n, k in [(1536, 576), (49, 64), (33, 100)]:  # several panels a thread, and tails of N and K
+        g = torch.Generator().manual_seed(n + k)
+        w, x = torch.randn(n, k, generator=g), torch.randn(64, k, generator=g)
+        exact = x.double() @ w.double().T
+        together = rows_linear(x, w)
+        torch.testing.assert_close(together.double(), exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
+        for start, rows_ in [(0, 1), (5, 1), (0, 2), (3, 4), (9, 7), (0, 8), (16, 16), (1, 63)]:
+            assert torch.equal(rows_linear(x[start:start + rows_], w), together[start:start + rows_]), (n, k, start)
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(rows_linear(x, w), together)
+        finally:
+            torch.set_num_threads(1)
