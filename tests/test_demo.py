@@ -123,7 +123,9 @@ def changed(before: dict, after: dict) -> set[str]:
     ("tree.nodes=64", {"tree", "report"}),  # the same heads, another tree
     ("eval.dtype=float32", {"tree", "report"}),  # an auto tree is sized in the evaluation's dtype...
     ("eval.max_new_tokens=256", {"tree", "report"}),  # ... at its answers' mean context
+    ("tree.guard_max_minutes=null", {"tree", "report"}),  # the guard sized to another time: maybe another tree
     ("eval.limit=8", {"report"}),
+    ("eval.max_minutes=30", {"report"}),  # the evaluation sized to another time: other prompts
 ])
 def test_a_setting_redoes_its_stage_and_the_stages_after_it_only(override, redone):
     overrides = (override,) if isinstance(override, str) else override

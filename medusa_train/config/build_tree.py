@@ -48,6 +48,9 @@ class BuildTreeConfig:
     #: with lookup_depth=auto: validation prompts decoded with the hybrid, the draft alone and the lookup chain alone
     #: (interleaved, tokens/s here) before a hybrid is kept; 0: no guard (the walk's choice stands)
     guard_prompts: int = 16
+    #: the guard sized to the machine: none of its prompts starts after this many minutes of its decoding (the first
+    #: always does; every tree decodes the same prompts; the YAML's ``guard.prompts`` says how many). null: all
+    guard_max_minutes: float | None = None
     guard_margin: float = 0.03  #: the hybrid must beat both by this share of tokens/s; within it the smaller tree wins
     lookup_max_depth: int = 8  #: with lookup_depth=auto, the longest chain considered
     lookup_ngram: list[int] = field(default_factory=lambda: [1, 3])  #: [shortest, longest] suffix lookup matches
@@ -74,6 +77,8 @@ def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
     p.need(c.cost_repeats >= 1, "cost_repeats", c.cost_repeats, "must be >= 1")
     p.need(c.num_prompts is None or c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1 or null (all)")
     p.need(c.guard_prompts >= 0, "guard_prompts", c.guard_prompts, "must be >= 0 (0: no guard)")
+    p.need(c.guard_max_minutes is None or c.guard_max_minutes > 0, "guard_max_minutes", c.guard_max_minutes,
+           "must be > 0 or null (no limit)")
     p.need(0 <= c.guard_margin < 1, "guard_margin", c.guard_margin, "must be in [0, 1)")
     p.need(c.max_new_tokens >= 4, "max_new_tokens", c.max_new_tokens, "must be >= 4")
     p.need(c.max_prompt_tokens >= 1, "max_prompt_tokens", c.max_prompt_tokens, "must be >= 1")

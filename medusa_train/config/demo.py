@@ -71,11 +71,17 @@ class TreeStage:
     #: lookup chain alone (build-tree's guard); 0: the draft alone. With a chain, the report adds the heads-only and
     #: lookup-only rows
     lookup_depth: int | str = "auto"
+    #: the guard's decoding sized to the machine (build-tree's guard_max_minutes): none of its 16 prompts starts after
+    #: this many minutes (the BF16 CPU decodes all 16 in ~1.6). null: all 16
+    guard_max_minutes: float | None = 2
 
 
 @dataclass
 class EvalStage:
     limit: int | None = 24  #: MT-Bench questions (null = all 80)
+    #: the evaluation sized to the machine (evaluate's bench.max_minutes): no question starts after this many minutes
+    #: of it, every decoder on each one started (the BF16 CPU decodes all 24 in ~5). null: all ``limit``
+    max_minutes: float | None = 6
     turns: int = 1
     max_new_tokens: int = 128
     dtype: str = "auto"  #: auto | float32 | bfloat16 (tree timing and decoding; auto as distill.dtype)

@@ -24,6 +24,10 @@ class BenchConfig:
     limit: int | None = None  #: N prompts (null = all)
     pick: str = "spread"  #: which N: spread (round-robin over categories) | first (file order)
     turns: int = 2  #: turns asked per prompt (MT-Bench has 2; turn 2 follows the plain answer to turn 1)
+    #: the evaluation sized to the machine: no prompt starts after this many minutes of it (the prompt-lookup sweep
+    #: and the warm-up counted, loading the model not); the prompts decoded are the first of those picked, every
+    #: method on each, and the report says how many (``prompts``). null: all
+    max_minutes: float | None = None
 
 
 @dataclass
@@ -106,6 +110,8 @@ def check_eval_config(c: EvalConfig) -> list[str]:
     p.need(c.drift.limit is None or c.drift.limit >= 1, "drift.limit", c.drift.limit, "must be >= 1 or null (all)")
     p.need(c.bench.limit is None or c.bench.limit >= 1, "bench.limit", c.bench.limit, "must be >= 1 or null (all)")
     p.need(c.bench.turns >= 1, "bench.turns", c.bench.turns, "must be >= 1")
+    p.need(c.bench.max_minutes is None or c.bench.max_minutes > 0, "bench.max_minutes", c.bench.max_minutes,
+           "must be > 0 or null (no limit)")
     b = c.baselines
     for key in ("prompt_lookup_num_tokens", "prompt_lookup_ngram_size"):
         value = getattr(b, key)

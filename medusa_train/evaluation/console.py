@@ -4,17 +4,17 @@ baseline), then the settings, acceptance, rates, mismatches and served rows, and
 
 from __future__ import annotations
 
-from medusa_train.evaluation.report import headline_lines
+from medusa_train.evaluation.report import headline_lines, prompts_decoded
 from medusa_train.evaluation.served_report import print_served
 
 
-def print_summary(report: dict, prompts: int, turns: int, tree: str) -> None:
-    """Print ``report``'s summary (``prompts`` decoded up to ``turns`` turns each with tree ``tree``)."""
+def print_summary(report: dict, turns: int, tree: str) -> None:
+    """Print ``report``'s summary (its prompts decoded up to ``turns`` turns each with tree ``tree``)."""
     tps = report["tokens_per_s"]
     for line in headline_lines(report):
         print(line)
     print(f"report: {report['files']['json']}")
-    print(f"prompts: {prompts} x up to {turns} turns = {report['totals']['count']} generations; "
+    print(f"prompts: {prompts_decoded(report)} x up to {turns} turns = {report['totals']['count']} generations; "
           f"tree: {tree} ({report['settings']['tree_nodes']} nodes); dtype: {report['settings']['dtype']}")
     print("per-head acceptance: " + (", ".join(f"{a:.3f}" for a in report["per_head_acceptance"])
                                      or "none (the tree is the root alone)"))

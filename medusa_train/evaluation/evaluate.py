@@ -24,6 +24,7 @@ Definitions (all totals over every prompt and turn; see ``evaluation.summary``):
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -193,7 +194,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
              tree: TokenTree | str = "default", *, turns: int = 2, limit: int | None = None,
              generation: DecodeConfig | None = None, baselines: BaselinesConfig | None = None, warmup: bool = True,
              output_dir: str | os.PathLike | None = None, progress: bool = True, settings: dict | None = None,
-             extra: dict | None = None, served=None, **generation_kwargs) -> dict:
+             extra: dict | None = None, served=None, max_minutes: float | None = None, **generation_kwargs) -> dict:
     """Run a benchmark with the heads, plain decoding and prompt lookup, and return the report.
 
     Args:
@@ -214,12 +215,16 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
             same conversations through a running engine; ``servable`` says whether the heads have a vLLM form
             (when not, only the engine's free rows are served). Its figures become the report's ``served``
             section (see ``evaluation.served_report``).
+        max_minutes: No prompt starts after this many minutes of this call (the prompt-lookup sweep and the warm-up
+            in them): the prompts decoded are the first of ``prompts``, every method on each, and the report's
+            ``prompts`` says how many of how many (``None``: all).
 
     Returns:
         The report dict (keys described in ``evaluation.summary.summarise``).
     """
     from tqdm.auto import tqdm
 
+    started = time.perf_counter()  # max_minutes counts from here: the sweep and the warm-up are in it
     load_at_start = os.getloadavg()[0]
     if isinstance(prompts, str | os.PathLike):
         prompts = load_benchmark(prompts, limit)
@@ -248,9 +253,12 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     records: list[dict] = []
     inputs: list[torch.Tensor] = []
     conversations: list[list[dict]] = []  # what each input was encoded from (for a served engine)
-    tokens = steps = 0
+    tokens = steps = decoded = 0
     bar = tqdm(prompts, desc="evaluate", unit="prompt", disable=not progress)
     for prompt in bar:
+        if decoded and max_minutes and time.perf_counter() - started >= max_minutes * 60:
+            break  # the budget spent: the prompts left are not started (the report says how many were decoded)
+        decoded += 1
         messages: list[dict] = []
         for turn, text in enumerate(prompt.turns[:turns], start=1):
             messages.append({"role": "user", "content": text})
@@ -264,6 +272,10 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
             bar.set_postfix(accepted_length=f"{tokens / max(steps, 1):.2f}")
     bar.close()
 
+    stopped = decoded < len(prompts)
+    if stopped:
+        print(f"evaluate: stopped at max_minutes={max_minutes:g} with {decoded} of {len(prompts)} prompts decoded "
+              "(every method on each)", flush=True)
     # acceptance is reported for the heads the tree reaches: a head past its depth is never tried, not 0% right
     report = summarise(records, min(model.config.depth, tree.depth), model.config.draft_name)
     if gen.temperature == 0:  # what each serving engine would accept on the same prompts
@@ -290,6 +302,8 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
                    "whole generations (prefill + decode); decode_speedup: decode time only, tokens after the first",
         "accepted_length": "tokens after each reply's first / target forwards after its prefill",
     }
+    report["prompts"] = {"decoded": decoded, "offered": len(prompts), "max_minutes": max_minutes,
+                         "stopped_at_max_minutes": stopped}
     report.update(tree_expectation(tree_spec, report["mean_accepted_length"]))
     report.update(extra or {})
     report["per_prompt"] = records

@@ -157,6 +157,17 @@ def _speedup(row: dict) -> str:
     return "n/a" if row.get("speedup") is None else f"{row['speedup']:.2f}x"
 
 
+def prompts_decoded(report: dict) -> str:
+    """``"24"``, or ``"10 of 24 (the rest not started: max_minutes=6 spent)"`` when the time budget stopped the
+    evaluation; from the records for a report written before it said."""
+    p = report.get("prompts")
+    if not p:
+        return str(len({r["id"] for r in report.get("per_prompt", [])}))
+    if not p["stopped_at_max_minutes"]:
+        return str(p["decoded"])
+    return f"{p['decoded']} of {p['offered']} (the rest not started: max_minutes={p['max_minutes']:g} spent)"
+
+
 def render_markdown(report: dict) -> str:
     """A human-readable summary: what the heads buy over the free baselines first, then the headline numbers,
     every decoder's row, per-head acceptance, per-category table, served rows, mismatches."""
@@ -168,8 +179,8 @@ def render_markdown(report: dict) -> str:
         f"{s.get('torch_threads', '?')} threads); tree `{s.get('tree', '?')}` ({s.get('tree_nodes', '?')} nodes"
         + (f", {s['lookup_depth']} of them a lookup chain matching {s['lookup_ngram'][1]}- down to "
            f"{s['lookup_ngram'][0]}-token suffixes" if s.get("lookup_depth") else "") + "); "
-        f"{report['totals']['count']} generations of up to {s.get('max_new_tokens', '?')} tokens; "
-        f"acceptance `{s.get('acceptance', '?')}`, temperature {s.get('temperature', '?')}.",
+        f"{prompts_decoded(report)} prompts, {report['totals']['count']} generations of up to "
+        f"{s.get('max_new_tokens', '?')} tokens; acceptance `{s.get('acceptance', '?')}`, temperature {s.get('temperature', '?')}.",
         "",
         "| metric | value |",
         "|---|---|",

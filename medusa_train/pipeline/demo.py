@@ -44,7 +44,7 @@ from medusa_train.config.check import ConfigError
 from medusa_train.config.compose import compose_training
 from medusa_train.config.demo import DemoConfig, build_demo_config, resolve_dtypes
 from medusa_train.config.methods import METHODS
-from medusa_train.evaluation.report import headline_lines, mismatch_summary
+from medusa_train.evaluation.report import headline_lines, mismatch_summary, prompts_decoded
 from medusa_train.training.run_folder import RunFolder
 
 ENV = dict(os.environ)
@@ -265,13 +265,13 @@ def run(cfg: DemoConfig) -> None:
 
     times["tree"] = stage("3/4 fit a tree to the heads", [
         *py, "build-tree", f"draft={export}", f"nodes={tr.nodes}", f"num_prompts={_null(tr.num_prompts)}",
-        f"lookup_depth={tr.lookup_depth}",
+        f"lookup_depth={tr.lookup_depth}", f"guard_max_minutes={_null(tr.guard_max_minutes)}",
         f"model.dtype={e.dtype}", f"answer_tokens={e.max_new_tokens}", f"output={tree}"],
         done=newer(tree, export / "model.safetensors"))
 
     times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
         *py, "evaluate", f"draft={export}", f"tree={tree}", f"bench.limit={e.limit}",
-        f"bench.turns={e.turns}", f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
+        f"bench.turns={e.turns}", f"bench.max_minutes={_null(e.max_minutes)}", f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
         f"output_dir={report}", *(["drift.original=auto"] if method.adapts_backbone else [])], done=newer(report / "report.json", tree, export / "model.safetensors"))
 
     record_times(run_dir, times)
@@ -282,7 +282,8 @@ def run(cfg: DemoConfig) -> None:
           f"metrics          {RunFolder(run_dir).metrics}")
     for line in headline_lines(result):  # what the heads buy over the best free baseline
         print(line)
-    print(f"greedy mismatches vs plain decoding: {mismatch_summary(result)}")
+    print(f"greedy mismatches vs plain decoding: {mismatch_summary(result)}; MT-Bench questions decoded: "
+          f"{prompts_decoded(result)}")
     fitted = tree_facts(tree)
     if "chosen_nodes" in fitted:
         at64 = fitted.get("sizes", {}).get("64", {}).get("expected_accept_length")

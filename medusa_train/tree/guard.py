@@ -10,6 +10,7 @@ of the two, and within ``margin`` of each other the smaller tree.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -21,21 +22,28 @@ HYBRID, DRAFT, LOOKUP = "hybrid", "draft alone", "lookup chain alone"
 
 @torch.no_grad()
 def decode_rates(model, sequences: Sequence[tuple[torch.Tensor, int]], trees: dict[str, TokenTree],
-                 max_new_tokens: int, eos: Sequence[int], progress: bool = True) -> tuple[dict[str, dict], bool]:
+                 max_new_tokens: int, eos: Sequence[int], progress: bool = True,
+                 max_minutes: float | None = None) -> tuple[dict[str, dict], bool, int]:
     """``(per tree {"tokens_per_s", "tokens_per_step", "tokens", "seconds"}, whether every tree wrote the same text
-    for every prompt)``, decoding each prompt of ``sequences`` (its first ``prompt length`` tokens) greedy, the trees
-    taking turns first."""
+    for every prompt, prompts decoded)``, decoding each prompt of ``sequences`` (its first ``prompt length`` tokens)
+    greedy, the trees taking turns first; no prompt starts after ``max_minutes`` of this call (the first always
+    does), so every tree decodes the same prompts."""
     from tqdm.auto import tqdm
 
     from medusa_train.decoding.generate import tree_generate
 
+    started = time.perf_counter()
     names = list(trees)
     totals = {n: {"tokens": 0, "forwards": 0, "replies": 0, "seconds": 0.0} for n in names}
-    same = True
+    same, decoded = True, 0
     first_ids = sequences[0][0][:, :sequences[0][1]]
     for n in names:  # one short warm-up each: the first call of a shape pays for allocations
         tree_generate(model, first_ids, trees[n], 8, eos_token_id=list(eos))
-    for i, (ids, prompt_len) in enumerate(tqdm(sequences, desc="guard: decoding", unit="prompt", disable=not progress)):
+    bar = tqdm(sequences, desc="guard: decoding", unit="prompt", disable=not progress)
+    for i, (ids, prompt_len) in enumerate(bar):
+        if decoded and max_minutes and time.perf_counter() - started >= max_minutes * 60:
+            break  # the budget spent: the prompts left are not started
+        decoded += 1
         texts = set()
         for n in names[i % len(names):] + names[:i % len(names)]:
             out = tree_generate(model, ids[:, :prompt_len], trees[n], max_new_tokens, eos_token_id=list(eos))
@@ -46,10 +54,11 @@ def decode_rates(model, sequences: Sequence[tuple[torch.Tensor, int]], trees: di
             t["seconds"] += out.timings["prefill_s"] + out.timings["decode_s"]
             texts.add(tuple(out.sequences[0, prompt_len:].tolist()))
         same = same and len(texts) == 1
+    bar.close()
     rates = {n: {"tokens_per_s": t["tokens"] / max(t["seconds"], 1e-9),
                  "tokens_per_step": (t["tokens"] - t["replies"]) / max(t["forwards"], 1),
                  "tokens": t["tokens"], "seconds": round(t["seconds"], 3)} for n, t in totals.items()}
-    return rates, same
+    return rates, same, decoded
 
 
 def choose(rates: dict[str, float], nodes: dict[str, int], margin: float) -> tuple[str, str]:

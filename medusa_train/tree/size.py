@@ -153,10 +153,16 @@ def run_guard(cfg: BuildTreeConfig, model, sequences, accuracies, heads_nodes: i
     shapes = {HYBRID: (heads_nodes, depth), DRAFT: (nodes, 0), LOOKUP: (1, depth)}
     trees = {name: TokenTree(fitted[:h - 1], lookup_depth=d, lookup_ngram=cfg.lookup_ngram)
              for name, (h, d) in shapes.items()}
-    prompts = sequences[:cfg.guard_prompts]
-    print(f"guard: decoding {len(prompts)} calibration prompts with the hybrid ({heads_nodes} heads' nodes + "
+    offered = sequences[:cfg.guard_prompts]
+    budget = f" (none started after guard_max_minutes={cfg.guard_max_minutes:g})" if cfg.guard_max_minutes else ""
+    print(f"guard: decoding {len(offered)} calibration prompts{budget} with the hybrid ({heads_nodes} heads' nodes + "
           f"{depth} lookup), the draft alone ({nodes} nodes) and the lookup chain alone (1 + {depth}), interleaved", flush=True)
-    rates, same_text = decode_rates(model, prompts, trees, cfg.max_new_tokens, eos_token_ids(model.backbone))
+    rates, same_text, decoded = decode_rates(model, offered, trees, cfg.max_new_tokens, eos_token_ids(model.backbone),
+                                             max_minutes=cfg.guard_max_minutes)
+    prompts = offered[:decoded]
+    if decoded < len(offered):
+        print(f"guard: stopped at guard_max_minutes={cfg.guard_max_minutes:g} with {decoded} of {len(offered)} prompts "
+              "decoded (each by all three)", flush=True)
     kept, why = choose({n: r["tokens_per_s"] for n, r in rates.items()}, {n: trees[n].num_nodes for n in trees},
                        cfg.guard_margin)
     for name, r in rates.items():
@@ -166,7 +172,8 @@ def run_guard(cfg: BuildTreeConfig, model, sequences, accuracies, heads_nodes: i
         print("guard: warning: the three trees did not write the same text on every prompt (greedy ties in "
               f"{model.backbone.dtype} rounding)")
     h, d = shapes[kept]
-    return {"kept": kept, "why": why, "prompts": len(prompts), "margin": cfg.guard_margin,
+    return {"kept": kept, "why": why, "prompts": len(prompts), "offered": len(offered),
+            "max_minutes": cfg.guard_max_minutes, "margin": cfg.guard_margin,
             "measured": {n: {"tokens_per_s": round(r["tokens_per_s"], 2), "tokens_per_step": round(r["tokens_per_step"], 4),
                              "expected_tokens_per_step": round(split.expected(*shapes[n], len(prompts)), 4), "nodes": trees[n].num_nodes}
                          for n, r in rates.items()},

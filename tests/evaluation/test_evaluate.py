@@ -387,3 +387,19 @@ def test_heads_is_drafts_other_name_on_every_command_that_reads_a_draft(command,
     assert take_draft_alias(c) == ["heads=/b/export and draft=/a/export: heads= is draft='s other name; give one"]
     if command == "evaluate":  # and the output folder is named after it either way
         assert compose_config(command, ["heads=/x/run/export"]).output_dir == os.path.join("outputs", "eval", "run")
+
+
+def test_an_evaluation_sized_to_its_time_decodes_its_first_prompts_with_every_method_and_says_so(loaded):
+    """``max_minutes`` stops starting prompts (the first always runs, all its turns, every method on it): the report
+    holds the first prompts only and says how many of how many; without a budget every prompt runs."""
+    model, tokenizer = loaded
+    sized = evaluate(model, tokenizer, PROMPTS, TREE, max_new_tokens=8, progress=False, max_minutes=1e-9)
+    assert [(r["id"], r["turn"]) for r in sized["per_prompt"]] == [("a", 1), ("a", 2)]
+    assert sized["prompts"] == {"decoded": 1, "offered": 3, "max_minutes": 1e-9, "stopped_at_max_minutes": True}
+    assert all(r["prompt_lookup_s"] is not None and r["match"] for r in sized["per_prompt"])
+    assert "1 of 3 (the rest not started: max_minutes=1e-09 spent) prompts" in render_markdown(sized)
+    whole = evaluate(model, tokenizer, PROMPTS, TREE, max_new_tokens=8, progress=False)
+    assert whole["prompts"]["decoded"] == 3 and not whole["prompts"]["stopped_at_max_minutes"]
+    assert whole["per_prompt"][:2] == [{**r, "draft_s": w["draft_s"], "plain_s": w["plain_s"],
+                                        "prompt_lookup_s": w["prompt_lookup_s"]}
+                                       for r, w in zip(sized["per_prompt"], whole["per_prompt"][:2])]

@@ -64,3 +64,24 @@ def test_where_extra_nodes_are_dear_the_size_chosen_is_the_root_never_a_tree_tha
     assert best == 1 and extra["chosen_lookup_nodes"] == 0
     assert extra["expected_speedup"] <= 1.0 + 1e-9
     assert all(row["expected_speedup"] <= extra["expected_speedup"] + 1e-9 for row in extra["sizes"].values())
+
+
+def test_the_guard_sized_to_its_time_decodes_the_same_first_prompts_with_every_tree():
+    """``max_minutes`` stops the guard starting prompts, never one tree's: what was decoded by each is the same
+    prompts, and equals decoding those prompts without a budget (the first is always decoded)."""
+    from helpers.backbones import make_tiny_backbone
+
+    from medusa_train import MedusaModel
+    from medusa_train.decoding.tree import TokenTree
+    from medusa_train.tree.guard import decode_rates
+
+    model = MedusaModel.from_backbone(make_tiny_backbone(), num_heads=2).eval()
+    sequences = looping_texts(3, 20)
+    trees = {HYBRID: TokenTree([[0], [0, 0]], lookup_depth=2), DRAFT: TokenTree([[0], [1], [0, 0]]),
+             LOOKUP: TokenTree([], lookup_depth=2)}
+    rates, same, decoded = decode_rates(model, sequences, trees, 8, [], progress=False, max_minutes=1e-9)
+    alone, _, whole = decode_rates(model, sequences[:1], trees, 8, [], progress=False)
+    assert decoded == 1 and whole == 1 and same
+    assert {n: (r["tokens"], r["tokens_per_step"]) for n, r in rates.items()} == \
+        {n: (r["tokens"], r["tokens_per_step"]) for n, r in alone.items()}
+    assert decode_rates(model, sequences, trees, 8, [], progress=False)[2] == 3  # no budget: every prompt
