@@ -35,6 +35,7 @@ import torch
 from medusa_train.backbone.attention import attention_for
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
 from medusa_train.backbone.rows import linear_path
+from medusa_train.config.budget import budget_spent
 from medusa_train.config.evaluate import BaselinesConfig, DecodeConfig
 from medusa_train.config.paths import TREE_DIR
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, BenchPrompt, load_benchmark
@@ -256,7 +257,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     tokens = steps = decoded = 0
     bar = tqdm(prompts, desc="evaluate", unit="prompt", disable=not progress)
     for prompt in bar:
-        if decoded and max_minutes and time.perf_counter() - started >= max_minutes * 60:
+        if decoded and budget_spent(started, max_minutes):
             break  # the budget spent: the prompts left are not started (the report says how many were decoded)
         decoded += 1
         messages: list[dict] = []

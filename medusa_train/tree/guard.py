@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from medusa_train.config.budget import budget_spent
 from medusa_train.decoding.tree import TokenTree
 
 HYBRID, DRAFT, LOOKUP = "hybrid", "draft alone", "lookup chain alone"
@@ -41,7 +42,7 @@ def decode_rates(model, sequences: Sequence[tuple[torch.Tensor, int]], trees: di
         tree_generate(model, first_ids, trees[n], 8, eos_token_id=list(eos))
     bar = tqdm(sequences, desc="guard: decoding", unit="prompt", disable=not progress)
     for i, (ids, prompt_len) in enumerate(bar):
-        if decoded and max_minutes and time.perf_counter() - started >= max_minutes * 60:
+        if decoded and budget_spent(started, max_minutes):
             break  # the budget spent: the prompts left are not started
         decoded += 1
         texts = set()

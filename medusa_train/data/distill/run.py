@@ -17,6 +17,7 @@ import torch
 
 from medusa_train.backbone.chat_template import resolve_chat_template
 from medusa_train.backbone.generation import eos_token_ids
+from medusa_train.config.budget import budget_spent
 from medusa_train.config.check import ConfigError
 from medusa_train.config.distill import DistillConfig, build_distill_config, record_settings
 from medusa_train.data.benchmarks import benchmark_prompt_texts
@@ -150,7 +151,7 @@ def distill(config: DistillConfig | dict, model=None, tokenizer=None) -> Distill
         todo = [p for p in selection.prompts if p.id not in done]
 
         def out_of_time() -> bool:  # max_minutes of this command spent, a server's start-up or the model's load in it
-            return bool(cfg.max_minutes) and time.perf_counter() - called >= cfg.max_minutes * 60
+            return budget_spent(called, cfg.max_minutes)
 
         if cfg.engine:
             from medusa_train.data.distill.served import distill_served, engine_clients
