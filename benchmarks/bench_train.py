@@ -15,13 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from medusa_train.cli.train import recipe_class
+from medusa_train.config.methods import METHODS
 from medusa_train.config.train import build_config
 
 
 def _run(overrides: dict, output_dir: Path) -> tuple[float, list[float]]:
     cfg = build_config(overrides | {"trainer": overrides["trainer"] | {"output_dir": str(output_dir)}})
-    recipe = recipe_class(cfg.method)(cfg)
+    recipe = METHODS[cfg.method].recipe_class()(cfg)
     started = time.perf_counter()
     recipe.setup()
     setup_s = time.perf_counter() - started

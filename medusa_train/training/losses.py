@@ -7,9 +7,9 @@ targets; the total is ``sum_k w_k * L_k`` with ``w = head_weights(num_heads, hea
 With a ``Teacher`` (``loss.targets=teacher``) head ``k`` at ``t`` learns the backbone's whole
 next-token distribution at ``t + k + 1`` (soft labels) instead of the one token the text holds.
 
-``depthwise_loss_backward`` is what training calls: it runs forward *and* backward one head (and
-optionally one sequence chunk) at a time, so peak memory is about one head's logits instead of
-all of them. ``depthwise_loss_naive`` is the all-heads-at-once reference used by tests and the
+``depthwise_loss_backward`` is what training calls: it runs forward *and* backward one sequence
+chunk (optional) and one head at a time, so peak memory is about one head's logits instead of
+all of them; a teacher's distributions over a chunk are computed once for every head. ``depthwise_loss_naive`` is the all-heads-at-once reference used by tests and the
 benchmark.
 """
 
@@ -137,18 +137,22 @@ def depthwise_loss_backward(
     stats = torch.zeros(num_heads, 3, device=hidden.device)  # summed CE, top-1 hits, top-k hits
 
     with torch.set_grad_enabled(train):
-        for k in range(num_heads):
-            for c, start in enumerate(range(0, seq, step)):
+        for c, start in enumerate(range(0, seq, step)):
+            if not any(chunk_counts[k][c] for k in range(num_heads)):
+                continue
+            masks = valid[:, :, start:start + step]
+            window = None if teacher is None else teacher.window(start, masks)  # every head's, computed once
+            for k in range(num_heads):
                 if chunk_counts[k][c] == 0:
                     continue
-                mask = valid[k, :, start:start + step]
-                soft = None if teacher is None else teacher.probs(k, start, start + step, mask)
-                chunk_targets = tokens[k, :, start:start + step][mask] if soft is None else soft.argmax(-1)
+                mask = masks[k]
+                rows = None if window is None else window.rows(k, mask)
+                chunk_targets = tokens[k, :, start:start + step][mask] if window is None else window.top[rows]
                 logits = head_logits_fn(leaf[:, start:start + step][mask].unsqueeze(0), k)
                 logits = logits.reshape(-1, logits.shape[-1])  # (n, vocab)
                 with torch.no_grad():
                     stats[k, 1:] += torch.stack(_topk_hits(logits, chunk_targets))
-                ce_sum = _SumCrossEntropy.apply(logits, chunk_targets if soft is None else soft)
+                ce_sum = _SumCrossEntropy.apply(logits, *((chunk_targets,) if window is None else (window.probs, rows)))
                 del logits  # from here on only the autograd graph holds them, until backward frees it
                 stats[k, 0] += ce_sum.detach()
                 if train:
@@ -202,41 +206,42 @@ def depthwise_loss_naive(
 class _SumCrossEntropy(torch.autograd.Function):
     """Summed float32 cross-entropy of (n, vocab) logits whose gradient is written over the logits.
 
-    Targets are either (n,) token ids or (n, vocab) probabilities (soft labels). ``F.cross_entropy``
-    keeps a float32 log-softmax for backward and its backward allocates two more logits-sized
-    tensors. This keeps only the logits (and the soft targets) and, in backward, overwrites the
-    logits block by block with ``(softmax - target) * grad``, so a head costs about one logits
-    tensor. Every target must be valid (the caller drops ignored positions).
+    Targets are either (n,) token ids or soft labels: (m, vocab) probabilities with ``rows`` (n,), the row of
+    each logits row's target (rows a teacher's window shares between heads, read in place). ``F.cross_entropy``
+    keeps a float32 log-softmax for backward and its backward allocates two more logits-sized tensors. This keeps
+    only the logits (and the soft targets) and, in backward, overwrites the logits block by block with
+    ``(softmax - target) * grad``, so a head costs about one logits tensor (soft targets: plus one block of the rows
+    it gathers, at most ``_BLOCK_ELEMENTS`` floats). Every target must be valid (the caller drops ignored positions).
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        rows = _block_rows(logits)
-        lse = torch.cat([torch.logsumexp(block.float(), dim=-1) for block in logits.split(rows)])
-        if targets.dim() == 1:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        block_rows = _block_rows(logits)
+        lse = torch.cat([torch.logsumexp(block.float(), dim=-1) for block in logits.split(block_rows)])
+        if rows is None:
             target_logits = logits.gather(1, targets[:, None]).squeeze(1).float()
         else:
-            target_logits = torch.cat([(block.float() * probs).sum(-1)
-                                       for block, probs in zip(logits.split(rows), targets.split(rows))])
-        ctx.save_for_backward(logits, targets, lse)
+            target_logits = torch.cat([(block.float() * targets.index_select(0, index)).sum(-1)
+                                       for block, index in zip(logits.split(block_rows), rows.split(block_rows))])
+        ctx.save_for_backward(logits, targets, lse, rows)
         return (lse - target_logits).sum()
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        logits, targets, lse = ctx.saved_tensors
-        rows = _block_rows(logits)
-        for start in range(0, logits.shape[0], rows):
-            block = logits[start:start + rows]
+        logits, targets, lse, rows = ctx.saved_tensors
+        block_rows = _block_rows(logits)
+        for start in range(0, logits.shape[0], block_rows):
+            block = logits[start:start + block_rows]
             grad = block.float()  # the block itself (in place) when the logits are float32
-            grad.sub_(lse[start:start + rows, None]).exp_()  # softmax
-            if targets.dim() == 1:
-                grad[torch.arange(grad.shape[0], device=grad.device), targets[start:start + rows]] -= 1.0
+            grad.sub_(lse[start:start + block_rows, None]).exp_()  # softmax
+            if rows is None:
+                grad[torch.arange(grad.shape[0], device=grad.device), targets[start:start + block_rows]] -= 1.0
             else:
-                grad.sub_(targets[start:start + rows])
+                grad.sub_(targets.index_select(0, rows[start:start + block_rows]))
             grad.mul_(grad_loss)
             if grad is not block:
                 block.copy_(grad)
-        return logits, None
+        return logits, None, None
 
 
 def _check_shapes(hidden: torch.Tensor, targets: HeadTargets) -> None:

@@ -37,6 +37,10 @@ class Teacher:
     that do not read their path meet it only where the text is the backbone's own greedy
     continuation (self-distilled data).
 
+    Every head reads the same distributions, shifted by one position per head, so ``window``
+    computes each position's once for all heads (not once per head: the projection to the
+    vocabulary is the teacher's whole cost).
+
     Attributes:
         logits_fn: ``hidden -> logits`` of the backbone, e.g. ``model.base_logits``.
         hidden: (batch, seq, hidden) the backbone's final hidden states (never differentiated).
@@ -46,12 +50,42 @@ class Teacher:
     hidden: torch.Tensor
 
     @torch.no_grad()
-    def probs(self, k: int, start: int, stop: int, mask: torch.Tensor) -> torch.Tensor:
-        """(n, vocab) float32 targets of head ``k`` at the positions ``start:stop`` selected by ``mask``
-        (batch, stop - start). Every selected position has a target (``t + k + 2 < seq``, as the
-        token targets guarantee), so the columns past the last row are never selected."""
-        rows = self.hidden.detach()[:, start + k + 1:stop + k + 1]
-        return torch.softmax(self.logits_fn(rows[mask[:, :rows.shape[1]]]).float(), dim=-1)
+    def window(self, start: int, valid: torch.Tensor) -> TeacherWindow:
+        """The distributions the heads' targets at positions ``start:start + valid.shape[-1]`` need, each
+        position's computed once: ``valid`` (num_heads, batch, width) says where head ``k`` learns. Every
+        selected position has a target (``t + k + 2 < seq``, as the token targets guarantee)."""
+        num_heads, _, width = valid.shape
+        seq = self.hidden.shape[1]
+        # column j of the window is position start + 1 + j; head k at chunk column c reads column c + k
+        columns = max(0, min(width + num_heads - 1, seq - start - 1))
+        needed = torch.zeros(valid.shape[1], columns, dtype=torch.bool, device=valid.device)
+        for k in range(num_heads):
+            span = max(0, min(width, columns - k))
+            needed[:, k:k + span] |= valid[k, :, :span]
+        rows = self.hidden.detach()[:, start + 1:start + 1 + columns][needed]
+        probs = torch.softmax(self.logits_fn(rows).float(), dim=-1)
+        index = torch.cumsum(needed.flatten(), 0).reshape(needed.shape) - 1
+        return TeacherWindow(probs, probs.argmax(-1), index)
+
+
+@dataclass
+class TeacherWindow:
+    """The teacher's distributions over one window of positions (``Teacher.window``), shared by every head.
+
+    Attributes:
+        probs: (n, vocab) float32, one row per position some head needs.
+        top: (n,) each row's top token.
+        index: (batch, columns) the row of ``probs`` at each column of the window (meaningless where none is).
+    """
+
+    probs: torch.Tensor
+    top: torch.Tensor
+    index: torch.Tensor
+
+    def rows(self, k: int, mask: torch.Tensor) -> torch.Tensor:
+        """Head ``k``'s rows of ``probs``, in the order of the positions its ``mask`` (batch, width) selects."""
+        span = min(mask.shape[1], self.index.shape[1] - k)
+        return self.index[:, k:k + span][mask[:, :span]]
 
 
 @dataclass

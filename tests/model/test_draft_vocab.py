@@ -160,11 +160,13 @@ def test_targets_are_indices_in_the_draft_vocabulary(tiny_llama, kind):
     assert got.tokens.tolist() == expected
     assert (got.tokens != IGNORE_INDEX).any()
     if kind == "teacher":
-        mask = got.tokens[1] != IGNORE_INDEX
-        full_probs = Teacher(full.base_logits, hidden).probs(1, 0, 16, mask)
+        valid = got.tokens != IGNORE_INDEX
+        full_window = Teacher(full.base_logits, hidden).window(0, valid)
+        full_probs = full_window.probs[full_window.rows(1, valid[1])]
         restricted = full_probs[:, TOKEN_MAP] / full_probs[:, TOKEN_MAP].sum(-1, keepdim=True)
-        torch.testing.assert_close(got.teacher.probs(1, 0, 16, mask), restricted, rtol=1e-5, atol=1e-6)
-        assert got.teacher.probs(1, 0, 16, mask).shape[-1] == len(TOKEN_MAP)
+        window = got.teacher.window(0, valid)
+        torch.testing.assert_close(window.probs[window.rows(1, valid[1])], restricted, rtol=1e-5, atol=1e-6)
+        assert window.probs.shape[-1] == len(TOKEN_MAP)
 
 
 # ------------------------------------------------------------------------------------ layouts

@@ -104,3 +104,30 @@ def test_config_accepts_teacher_for_both_recipes():
     assert joint.loss.targets == "teacher"
     with pytest.raises(ConfigError, match="text, greedy or teacher"):
         build_config({"loss": {"targets": "soft"}})
+
+
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_teacher_projects_each_position_once_for_every_head(chunk_size):
+    """The heads read the same distributions one position apart: each position a head needs is projected
+    once per chunk (plus the few a chunk's window shares with the next), not once per head."""
+    model = make_model()
+    input_ids, attention_mask, labels = make_batch()
+    with torch.no_grad():
+        hidden = model(input_ids, attention_mask).hidden_states
+    projected = []
+
+    def counting(rows):
+        projected.append(rows.shape[0])
+        return model.base_logits(rows)
+
+    targets = teacher_targets(labels, NUM_HEADS, Teacher(counting, hidden))
+    result = depthwise_loss_backward(model.head_logits, hidden, targets, chunk_size=chunk_size, backward=None)
+    seq, step = labels.shape[1], chunk_size or labels.shape[1]
+    want = []
+    for start in range(0, seq, step):  # positions t + k + 1 of each chunk's targets, as a set
+        needed = {(b, t + k + 1) for k in range(NUM_HEADS) for b in range(labels.shape[0])
+                  for t in range(start, min(start + step, seq)) if t + k + 2 < seq and labels[b, t + k + 2] != IGNORE_INDEX}
+        if needed:
+            want.append(len(needed))
+    assert projected == want
+    assert sum(projected) < sum(head.count for head in result.per_head)  # once per head would project them all
