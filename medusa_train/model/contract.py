@@ -109,20 +109,23 @@ class DraftModel(Protocol):
 class CapturedStates:
     """What a capture stores per token for a family's draft (``medusa-train capture``, ``data.cache_hidden_states``)."""
 
-    #: ``backbone -> fn(input_ids, attention_mask) -> (batch, seq, width)``: the states stored per token
+    #: ``backbone -> fn(input_ids, attention_mask, past_key_values=None) -> (batch, seq, width)``: the states stored
+    #: per token (after the cached positions when a cache is given, which the call fills: ``capture/store.py``)
     states: Callable[[Any], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
     keep_tokens: bool = False  #: whether the token ids are stored beside them
     #: what tells this capture apart in the capture's settings key (empty: the final hidden states alone)
     key: dict = field(default_factory=dict)
 
 
-def final_hidden_states(backbone) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``fn(input_ids, attention_mask) -> (batch, seq, H)``: the backbone's final hidden states (after its norm)."""
+def final_hidden_states(backbone) -> Callable[..., torch.Tensor]:
+    """``fn(input_ids, attention_mask, past_key_values=None) -> (batch, seq, H)``: the backbone's final hidden states
+    (after its norm), of the positions after those a given cache holds (the call fills it)."""
     decoder = backbone.get_decoder()
     first = backbone.get_input_embeddings().weight.device  # device_map=auto: where the inputs go
 
-    def hidden_fn(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return decoder(input_ids=input_ids.to(first), attention_mask=attention_mask.to(first)).last_hidden_state
+    def hidden_fn(input_ids: torch.Tensor, attention_mask: torch.Tensor, past_key_values=None) -> torch.Tensor:
+        return decoder(input_ids=input_ids.to(first), attention_mask=attention_mask.to(first),
+                       past_key_values=past_key_values, use_cache=past_key_values is not None).last_hidden_state
 
     return hidden_fn
 

@@ -111,20 +111,21 @@ def examples_digest(train: list[dict], evals: list[dict]) -> str:
 def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict], evals: list[dict],
                states_fn=None) -> TrainData:
     """Length-grouped batches of the tokenised examples (``load_examples``); with ``data.cache_hidden_states``
-    of the frozen backbone's states instead (``states_fn(input_ids, attention_mask)``: what to capture; by default
-    ``model``'s final hidden states)."""
+    of the frozen backbone's states instead (``states_fn(input_ids, attention_mask, past_key_values=None)``: what to
+    capture; by default what the method's family captures of ``model.backbone``)."""
     from medusa_train.data import LengthGroupedBatchSampler, PaddingCollator, example_lengths
 
     d = cfg.data
     collator = PaddingCollator(tokenizer.pad_token_id)
     digest = examples_digest(train, evals)  # of the examples themselves, before any states are captured
     if d.cache_hidden_states:
-        states_fn = states_fn or (lambda ids, mask: model(ids, attention_mask=mask).hidden_states)
         from medusa_train.data.capture.run import capture_hidden_states
         from medusa_train.model.family import captured_for
 
-        train, evals, collator = capture_hidden_states(capture_view(cfg), captured_for(cfg), tokenizer, states_fn,
-                                                       accelerator, train, evals)
+        captured = captured_for(cfg)
+        train, evals, collator = capture_hidden_states(capture_view(cfg), captured, tokenizer,
+                                                       states_fn or captured.states(model.backbone), accelerator,
+                                                       train, evals)
     train_sampler = LengthGroupedBatchSampler(example_lengths(train), d.batch_size, seed=d.seed, shuffle=True)
     eval_sampler = LengthGroupedBatchSampler(example_lengths(evals), d.eval_batch_size or d.batch_size,
                                              seed=d.seed, shuffle=False)

@@ -15,6 +15,8 @@ from medusa_train.data.capture import (
     read_index,
     write_index,
 )
+from medusa_train.data.capture.store import MIN_SHARED_PREFIX, shared_prefix
+from medusa_train.model.contract import final_hidden_states
 from medusa_train.training.losses import depthwise_loss_backward
 from medusa_train.training.targets import (
     text_targets,
@@ -36,7 +38,7 @@ def setup(tmp_path_factory):
 
 
 def hidden_fn(model):
-    return lambda ids, mask: model(ids, attention_mask=mask).hidden_states
+    return final_hidden_states(model.backbone)
 
 
 SHARD_BYTES = 400 * (64 * 4 + 8)  # 400 tokens of the tiny backbone's float32 states (hidden 64) and labels
@@ -67,6 +69,32 @@ def test_captured_states_are_the_backbones_own_and_read_lazily(setup):
         with torch.no_grad():
             alone = model(torch.tensor([example["input_ids"]])).hidden_states[0]
         torch.testing.assert_close(batch["hidden"][0], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_examples_sharing_their_start_run_it_once_and_get_their_own_states(setup):
+    """A batch's shared start (a system prompt) runs once, its cache read by every example's rest: each example's
+    stored states are still its own forward's; a start shared by fewer than MIN_SHARED_PREFIX tokens, or none, runs
+    whole."""
+    root, model, *_ = setup
+    g = torch.Generator().manual_seed(1)
+    start = torch.randint(5, 200, (20,), generator=g).tolist()
+    examples = []
+    for n in (3, 9, 17, 30, 30, 41, 52):  # 20 shared tokens, then their own
+        ids = start + torch.randint(5, 200, (n,), generator=g).tolist()
+        examples.append({"input_ids": ids, "labels": ids})
+    short = start[:MIN_SHARED_PREFIX - 1] + [201, 202, 203]  # the shortest: shares 7 tokens with the others
+    examples.append({"input_ids": short, "labels": short})
+    done = capture_split(hidden_fn(model), examples, root / "shared", "k1", batch_size=5, shard_bytes=SHARD_BYTES * 10)
+    # length-sorted batches: [short, 23, 29, 37, 50] share 7 < MIN_SHARED_PREFIX tokens (run whole); [50, 61, 72] 20
+    assert done["shared_tokens"] == 20 * 2
+    write_index(root / "shared", examples, "k1", {"test": True}, done["shard_tokens"])
+    for example, entry in zip(examples, load_captured(root / "shared", "k1")):
+        with torch.no_grad():
+            alone = model(torch.tensor([example["input_ids"]])).hidden_states[0]
+        torch.testing.assert_close(HiddenCollator()([entry])["hidden"][0], alone, rtol=1e-5, atol=1e-5)
+    batch = torch.tensor([start + [1, 2], start[:10] + [3] + start[11:] + [4, 5]])
+    assert shared_prefix(batch, [22, 23]) == 10 and shared_prefix(batch[:1], [22]) == 0
+    assert shared_prefix(batch, [MIN_SHARED_PREFIX, 23]) == 0  # each row keeps one token of its own: 7 < 8
 
 
 def test_each_process_writes_its_share_and_together_they_equal_one_process(setup):

@@ -70,7 +70,8 @@ def capture_hidden_states(cfg: CaptureConfig, captured, tokenizer, hidden_fn, ac
                 store.write_index(folder, examples, key, {**settings, "split": split}, done["shard_tokens"])
             accelerator.wait_for_everyone()
             say(accelerator, f"captured {split} hidden states: {done['shards']} shard(s) written, {done['kept']} kept "
-                             f"(process 0), in {folder}")
+                             f"(process 0), {done['tokens']:,} tokens, of them {done['shared_tokens']:,} run once for "
+                             f"a batch (the start its examples share), in {folder}")
         loaded.append(store.load_captured(folder, key))
         say(accelerator, f"hidden states of {len(examples)} {split} examples read from {folder}")
     return loaded[0], loaded[1], store.HiddenCollator()
