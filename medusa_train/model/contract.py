@@ -109,23 +109,39 @@ class DraftModel(Protocol):
 class CapturedStates:
     """What a capture stores per token for a family's draft (``medusa-train capture``, ``data.cache_hidden_states``)."""
 
-    #: ``backbone -> fn(input_ids, attention_mask, past_key_values=None) -> (batch, seq, width)``: the states stored
-    #: per token (after the cached positions when a cache is given, which the call fills: ``capture/store.py``)
+    #: ``backbone -> fn(input_ids, attention_mask, start=None) -> (batch, seq, width)``: the states stored per token
+    #: (with a ``SharedStart``: of the positions after those it holds, which the call adds: ``capture/store.py``)
     states: Callable[[Any], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
     keep_tokens: bool = False  #: whether the token ids are stored beside them
     #: what tells this capture apart in the capture's settings key (empty: the final hidden states alone)
     key: dict = field(default_factory=dict)
 
 
+@dataclass
+class SharedStart:
+    """What a states function has run of a batch's shared start: the backbone's KV cache, of the type the backbone
+    makes for itself (sliding windows, hybrid layers), None until a first call fills it."""
+
+    past_key_values: Any = None
+
+    def run(self, decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, **options):
+        """``decoder``'s output for ``input_ids`` after the positions held, which it then holds too."""
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=self.past_key_values,
+                      use_cache=True, **options)
+        self.past_key_values = out.past_key_values
+        return out
+
+
 def final_hidden_states(backbone) -> Callable[..., torch.Tensor]:
-    """``fn(input_ids, attention_mask, past_key_values=None) -> (batch, seq, H)``: the backbone's final hidden states
-    (after its norm), of the positions after those a given cache holds (the call fills it)."""
+    """``fn(input_ids, attention_mask, start=None) -> (batch, seq, H)``: the backbone's final hidden states (after its
+    norm), of the positions after those a ``SharedStart`` holds (the call adds them)."""
     decoder = backbone.get_decoder()
     first = backbone.get_input_embeddings().weight.device  # device_map=auto: where the inputs go
 
-    def hidden_fn(input_ids: torch.Tensor, attention_mask: torch.Tensor, past_key_values=None) -> torch.Tensor:
-        return decoder(input_ids=input_ids.to(first), attention_mask=attention_mask.to(first),
-                       past_key_values=past_key_values, use_cache=past_key_values is not None).last_hidden_state
+    def hidden_fn(input_ids: torch.Tensor, attention_mask: torch.Tensor, start: SharedStart | None = None):
+        ids, mask = input_ids.to(first), attention_mask.to(first)
+        out = decoder(input_ids=ids, attention_mask=mask) if start is None else start.run(decoder, ids, mask)
+        return out.last_hidden_state
 
     return hidden_fn
 

@@ -111,7 +111,7 @@ def examples_digest(train: list[dict], evals: list[dict]) -> str:
 def build_data(cfg: TrainConfig, tokenizer, model, accelerator, train: list[dict], evals: list[dict],
                states_fn=None) -> TrainData:
     """Length-grouped batches of the tokenised examples (``load_examples``); with ``data.cache_hidden_states``
-    of the frozen backbone's states instead (``states_fn(input_ids, attention_mask, past_key_values=None)``: what to
+    of the frozen backbone's states instead (``states_fn(input_ids, attention_mask, start=None)``: what to
     capture; by default what the method's family captures of ``model.backbone``)."""
     from medusa_train.data import LengthGroupedBatchSampler, PaddingCollator, example_lengths
 

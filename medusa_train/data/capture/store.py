@@ -47,13 +47,14 @@ from safetensors.torch import save_file
 
 from medusa_train.backbone import assets
 from medusa_train.data.tokenize import IGNORE_INDEX
+from medusa_train.model.contract import SharedStart
 
 CAPTURE_FORMAT = 2
 SHARD_BYTES = 1 << 30  # 1 GiB of states and labels per shard: each process holds one whole shard before writing it
 LABEL_BYTES = 8  # int64 label per token
 
-# (input_ids, attention_mask, past_key_values=None) -> (B, T, H): the states of input_ids, after the cached positions
-# when a cache is given (which the call fills; attention_mask then covers the cached positions too)
+# (input_ids, attention_mask, start=None) -> (B, T, H): the states of input_ids, after the positions a ``SharedStart``
+# holds when one is given (the call adds them; attention_mask then covers those positions too)
 HiddenFn = Callable[..., torch.Tensor]
 # Tokens a batch's examples must share at their start for the capture to run them once (a chat template's system
 # prompt: 24 tokens on the packaged model, 13% of its demo's tokens; hundreds where the data carries its own)
@@ -181,12 +182,13 @@ def batch_states(hidden_fn: HiddenFn, input_ids: torch.Tensor, mask: torch.Tenso
     (one row), every row's rest reads their cache."""
     if not shared:
         return hidden_fn(input_ids, mask)
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    head = hidden_fn(input_ids[:1, :shared], mask[:1, :shared], past_key_values=cache)
-    cache.batch_repeat_interleave(input_ids.shape[0])
-    tail = hidden_fn(input_ids[:, shared:], mask, past_key_values=cache)
+    start = SharedStart()
+    head = hidden_fn(input_ids[:1, :shared], mask[:1, :shared], start)
+    repeat = getattr(start.past_key_values, "batch_repeat_interleave", None)
+    if repeat is None:  # a cache the backbone cannot repeat over a batch: the batch runs whole
+        return hidden_fn(input_ids, mask)
+    repeat(input_ids.shape[0])
+    tail = hidden_fn(input_ids[:, shared:], mask, start)
     return torch.cat([head.expand(input_ids.shape[0], -1, -1).to(tail.device), tail], dim=1)
 
 

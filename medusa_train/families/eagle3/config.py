@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 
-from medusa_train.model.contract import CapturedStates
+from medusa_train.model.contract import CapturedStates, SharedStart
 
 FORMAT = "eagle3"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -355,7 +355,7 @@ class Eagle3Draft(nn.Module):
 
 
 def captured_states(backbone, aux_layer_ids: list[int] | None = None):
-    """``(input_ids, attention_mask, past_key_values=None) -> (batch, seq, 4H)``: what a capture stores for an EAGLE-3 draft per token, the
+    """``(input_ids, attention_mask, start=None) -> (batch, seq, 4H)``: what a capture stores for an EAGLE-3 draft per token, the
     three states it reads (``aux_layer_ids``, vLLM's default when ``None``) then the final-norm state its teacher's
     logits come from (``Eagle3Model.split_captured`` takes them apart)."""
     layers = sorted(aux_layer_ids) if aux_layer_ids else default_aux_layers(
@@ -363,9 +363,10 @@ def captured_states(backbone, aux_layer_ids: list[int] | None = None):
     decoder = backbone.get_decoder()
     first = backbone.get_input_embeddings().weight.device  # device_map=auto: where the inputs go
 
-    def states(input_ids: torch.Tensor, attention_mask: torch.Tensor, past_key_values=None) -> torch.Tensor:
-        out = decoder(input_ids=input_ids.to(first), attention_mask=attention_mask.to(first), output_hidden_states=True,
-                      past_key_values=past_key_values, use_cache=past_key_values is not None)
+    def states(input_ids: torch.Tensor, attention_mask: torch.Tensor, start: SharedStart | None = None) -> torch.Tensor:
+        ids, mask = input_ids.to(first), attention_mask.to(first)
+        out = decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True) if start is None else \
+            start.run(decoder, ids, mask, output_hidden_states=True)
         final = out.last_hidden_state
         return torch.cat([*(out.hidden_states[i].to(final.device) for i in layers), final], dim=-1)
 
