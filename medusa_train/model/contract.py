@@ -111,7 +111,7 @@ class CapturedStates:
 
     #: ``backbone -> fn(input_ids, attention_mask, start=None) -> (batch, seq, width)``: the states stored per token
     #: (with a ``SharedStart``: of the positions after those it holds, which the call adds: ``capture/store.py``)
-    states: Callable[[Any], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+    states: Callable[[Any], Callable[..., torch.Tensor]]
     keep_tokens: bool = False  #: whether the token ids are stored beside them
     #: what tells this capture apart in the capture's settings key (empty: the final hidden states alone)
     key: dict = field(default_factory=dict)

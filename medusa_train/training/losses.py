@@ -9,8 +9,8 @@ next-token distribution at ``t + k + 1`` (soft labels) instead of the one token 
 
 ``depthwise_loss_backward`` is what training calls: it runs forward *and* backward one sequence
 chunk (optional) and one head at a time, so peak memory is about one head's logits instead of
-all of them; a teacher's distributions over a chunk are computed once for every head. ``depthwise_loss_naive`` is the all-heads-at-once reference used by tests and the
-benchmark.
+all of them; a teacher's distributions over a chunk are computed once for every head.
+``depthwise_loss_naive`` is the all-heads-at-once reference used by tests and the benchmark.
 """
 
 from __future__ import annotations

@@ -355,9 +355,10 @@ class Eagle3Draft(nn.Module):
 
 
 def captured_states(backbone, aux_layer_ids: list[int] | None = None):
-    """``(input_ids, attention_mask, start=None) -> (batch, seq, 4H)``: what a capture stores for an EAGLE-3 draft per token, the
-    three states it reads (``aux_layer_ids``, vLLM's default when ``None``) then the final-norm state its teacher's
-    logits come from (``Eagle3Model.split_captured`` takes them apart)."""
+    """``(input_ids, attention_mask, start=None) -> (batch, seq, 4H)``: what a capture stores for an EAGLE-3 draft per
+    token, the three states it reads (``aux_layer_ids``, vLLM's default when ``None``) then the final-norm state its
+    teacher's logits come from (``Eagle3Model.split_captured`` takes them apart); with a ``SharedStart``, of the
+    positions after those it holds."""
     layers = sorted(aux_layer_ids) if aux_layer_ids else default_aux_layers(
         backbone.config.get_text_config(decoder=True).num_hidden_layers)
     decoder = backbone.get_decoder()
