@@ -152,7 +152,7 @@ def depthwise_loss_backward(
                 logits = logits.reshape(-1, logits.shape[-1])  # (n, vocab)
                 with torch.no_grad():
                     stats[k, 1:] += torch.stack(_topk_hits(logits, chunk_targets))
-                ce_sum = _SumCrossEntropy.apply(logits, *((chunk_targets,) if window is None else (window.probs, rows)))
+                ce_sum = _SumCrossEntropy.apply(logits, chunk_targets if window is None else window.probs, rows)
                 del logits  # from here on only the autograd graph holds them, until backward frees it
                 stats[k, 0] += ce_sum.detach()
                 if train:
