@@ -28,6 +28,9 @@ class BuildTreeConfig:
     cost_context: int | str = "auto"
     answer_tokens: int = 128  #: with cost_context=auto, the answers' length (the evaluation's generation.max_new_tokens)
     cost_repeats: int = 10  #: with nodes=auto, timed rounds per size (the median counts)
+    #: with nodes=auto, the first round screens the sizes: those past the biggest whose expected tokens/s there reaches
+    #: the best size's / cost_screen are timed that once (tree/cost.py ``screened_sizes``); null: every size every round
+    cost_screen: float | None = 2.0
     #: with nodes=auto, time the steps replayed from CUDA graphs over a static cache (what evaluate decodes with on
     #: CUDA, generation.cuda_graphs); null: on CUDA
     cuda_graphs: bool | None = None
@@ -75,6 +78,8 @@ def check_build_tree_config(c: BuildTreeConfig) -> list[str]:
            c.cost_context, "must be >= 1 or auto")
     p.need(c.answer_tokens >= 0, "answer_tokens", c.answer_tokens, "must be >= 0")
     p.need(c.cost_repeats >= 1, "cost_repeats", c.cost_repeats, "must be >= 1")
+    p.need(c.cost_screen is None or c.cost_screen >= 1, "cost_screen", c.cost_screen,
+           "must be >= 1 (the share of the best expected tokens/s a size must reach, inverted) or null (no screen)")
     p.need(c.num_prompts is None or c.num_prompts >= 1, "num_prompts", c.num_prompts, "must be >= 1 or null (all)")
     p.need(c.guard_prompts >= 0, "guard_prompts", c.guard_prompts, "must be >= 0 (0: no guard)")
     p.need(c.guard_max_minutes is None or c.guard_max_minutes > 0, "guard_max_minutes", c.guard_max_minutes,

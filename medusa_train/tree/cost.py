@@ -45,6 +45,8 @@ class CostCurve:
     plain_ms: float  #: one token: backbone + LM head + argmax
     generate_ms: float  #: Hugging Face ``generate``'s cost per greedy token after the first
     verify_ms: dict[int, float] = field(default_factory=dict)  #: tree nodes (root included) -> verify step
+    #: sizes timed in the first round only: screened out there (``screened_sizes``), their one timing in ``verify_ms``
+    once: list[int] = field(default_factory=list)
     #: the backbone's passes replayed from CUDA graphs over a static cache (``decoding/graphs.py``), as a server's
     graphs: bool = False
 
@@ -75,10 +77,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_times(steps: Sequence[Callable[[], float | None]], repeats: int, warmup: int,
-                 device: torch.device) -> list[float]:
-    """Median seconds of each step; the steps take turns in every round, so load drift hits them alike.
-    A step that returns a number is taken at its word (seconds it timed itself, e.g. per token)."""
+def timed_rounds(steps: Sequence[Callable[[], float | None]], repeats: int, warmup: int,
+                 device: torch.device) -> list[list[float]]:
+    """Seconds of each step in each of ``repeats`` rounds; the steps take turns in every round, so load drift hits
+    them alike. A step that returns a number is taken at its word (seconds it timed itself, e.g. per token)."""
     for fn in steps:
         for _ in range(warmup):
             fn()
@@ -90,7 +92,24 @@ def median_times(steps: Sequence[Callable[[], float | None]], repeats: int, warm
             own = fn()
             synchronize(device)
             record.append(own if isinstance(own, float) else time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+    return times
+
+
+def median_times(steps: Sequence[Callable[[], float | None]], repeats: int, warmup: int,
+                 device: torch.device) -> list[float]:
+    """Median seconds of each step over ``timed_rounds``."""
+    return [statistics.median(t) for t in timed_rounds(steps, repeats, warmup, device)]
+
+
+def screened_sizes(first_ms: dict[int, float], expected: dict[int, float], screen: float) -> list[int]:
+    """The sizes worth timing in every round, from one round's timings (``first_ms``, after warm-up): every size up
+    to the biggest whose expected tokens per second there (``expected / first_ms``) reaches the best size's divided
+    by ``screen``. The sizes past it would need their step to cost under ``1 / screen`` of its one timing to win:
+    a 2-core CPU's 32-128-node steps (4-14x a plain step, where 8 nodes win at 1.4x), never a GPU's flat curve."""
+    rate = {n: expected[n] / first_ms[n] for n in first_ms}
+    floor = max(rate.values()) / screen
+    last = max(n for n, r in rate.items() if r >= floor)
+    return [n for n in sorted(first_ms) if n <= last]
 
 
 class DecodeSteps:
@@ -176,7 +195,8 @@ class DecodeSteps:
 
 
 def measure_cost_curve(model, trees: dict[int, TokenTree], context: int = 256, repeats: int = 10, warmup: int = 2,
-                       seed: int = 0, generate_tokens: int = 32, graphs: bool | None = False) -> CostCurve:
+                       seed: int = 0, generate_tokens: int = 32, graphs: bool | None = False,
+                       expected: dict[int, float] | None = None, screen: float | None = None) -> CostCurve:
     """Time a plain step, ``generate``'s per-token cost and each tree's verify step at ``context`` tokens.
 
     Args:
@@ -184,19 +204,29 @@ def measure_cost_curve(model, trees: dict[int, TokenTree], context: int = 256, r
         trees: ``{nodes: tree}`` to time (e.g. prefixes of the fitted tree).
         graphs: Time the backbone's passes replayed from CUDA graphs (CUDA only): what a graphed decoder pays;
             None: where the model is on CUDA (``decoding.graphs.graphs_wanted``).
+        expected, screen: With both (each size's expected accepted length), the first round screens the sizes
+            (``screened_sizes``): the rest are timed that once (``CostCurve.once``), the kept ones in every round.
     """
     graphs = graphs_wanted(graphs, model.lm_head.weight.device)
     steps = DecodeSteps(model, context, seed, graphs=graphs, max_nodes=max(trees, default=1))
     sizes = sorted(trees)
     # generate takes its turn in every round too: timed apart, machine drift alone moved the expected
     # speedup by 10-20% (generate 56 ms per token against a 48 ms plain step in one curve, 43 against 48 in another)
-    seconds = median_times([steps.plain_step, lambda: steps.generate_per_token(generate_tokens)]
-                           + [steps.verify_step(trees[n]) for n in sizes], repeats, warmup, steps.device)
+    plain = [steps.plain_step, lambda: steps.generate_per_token(generate_tokens)]
+    verify = {n: steps.verify_step(trees[n]) for n in sizes}
+    times = dict(zip(["plain", "generate", *sizes], timed_rounds(plain + list(verify.values()), 1, warmup,
+                                                                  steps.device)))
+    kept = (sizes if expected is None or not screen
+            else screened_sizes({n: times[n][0] for n in sizes}, expected, screen))
+    for key, more in zip(["plain", "generate", *kept], timed_rounds(plain + [verify[n] for n in kept], repeats - 1,
+                                                                    0, steps.device)):
+        times[key] += more
+    ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
     linears = "" if steps.device.type == "cuda" else f", {linear_path(model.backbone)}"
     return CostCurve(device=device_name(steps.device) + linears, dtype=str(steps.dtype).removeprefix("torch."),
-                     threads=torch.get_num_threads(), context=context, repeats=repeats, plain_ms=seconds[0] * 1e3,
-                     generate_ms=seconds[1] * 1e3, verify_ms={n: s * 1e3 for n, s in zip(sizes, seconds[2:])},
-                     graphs=graphs)
+                     threads=torch.get_num_threads(), context=context, repeats=repeats, plain_ms=ms["plain"],
+                     generate_ms=ms["generate"], verify_ms={n: ms[n] for n in sizes},
+                     once=[n for n in sizes if n not in kept], graphs=graphs)
 
 
 def nondecreasing(verify_ms: dict[int, float], start: int = 2) -> dict[int, float]:

@@ -255,7 +255,8 @@ def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int, split: Lo
     where = ", the mean context answering the evaluation's prompts" if cfg.cost_context == "auto" else ""
     print(f"nodes=auto: timing a plain step, generate and a verify step at {len(sizes)} tree sizes "
           f"({context} cached tokens{where}, {cfg.cost_repeats} rounds)", flush=True)
-    curve = measure_cost_curve(model, trees, context, cfg.cost_repeats, graphs=cfg.cuda_graphs)
+    curve = measure_cost_curve(model, trees, context, cfg.cost_repeats, graphs=cfg.cuda_graphs,
+                               expected={n: expected for n, (expected, _) in splits.items()}, screen=cfg.cost_screen)
     best, rows = choose_tree_size(curve, {n: expected for n, (expected, _) in splits.items()})
     print(f"cost on {curve.device}, {curve.dtype}{', CUDA graphs' if curve.graphs else ''}: plain step "
           f"{curve.plain_ms:.1f} ms, generate {curve.generate_ms:.1f} ms per token; speedups over "
@@ -264,8 +265,12 @@ def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int, split: Lo
           "expected tokens/s | expected speedup |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.nodes}{' *' if r.nodes == best else ''} | {splits[r.nodes][1]} | {r.expected_accept_length:.3f} | "
-              f"{curve.verify_ms[r.nodes]:.1f} | {r.verify_ms:.1f} | "
+              f"{curve.verify_ms[r.nodes]:.1f}{' (once)' if r.nodes in curve.once else ''} | {r.verify_ms:.1f} | "
               f"{r.relative_cost:.2f} | {r.expected_tokens_per_s:.1f} | {r.expected_speedup:.2f}x |")
+    if curve.once:
+        print(f"timed once (screened out by the first round, cost_screen={cfg.cost_screen:g}): "
+              f"{', '.join(map(str, curve.once))} nodes: their expected tokens/s there fell under 1/{cfg.cost_screen:g} "
+              "of the best size's")
     chosen = next(r for r in rows if r.nodes == best)
     extra = {"device": curve.device, "dtype": curve.dtype, "chosen_nodes": best,
              "chosen_lookup_nodes": splits[best][1],
@@ -276,6 +281,8 @@ def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int, split: Lo
                             # CUDA graphs (decoding/graphs.py); speedups divide by baseline_ms, the faster plain
                             "graphs": curve.graphs, "baseline_ms": round(curve.baseline_ms, 3),
                             "verify_ms": {int(n): round(ms, 3) for n, ms in curve.verify_ms.items()},
+                            # sizes screened out by the first round (cost_screen): their verify_ms timed once
+                            "screen": cfg.cost_screen, "once": list(curve.once),
                             # what the choice used: the timings made non-decreasing in size (noise pooled)
                             "verify_ms_fitted": {r.nodes: round(r.verify_ms, 3) for r in rows}},
              "sizes": {str(r.nodes): {"lookup_nodes": splits[r.nodes][1],

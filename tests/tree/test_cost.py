@@ -13,7 +13,7 @@ from medusa_train.backbone.load import load_tokenizer
 from medusa_train.cli.build_tree import build_build_tree_config, run
 from medusa_train.config.build_tree import BuildTreeConfig
 from medusa_train.decoding import TokenTree
-from medusa_train.tree.cost import CostCurve, auto_sizes, choose_tree_size, nondecreasing
+from medusa_train.tree.cost import CostCurve, auto_sizes, choose_tree_size, nondecreasing, screened_sizes
 from medusa_train.tree.fit import build_tree, expected_accept_length
 from medusa_train.tree.size import cost_context
 
@@ -77,6 +77,8 @@ def test_build_tree_auto_times_each_size_here_and_records_its_choice(tmp_path, c
     assert curve_["graphs"] is (device == "cuda")
     assert curve_["baseline_ms"] == pytest.approx(min(curve_["generate_ms"], curve_["plain_ms"]) if device == "cuda"
                                                   else curve_["generate_ms"], abs=1e-3)
+    once = curve_["once"]  # screened out by the first round (cost_screen 2 by default): the biggest sizes, if any
+    assert curve_["screen"] == 2.0 and once == sizes[len(sizes) - len(once):]
     fitted = data["cost_curve"]["verify_ms_fitted"]
     assert fitted == pytest.approx(nondecreasing(data["cost_curve"]["verify_ms"]), abs=1e-3)  # YAML rounds to 3 places
     assert all(fitted[a] <= fitted[b] for a, b in zip(sizes[1:], sizes[2:]))  # non-decreasing from 2 nodes
@@ -153,3 +155,38 @@ def test_a_size_timed_in_a_dip_is_expected_at_its_pooled_cost_not_its_dip():
     assert best == max(expected, key=lambda n: expected[n] / cost[n]) == 6
     chosen = next(r for r in rows if r.nodes == best)
     assert chosen.expected_speedup == pytest.approx(1.55 * 12.0 / 10.6)  # not 1.55 * 12 / 10.2
+
+
+def test_the_first_round_screens_out_the_sizes_past_the_last_that_could_win():
+    """A one-core demo's curve (AVX2 paths, float32, 2026-11-30): 8 nodes promise the most tokens per ms; with
+    screen 2 every size up to the last reaching half of that (24 nodes: 2.690 / 104.1 >= 2.188 / 50.2 / 2) is timed
+    in every round, 32 nodes (2.773 / 127.8, just under) and bigger once."""
+    sizes = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128]
+    first = dict(zip(sizes, [36.0, 39.6, 41.2, 41.9, 46.8, 46.0, 50.2, 58.5, 61.6, 75.8, 90.4, 104.1, 127.8, 180.6,
+                             231.6, 410.6, 505.0]))
+    expected = dict(zip(sizes, [1.0, 1.332, 1.583, 1.787, 1.886, 1.992, 2.188, 2.290, 2.371, 2.513, 2.621, 2.690,
+                                2.773, 2.868, 2.928, 3.008, 3.055]))
+    assert screened_sizes(first, expected, 2.0) == sizes[:12]
+    assert screened_sizes(first, expected, 1.0) == sizes[:7]  # only the best and the sizes below it
+    assert screened_sizes(first, expected, 100.0) == sizes  # a wide screen keeps all
+    # a size under the floor between two above it is kept: what is kept is every size up to the last that reaches it
+    assert screened_sizes({1: 10.0, 2: 10.0, 4: 40.0, 8: 20.0}, {1: 1.0, 2: 2.0, 4: 2.0, 8: 2.0}, 2.0) == [1, 2, 4, 8]
+    flat = {n: 10.0 + 0.01 * n for n in sizes}  # a GPU's curve: nothing screened out
+    assert screened_sizes(flat, expected, 2.0) == sizes
+
+
+def test_the_sizes_screened_out_are_timed_once_and_the_rest_every_round():
+    """On a real (small) model: with a screen every size past the last that could win is timed in the first round
+    only, and recorded so; without one, every size every round."""
+    from helpers.heads import STEP_TREE, prefix_heads_model
+
+    from medusa_train.tree.cost import measure_cost_curve
+
+    model = prefix_heads_model()
+    trees = {n: TokenTree(STEP_TREE[:n - 1]) for n in (1, 2, 3, 4)}
+    hopeless = {1: 1.0, 2: 1000.0, 3: 1e-6, 4: 1e-6}  # 2 nodes promise 1000x: 3 and 4 cannot reach half of it
+    curve_ = measure_cost_curve(model, trees, context=16, repeats=3, warmup=1, expected=hopeless, screen=2.0)
+    assert curve_.once == [3, 4] and sorted(curve_.verify_ms) == [1, 2, 3, 4]
+    assert all(ms > 0 for ms in curve_.verify_ms.values())
+    everything = measure_cost_curve(model, trees, context=16, repeats=3, warmup=1, expected=hopeless, screen=None)
+    assert everything.once == [] and sorted(everything.verify_ms) == [1, 2, 3, 4]

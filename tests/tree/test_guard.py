@@ -54,7 +54,7 @@ def test_where_extra_nodes_are_dear_the_size_chosen_is_the_root_never_a_tree_tha
     assert split.best(8)[1] > 0 and split.best(8)[0] > 2  # the walk wants a hybrid: it is the cost that says no
     dear = {}
 
-    def measure(model, trees, context, repeats, graphs=None):
+    def measure(model, trees, context, repeats, graphs=None, expected=None, screen=None):
         dear.update({n: 10.0 * n for n in trees})  # a verify step of n nodes costs n plain steps
         return CostCurve(device="test", dtype="float32", threads=1, context=context, repeats=repeats, plain_ms=10.0,
                          generate_ms=10.0, verify_ms=dict(dear))
