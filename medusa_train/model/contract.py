@@ -131,6 +131,21 @@ class SharedStart:
         self.past_key_values = out.past_key_values
         return out
 
+    def repeat(self, batch: int) -> bool:
+        """Repeat the start held (one row) for ``batch`` rows where every layer of its cache holds keys and values
+        alone (transformers' ``DynamicLayer`` or ``DynamicSlidingWindowLayer``, by exact type); whether it did.
+
+        A layer with other state is never repeated: linear-attention and Mamba layers (Qwen3-Next, LFM2, Bamba)
+        cannot repeat theirs, and a hybrid layer (Falcon-H1's) repeats its keys and values but not its convolution
+        and recurrent states; an unknown type may do either. The caller then runs the batch whole."""
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        layers = getattr(self.past_key_values, "layers", None)
+        if not layers or any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers):
+            return False
+        self.past_key_values.batch_repeat_interleave(batch)
+        return True
+
 
 def final_hidden_states(backbone) -> Callable[..., torch.Tensor]:
     """``fn(input_ids, attention_mask, start=None) -> (batch, seq, H)``: the backbone's final hidden states (after its

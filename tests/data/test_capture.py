@@ -230,3 +230,51 @@ def test_a_second_run_on_captured_states_loads_the_backbone_without_its_layers_a
         [{k: v for k, v in m.items() if k not in ("seconds", "tokens_per_s", "elapsed")} for m in second]
     a, b = load_file(tmp_path / "first/export/model.safetensors"), load_file(tmp_path / "second/export/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512)
+BACKBONES = {  # transformers config class, its options: one sliding-window model and three hybrids of another kind
+    "mistral, sliding window 16": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=16)),
+    "qwen3-next, linear attention": ("Qwen3NextConfig", dict(
+        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)),
+    "lfm2, short convolutions": ("Lfm2Config", dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2)),
+    "falcon-h1, attention and mamba in each layer": ("FalconH1Config", dict(
+        num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=32, mamba_d_ssm=128, mamba_d_state=16, mamba_n_groups=1,
+        mamba_chunk_size=16, head_dim=16)),
+}
+
+
+@pytest.mark.parametrize("name", list(BACKBONES))
+def test_a_shared_start_on_a_hybrid_or_sliding_window_backbone_leaves_each_example_its_own_states(name):
+    """A shared start is repeated over the batch only where the backbone's cache holds keys and values alone: a
+    sliding window's is; a hybrid's linear-attention, convolution or Mamba state is not (repeating Falcon-H1's cache
+    repeats its keys and values and leaves its Mamba state one row, and the batch then fails), so that batch runs
+    whole. Either way each example's states are its own forward's."""
+    import transformers
+
+    from medusa_train.data.capture.store import batch_states
+    from medusa_train.model.contract import SharedStart
+
+    config, options = BACKBONES[name]
+    torch.manual_seed(0)
+    backbone = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config)(**TINY, **options)).eval()
+    fn = final_hidden_states(backbone)
+    g = torch.Generator().manual_seed(1)
+    start = torch.randint(5, 290, (20,), generator=g)
+    rows = [torch.cat([start, torch.randint(5, 290, (n,), generator=g)]) for n in (30, 12, 25)]
+    ids = torch.zeros(3, 50, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    assert shared_prefix(ids, [len(r) for r in rows]) == 20
+    with torch.no_grad():
+        states = batch_states(fn, ids, mask, 20)
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(states[i, :len(row)], fn(row[None], torch.ones(1, len(row)).long())[0],
+                                       rtol=1e-5, atol=1e-5)
+        held = SharedStart()
+        fn(ids[:1, :20], mask[:1, :20], held)
+        assert held.repeat(3) is name.startswith("mistral")  # keys and values alone: repeated; else run whole

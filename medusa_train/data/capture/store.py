@@ -184,10 +184,8 @@ def batch_states(hidden_fn: HiddenFn, input_ids: torch.Tensor, mask: torch.Tenso
         return hidden_fn(input_ids, mask)
     start = SharedStart()
     head = hidden_fn(input_ids[:1, :shared], mask[:1, :shared], start)
-    repeat = getattr(start.past_key_values, "batch_repeat_interleave", None)
-    if repeat is None:  # a cache the backbone cannot repeat over a batch: the batch runs whole
+    if not start.repeat(input_ids.shape[0]):  # a cache with more than keys and values (hybrid): the batch runs whole
         return hidden_fn(input_ids, mask)
-    repeat(input_ids.shape[0])
     tail = hidden_fn(input_ids[:, shared:], mask, start)
     return torch.cat([head.expand(input_ids.shape[0], -1, -1).to(tail.device), tail], dim=1)
 
