@@ -7,7 +7,8 @@ Limits: batch size 1. The cache is a ``DynamicCache`` of full-attention layers (
 ``StaticCache`` sized once for the whole generation (``kv_cache="static"``: every step reads and writes the same
 buffers, what CUDA graphs need; accepted nodes are compacted into place as in the dynamic one, stale slots past
 the text are masked), and the tree mask is fully causal, so models with sliding-window layers are refused once
-the context could exceed the window. Greedy output is token-identical to ``generate`` in float32; in half precision
+the context could exceed the window; backbones with a running state (linear attention, convolutions, Mamba) are
+refused outright (``decoding/cache.py``). Greedy output is token-identical to ``generate`` in float32; in half precision
 the tree pass rounds differently from a one-token pass, so a near-tie can (rarely) flip.
 """
 
@@ -22,6 +23,7 @@ from transformers import DynamicCache, StaticCache
 
 from medusa_train.backbone.generation import eos_token_ids
 from medusa_train.decoding.acceptance import ACCEPTANCE_METHODS, accept, first_token
+from medusa_train.decoding.cache import new_cache
 from medusa_train.decoding.graphs import StaticSteps
 from medusa_train.decoding.lookup import LookupChain
 from medusa_train.decoding.tree import TokenTree, fill_step_mask, tree_from_config
@@ -214,18 +216,6 @@ def _phases(model, wrap_phase: Callable[[str, Callable], Callable] | None,
     (``backbone_pass``: a graphed tree pass in place of ``tree_pass``)."""
     functions = (candidates, backbone_pass or tree_pass, model.base_logits, accept, compact_cache)
     return functions if wrap_phase is None else tuple(wrap_phase(n, f) for n, f in zip(PHASES, functions))
-
-
-KV_CACHES = ("dynamic", "static")  #: the caches ``tree_generate`` decodes with (``kv_cache=``)
-
-
-def new_cache(kind: str, backbone, max_len: int) -> DynamicCache | StaticCache:
-    """An empty cache of ``kind`` (``KV_CACHES``) for ``backbone``; a static one holds ``max_len`` tokens."""
-    if kind == "dynamic":
-        return DynamicCache()
-    if kind == "static":
-        return StaticCache(config=backbone.config, max_cache_len=max_len)
-    raise ValueError(f"kv_cache={kind!r}: must be one of {list(KV_CACHES)}")
 
 
 def compact_cache(cache: DynamicCache | StaticCache, past_len: int, path: list[int]) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
+from medusa_train.decoding.cache import new_cache
 from medusa_train.decoding.tree import fill_step_mask
 
 
@@ -57,7 +58,7 @@ class StaticSteps:
         """The cache, emptied in place, for a generation of up to ``length`` tokens (prompt, reply and one tree)."""
         if length > self.length:
             size = -(-length // self.length_step) * self.length_step
-            self.cache, self.graphs = StaticCache(config=self.model.backbone.config, max_cache_len=size), {}
+            self.cache, self.graphs = new_cache("static", self.model.backbone, size), {}
         else:
             self.cache.reset()
         return self.cache

@@ -138,13 +138,46 @@ class SharedStart:
         A layer with other state is never repeated: linear-attention and Mamba layers (Qwen3-Next, LFM2, Bamba)
         cannot repeat theirs, and a hybrid layer (Falcon-H1's) repeats its keys and values but not its convolution
         and recurrent states; an unknown type may do either. The caller then runs the batch whole."""
-        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-        layers = getattr(self.past_key_values, "layers", None)
-        if not layers or any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers):
+        if not keys_and_values_only(self.past_key_values):
             return False
         self.past_key_values.batch_repeat_interleave(batch)
         return True
+
+
+def keys_and_values_only(cache) -> bool:
+    """Whether every layer of ``cache`` (a transformers cache) holds keys and values alone: a ``DynamicLayer`` or
+    ``DynamicSlidingWindowLayer``, by exact type. Linear-attention, convolution and Mamba layers (Qwen3-Next, LFM2,
+    Bamba, Jamba) and hybrid ones (Falcon-H1's: attention and Mamba in one) carry a running state besides; a type
+    not known here may."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
+
+
+def check_tree_decodable(backbone) -> None:
+    """Refuse, before any work, a backbone whose cache is not keys and values alone (``keys_and_values_only`` of the
+    cache transformers makes from its config): a verify pass runs every tree node at once under the tree mask and
+    keeps only the accepted nodes' keys and values, which a running state (linear attention, convolutions, Mamba)
+    can neither follow nor give back."""
+    from transformers import DynamicCache
+
+    from medusa_train.config.check import ConfigError
+
+    cache = DynamicCache(config=backbone.config)
+    if keys_and_values_only(cache):
+        return
+    config = backbone.config.get_text_config(decoder=True)
+    kinds = sorted({type(layer).__name__ for layer in cache.layers})
+    types = getattr(config, "layer_types", None) or []
+    counted = ", ".join(f"{t} x{types.count(t)}" for t in dict.fromkeys(types))
+    raise ConfigError([
+        f"model.name_or_path={getattr(backbone, 'name_or_path', '') or config.model_type}: a {config.model_type} "
+        f"backbone's cache holds {', '.join(kinds)} layers" + (f" (layer_types: {counted})" if counted else "")
+        + ": our decoder verifies a token tree in one pass under a tree mask and keeps the accepted nodes' keys and "
+        "values, which a linear-attention, convolution or Mamba layer's running state cannot follow or give back. "
+        "Training and export do not need this; evaluate, build-tree and the demo decode with it: use a backbone "
+        "of attention layers only (full or sliding-window)"])
 
 
 def final_hidden_states(backbone) -> Callable[..., torch.Tensor]:

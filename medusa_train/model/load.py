@@ -100,7 +100,8 @@ def use_export_template(tokenizer, heads_dir: str | os.PathLike):
 
 def load_exported_draft(heads_dir: str | os.PathLike | ExportedDraft, model: EvalModelConfig | None = None,
                device: str | None = None, export_template: bool = True):
-    """Load a backbone and the heads in ``heads_dir``, in the backbone's dtype, on ``device``.
+    """Load a backbone and the heads in ``heads_dir``, in the backbone's dtype, on ``device``, to decode with: a backbone
+    the decoder cannot verify a tree on is refused here (``model/contract.py``).
 
     Args:
         heads_dir: Folder of exported heads (any layout ``MedusaModel.from_pretrained`` reads, or an EAGLE-3
@@ -117,6 +118,7 @@ def load_exported_draft(heads_dir: str | os.PathLike | ExportedDraft, model: Eva
     from medusa_train.backbone.attention import use_grouped_attention
     from medusa_train.backbone.load import load_backbone
     from medusa_train.backbone.rows import use_row_kernel
+    from medusa_train.model.contract import check_tree_decodable
 
     model = model or EvalModelConfig()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -124,11 +126,13 @@ def load_exported_draft(heads_dir: str | os.PathLike | ExportedDraft, model: Eva
         draft, tokenizer = load_adapted_export(read_exported_draft(heads_dir).path, "adapter", dtype=model.dtype, device_map=device,
                                                 attn_implementation=model.attn_implementation,
                                                 export_template=export_template)
+        check_tree_decodable(draft.backbone)
         return draft.eval(), _user_template(tokenizer, model.chat_template)
     heads = read_exported_draft(heads_dir)
     name = model.name_or_path or heads.base_model
     backbone, tokenizer = load_backbone(name, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
                                         attn_implementation=model.attn_implementation)
+    check_tree_decodable(backbone)  # said now, not at the first prompt's decoding
     backbone.to(device)
     use_row_kernel(backbone)  # a CPU float32 backbone's decoding steps: medusa_train/backbone/rows.py
     use_grouped_attention()  # a CPU step's masked tokens read the cached keys once: medusa_train/backbone/attention.py

@@ -26,6 +26,7 @@ import torch
 
 from medusa_train.backbone.rows import linear_path
 from medusa_train.decoding.acceptance import greedy_accept, top_token
+from medusa_train.decoding.cache import new_cache
 from medusa_train.decoding.generate import compact_cache, propose, tree_pass
 from medusa_train.decoding.graphs import StaticSteps, graphs_wanted
 from medusa_train.decoding.tree import TokenTree
@@ -119,14 +120,13 @@ class DecodeSteps:
 
     @torch.no_grad()
     def __init__(self, model, context: int = 256, seed: int = 0, graphs: bool = False, max_nodes: int = 128):
-        from transformers import DynamicCache
-
         self.model, self.context = model, context
         self.device = device = model.lm_head.weight.device
         g = torch.Generator().manual_seed(seed)
         self.prompt = torch.randint(0, model.lm_head.weight.shape[0], (1, context), generator=g).to(device)
         self.graphs = StaticSteps(model, graphs=True) if graphs else None
-        self.cache = self.graphs.cache_for(context + max_nodes + 1) if graphs else DynamicCache()
+        self.cache = (self.graphs.cache_for(context + max_nodes + 1) if graphs
+                      else new_cache("dynamic", model.backbone, context + max_nodes + 1))
         self.backbone_pass = self.graphs or tree_pass
         self.out = model(self.prompt, past_key_values=self.cache, use_cache=True)
         self.dtype = self.out.hidden_states.dtype

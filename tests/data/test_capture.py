@@ -2,6 +2,7 @@ import json
 
 import pytest
 import torch
+from helpers.backbones import CACHE_KINDS
 from helpers.training import compose_config, make_chat_jsonl, make_model_dir, read_metrics, train_overrides
 
 from medusa_train import MedusaModel, load_backbone
@@ -232,35 +233,19 @@ def test_a_second_run_on_captured_states_loads_the_backbone_without_its_layers_a
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
-TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=512)
-BACKBONES = {  # transformers config class, its options: one sliding-window model and three hybrids of another kind
-    "mistral, sliding window 16": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=16)),
-    "qwen3-next, linear attention": ("Qwen3NextConfig", dict(
-        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32)),
-    "lfm2, short convolutions": ("Lfm2Config", dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2)),
-    "falcon-h1, attention and mamba in each layer": ("FalconH1Config", dict(
-        num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=32, mamba_d_ssm=128, mamba_d_state=16, mamba_n_groups=1,
-        mamba_chunk_size=16, head_dim=16)),
-}
 
-
-@pytest.mark.parametrize("name", list(BACKBONES))
+@pytest.mark.parametrize("name", list(CACHE_KINDS))
 def test_a_shared_start_on_a_hybrid_or_sliding_window_backbone_leaves_each_example_its_own_states(name):
     """A shared start is repeated over the batch only where the backbone's cache holds keys and values alone: a
     sliding window's is; a hybrid's linear-attention, convolution or Mamba state is not (repeating Falcon-H1's cache
     repeats its keys and values and leaves its Mamba state one row, and the batch then fails), so that batch runs
     whole. Either way each example's states are its own forward's."""
-    import transformers
+    from helpers.backbones import make_cache_kind_backbone
 
     from medusa_train.data.capture.store import batch_states
     from medusa_train.model.contract import SharedStart
 
-    config, options = BACKBONES[name]
-    torch.manual_seed(0)
-    backbone = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config)(**TINY, **options)).eval()
+    backbone = make_cache_kind_backbone(name)
     fn = final_hidden_states(backbone)
     g = torch.Generator().manual_seed(1)
     start = torch.randint(5, 290, (20,), generator=g)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.backbones import make_tiny_backbone
+from helpers.backbones import CACHE_KINDS, make_cache_kind_backbone, make_tiny_backbone
 from helpers.decoding import hf_greedy, install_oracle_heads, perturb_heads, prompts
 from transformers import DynamicCache
 
@@ -365,3 +365,31 @@ def test_greedy_parity_packaged_model(packaged_backbone):
         out = tree_generate(model, ids, tree, max_new_tokens=32, eos_token_id=tokenizer.eos_token_id)
         assert out.sequences.tolist() == ref.tolist(), (text, tokenizer.decode(out.sequences[0, ids.shape[1]:]),
                                                         tokenizer.decode(ref[0, ids.shape[1]:]))
+
+
+@pytest.mark.parametrize("name", [n for n in CACHE_KINDS if not n.startswith("mistral")])
+def test_a_backbone_with_a_running_state_is_refused_before_decoding_with_the_layers_named(name):
+    """Linear-attention, convolution and Mamba layers carry a state a tree's one-pass verify cannot follow or give
+    back: the decoder (and the cost curve's steps) refuse such a backbone up front, naming its cache layers and the
+    key to change, instead of failing inside the model (before: an IndexError from transformers at the prefill)."""
+    from medusa_train.config.check import ConfigError
+    from medusa_train.tree.cost import DecodeSteps
+
+    model = MedusaModel.from_backbone(make_cache_kind_backbone(name), num_heads=2).eval()
+    for decode in (lambda: tree_generate(model, torch.tensor([[5, 6, 7, 8]]), TokenTree([(0,), (0, 0)]),
+                                         max_new_tokens=4, eos_token_id=[]),
+                   lambda: DecodeSteps(model, context=8)):
+        with pytest.raises(ConfigError, match=r"model\.name_or_path=.*cache holds .*(LinearAttention).*attention "
+                                              r"layers only"):
+            decode()
+
+
+def test_a_sliding_window_backbone_decodes_as_plain_greedy_does():
+    """A sliding-window cache is keys and values: decoded within its window, the tree's greedy output is the
+    backbone's own."""
+    backbone = make_cache_kind_backbone("mistral, sliding window 16")
+    model = MedusaModel.from_backbone(backbone, num_heads=2).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = tree_generate(model, ids, TokenTree([(0,), (1,), (0, 0)]), max_new_tokens=8, eos_token_id=[])
+    plain = backbone.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out.sequences[0].tolist() == plain[0].tolist()

@@ -49,3 +49,28 @@ def load_with_tokenizerless(load_backbone, path: Path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0").save_pretrained(path)
     return load_backbone(path, dtype="float32")
+
+
+CACHE_KINDS = {  # transformers config class and options: a sliding window, then three kinds of running state
+    "mistral, sliding window 16": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=16)),
+    "qwen3-next, linear attention": ("Qwen3NextConfig", dict(
+        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)),
+    "lfm2, short convolutions": ("Lfm2Config", dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2)),
+    "falcon-h1, attention and mamba in each layer": ("FalconH1Config", dict(
+        num_hidden_layers=2, mamba_n_heads=4, mamba_d_head=32, mamba_d_ssm=128, mamba_d_state=16, mamba_n_groups=1,
+        mamba_chunk_size=16, head_dim=16)),
+}
+
+
+def make_cache_kind_backbone(name: str):
+    """A tiny random causal LM of ``CACHE_KINDS[name]`` (vocabulary 300, float32, eval mode)."""
+    import transformers
+
+    config, options = CACHE_KINDS[name]
+    torch.manual_seed(0)
+    tiny = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config)(**tiny, **options))
+    return model.eval().requires_grad_(False)
