@@ -255,9 +255,10 @@ def choose_size(model, accuracies, cfg: BuildTreeConfig, context: int, split: Lo
     where = ", the mean context answering the evaluation's prompts" if cfg.cost_context == "auto" else ""
     print(f"nodes=auto: timing a plain step, generate and a verify step at {len(sizes)} tree sizes "
           f"({context} cached tokens{where}, {cfg.cost_repeats} rounds)", flush=True)
-    curve = measure_cost_curve(model, trees, context, cfg.cost_repeats, graphs=cfg.cuda_graphs,
-                               expected={n: expected for n, (expected, _) in splits.items()}, screen=cfg.cost_screen)
-    best, rows = choose_tree_size(curve, {n: expected for n, (expected, _) in splits.items()})
+    expected = {n: walked for n, (walked, _) in splits.items()}  # each size's expected accepted length
+    curve = measure_cost_curve(model, trees, context, cfg.cost_repeats, graphs=cfg.cuda_graphs, expected=expected,
+                               screen=cfg.cost_screen)
+    best, rows = choose_tree_size(curve, expected)
     print(f"cost on {curve.device}, {curve.dtype}{', CUDA graphs' if curve.graphs else ''}: plain step "
           f"{curve.plain_ms:.1f} ms, generate {curve.generate_ms:.1f} ms per token; speedups over "
           f"{curve.baseline_ms:.1f} ms (the faster plain decoding)")
