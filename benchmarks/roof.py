@@ -53,7 +53,7 @@ def vector_peak_macs_per_s(repeats: int = 5) -> float | None:
     None where it cannot be built here (no compiler, not an AVX2 / AVX-512 CPU)."""
     from pathlib import Path
 
-    from medusa_train.backbone.rows import build_flags, cpu_isa
+    from medusa_train.backbone.native import build_flags, cpu_isa
 
     isa = cpu_isa()
     if isa is None:

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from medusa_train.backbone import native
+from medusa_train.backbone.native import cpu_isa, cpu_vendor
 
 #: the fewest rows (tokens in a step) the kernel takes, by instruction set, on an Intel CPU. One row stays torch's
 #: there (MKL's GEMV streams the weights already, 9% faster than the kernel's on the AVX2 code paths); on AVX-512
@@ -56,129 +58,21 @@ MAX_ROWS_ELSEWHERE = 64
 ENV_SWITCH = "MEDUSA_TRAIN_ROW_KERNEL"  #: ``0`` / ``off``: never switch layers
 SOURCE = Path(__file__).with_suffix(".cpp")  #: rows.cpp beside this file
 
-# the instruction sets the kernel is written for, by torch's name for the CPU's capability, and their flags
-ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
-#: added where an AVX-512 CPU has AVX512-BF16: the kernel then takes bfloat16 layers too (``rows_linear_bf16``)
-BF16_FLAGS = ["-mavx512bf16"]
-
 
 def switched_off() -> bool:
     """True when ``MEDUSA_TRAIN_ROW_KERNEL`` says not to use the kernel."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where unknown), read once a process."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def build_flags(isa: str) -> list[str]:
-    """The compiler's instruction-set flags for ``isa`` on this CPU (AVX512-BF16's added where it has it)."""
-    return ISA_FLAGS[isa] + (BF16_FLAGS if isa == "AVX512" and "avx512_bf16" in cpu_flags() else [])
-
-
-def cpu_isa() -> str | None:
-    """The instruction set the kernel is built for on this CPU (``AVX512`` / ``AVX2``), or None.
-
-    Follows torch's own choice (``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 CPU gives the AVX2 kernel, as it
-    gives torch's AVX2 kernels: how an AVX2 machine's code paths are measured on a newer one)."""
-    capability = torch.backends.cpu.get_cpu_capability().upper()
-    for isa in ISA_FLAGS:
-        if capability.startswith(isa):
-            return isa
-    return None
+    return native.switched_off(ENV_SWITCH)
 
 
 @functools.cache
 def row_kernel():
     """The compiled kernel module for this CPU, or a string saying why there is none (built once a process)."""
-    if switched_off():
-        return f"off ({ENV_SWITCH}={os.environ[ENV_SWITCH]})"
-    isa = cpu_isa()
-    if isa is None:
-        return f"not built: this CPU's capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2 or AVX-512"
-    # with AVX512-BF16's flag where the CPU has it; a compiler without that flag still builds the float32 kernel
-    tries = [build_flags(isa)] + ([ISA_FLAGS[isa]] if build_flags(isa) != ISA_FLAGS[isa] else [])
-    failures = []
-    for flags in tries:
-        built = _build(isa, flags)
-        if not isinstance(built, str):
-            return built
-        failures.append(built)
-    return failures[0]
+    return native.build_for_cpu("rows", SOURCE, ENV_SWITCH)
 
 
 def _build(isa: str, flags: list[str]):
-    """The kernel built (or imported, built before) with ``flags``, or a string saying why it could not be."""
-    name = f"medusa_train_rows_{isa.lower()}_{_build_digest(flags)}"
-    try:
-        from torch.utils.cpp_extension import _get_build_directory, load
-
-        built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-        if built.is_file():  # built before for this source, torch and CPU: imported at once, no build step run
-            try:
-                return _import_built(name, built)
-            except ImportError:  # another process is writing it: torch's loader waits for that build
-                pass
-        _ninja_on_path()
-        # named by its instruction set and a digest of source, flags and torch: a cache shared between machines
-        # or environments never hands one the other's build
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as err:  # no compiler, no ninja, a read-only cache: the layers stay on F.linear
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        return f"not built ({type(err).__name__}: {first[:200]})"
-
-
-def _import_built(name: str, path: Path):
-    """The kernel module compiled earlier at ``path`` (torch's own loader asks ninja whether to rebuild first:
-    seconds in every process, a rebuild whenever two environments share the cache)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _ninja_on_path() -> None:
-    """torch builds with the ``ninja`` command: where only the pip package has it (a venv used without being
-    activated), its folder goes on this process's PATH."""
-    import shutil
-
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
-
-def _build_digest(flags: list[str]) -> str:
-    import hashlib
-
-    key = SOURCE.read_bytes() + f"|{torch.__version__}|{' '.join(flags)}".encode()
-    return hashlib.sha256(key).hexdigest()[:10]
-
-
-def cpu_vendor() -> str | None:
-    """The CPU's vendor as Linux names it (``GenuineIntel``, ``AuthenticAMD``, ...), or None where unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
+    """The kernel built (or imported, built before) for ``isa`` with ``flags``, or a string saying why it could not be."""
+    return native.build("rows", SOURCE, isa, flags)
 
 
 @functools.cache
@@ -196,7 +90,7 @@ def bf16_possible() -> bool:
     """Whether the kernel can take bfloat16 layers here: an AVX-512 CPU with AVX512-BF16, not Intel's (there torch's
     bfloat16 GEMM has AMX, against which the kernel is unmeasured); on the AMD EPYC torch's bfloat16 linears stream
     their weights at 9-14 GB/s where the kernel's bf16 path reaches 19-27 (docs/results.md, "Step cost")."""
-    return cpu_isa() == "AVX512" and "avx512_bf16" in cpu_flags() and cpu_vendor() not in ("GenuineIntel", None)
+    return cpu_isa() == "AVX512" and "avx512_bf16" in native.cpu_flags() and cpu_vendor() not in ("GenuineIntel", None)
 
 
 @functools.cache

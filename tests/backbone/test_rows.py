@@ -17,13 +17,12 @@ from helpers.backbones import make_tiny_backbone
 from helpers.decoding import hf_greedy, install_oracle_heads, prompts
 
 from medusa_train import MedusaModel
+from medusa_train.backbone.native import cpu_flags, cpu_isa
 from medusa_train.backbone.rows import (
     MAX_ROWS,
     MAX_ROWS_ELSEWHERE,
     MIN_ROWS,
     RowLinear,
-    cpu_flags,
-    cpu_isa,
     linear_path,
     row_dtypes,
     row_kernel,
@@ -264,9 +263,9 @@ def test_a_draft_vocabularys_projection_takes_the_kernel_as_its_lm_head_does(ker
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags() or cpu_isa() != "AVX512",
                     reason="only where the build adds AVX512-BF16's flag")
 def test_a_compiler_without_the_bf16_flag_still_builds_the_float32_kernel(kernel, monkeypatch):
-    from medusa_train.backbone import rows
+    from medusa_train.backbone import native, rows
 
-    monkeypatch.setattr(rows, "BF16_FLAGS", ["-mno-such-flag-here"])  # what a compiler without it answers
+    monkeypatch.setattr(native, "BF16_FLAGS", ["-mno-such-flag-here"])  # what a compiler without it answers
     rows.row_kernel.cache_clear(), rows.row_dtypes.cache_clear()
     try:
         built = rows.row_kernel()
@@ -283,8 +282,9 @@ def test_the_avx2_build_holds_the_same_on_an_avx512_cpu(kernel, monkeypatch):
     """The AVX2 build has code of its own (24-output panels, 4 rows a pass, the next panel prefetched over a layer's
     passes): the product and each row's bitwise invariance, built and run here, where the tests above run AVX-512's."""
     from medusa_train.backbone import rows
+    from medusa_train.backbone.native import ISA_FLAGS
 
-    avx2 = rows._build("AVX2", rows.ISA_FLAGS["AVX2"])
+    avx2 = rows._build("AVX2", ISA_FLAGS["AVX2"])
     assert not isinstance(avx2, str), avx2
     assert avx2.panel == 24
     monkeypatch.setattr(rows, "row_kernel", lambda: avx2)
