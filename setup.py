@@ -16,5 +16,5 @@ setup(
     packages=[*find_packages(include=["medusa_train", "medusa_train.*"]), *config_packages],
     package_dir={CONFIGS: "configs"},
     package_data={**{name: ["*.yaml"] for name in config_packages},
-                  "medusa_train.backbone": ["*.cpp"]},  # the row kernel, compiled where it runs
+                  "medusa_train.backbone": ["*.cpp"]},  # the row kernel and the step attention, compiled where they run
 )

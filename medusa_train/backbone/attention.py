@@ -1,20 +1,20 @@
-"""Attention for a decoding step on a CPU: a step's few masked tokens over grouped heads without copying the cache,
-and a bf16 (or fp16) 1-token step in float32.
+"""Attention for a decoding step on a CPU: the step attention kernel, or SDPA over grouped heads without copies.
+
+A step's 1-64 query tokens (a plain step's one, a verify's tree nodes, HF prompt lookup's guesses) go to the step
+attention (``backbone/step_attention.py``): each query row alone in float32, keys in order, so a tree node attends
+bitwise as the same token does in a plain step (greedy tree decoding on a CPU is plain greedy decoding, token for
+token, in bf16 too), at a fifth to two thirds of SDPA's cost. Where it does not apply (no compiler, a head dimension
+it was not built for, batch > 1) the paths below run.
 
 transformers' ``sdpa`` attention copies every cached key and value once per query head of a group (``repeat_kv``)
-whenever a step of more than one token carries a mask: a verify over tree nodes, HF prompt lookup's check of its
-guesses. It does so because CUDA's fused kernels take no mask with grouped queries; on a CPU torch's SDPA takes
-both (``enable_gqa=True``) and gives bitwise the same output. The packaged model (9 query heads over 3 key/value
-heads) copied 1.3 MB a layer for each 2-16 token step at context 256, 1.7-4.2 ms of a 30-52 ms backbone pass on the
-BF16 CPU in float32 (``docs/results.md``, "Step cost").
-
-torch's CPU SDPA in bf16 takes ~0.55 us a cached position for a single query token (float32: ~0.1; bf16 over 4-16
-tokens: no slower than float32): 150 us a layer at context 256, 570 at 1,024, the largest part of a bf16 plain
-step after the linears. A 1-token step in bf16 or fp16 attends in float32 instead (its query, keys and values
-widened, the output rounded back): the same sums, rounded once, at float32's speed.
+whenever a step of more than one token carries a mask. It does so because CUDA's fused kernels take no mask with
+grouped queries; on a CPU torch's SDPA takes both (``enable_gqa=True``) and gives bitwise the same output (the
+packaged model's 9 query heads over 3 key/value heads copied 1.3 MB a layer for each 2-16 token step at context
+256). torch's CPU SDPA in bf16 takes ~0.55 us a cached position for a single query token (float32: ~0.1), so a
+1-token step in bf16 or fp16 attends in float32 there (its query, keys and values widened, the output rounded back).
 
 Batched greedy replies (``backbone/batched.py``) step many prompts at once over one left-padded cache: given
-``row_starts`` (where each row's own keys begin), each row attends over its own keys alone through the 1-token path
+``row_starts`` (where each row's own keys begin), each row attends over its own keys alone through the 1-token paths
 above, so its output is bitwise that of the same step taken alone (padded keys, even masked, change how a row's
 sums round).
 
@@ -22,9 +22,8 @@ sums round).
 every model of the process at once, so HF ``generate``, HF prompt lookup and our decoder run the same attention (a
 speedup still divides by the best plain decoding). It takes only the cases above: a CPU, no autograd, none of
 sdpa's extras (a position bias, a paged cache, a soft cap); every other call (training, a prefill without a mask,
-CUDA, a float32 1-token step) is transformers' own function, unchanged. ``attention_for`` names what a step runs
-(a cached greedy reply says which it was made on).
-"""
+CUDA) is transformers' own function, unchanged. ``attention_for`` names what a step runs (a cached greedy reply says
+which it was made on)."""
 
 from __future__ import annotations
 
@@ -32,6 +31,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from medusa_train.backbone.step_attention import DTYPES as STEP_DTYPES
+from medusa_train.backbone.step_attention import available as step_kernel_available
+from medusa_train.backbone.step_attention import step_attention
 
 #: the sdpa keywords the grouped path does not handle (any of them set: transformers' own function runs)
 EXTRAS = ("position_bias", "cache", "softcap")
@@ -41,10 +44,11 @@ WIDENED = (torch.bfloat16, torch.float16)  #: the dtypes whose 1-token CPU steps
 def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa_attention_forward``, with a CPU decoding step taken by SDPA directly: several masked
-    tokens over grouped heads through its grouped-query path instead of through copies of the keys and values, a
-    bf16 or fp16 1-token step in float32; with ``row_starts`` (a batch of 1-token steps over caches of different
-    lengths, left-padded), each row over its own keys from its start, alone. (batch, query, heads, dim)."""
+    """transformers' ``sdpa_attention_forward``, with a CPU decoding step taken by the step attention, or where it
+    does not apply by SDPA directly: several masked tokens over grouped heads through its grouped-query path instead
+    of through copies of the keys and values, a bf16 or fp16 1-token step in float32; with ``row_starts`` (a batch of
+    1-token steps over caches of different lengths, left-padded), each row over its own keys from its start, alone.
+    (batch, query, heads, dim)."""
     row_starts = kwargs.pop("row_starts", None)
     if row_starts is not None:
         if query.shape[2] != 1 or len(row_starts) != query.shape[0]:
@@ -58,6 +62,11 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
             and not any(kwargs.get(name) is not None for name in EXTRAS)):
         grouped = getattr(module, "num_key_value_groups", 1) > 1
         four_d = attention_mask is not None and attention_mask.dim() == 4
+        if (four_d or query.shape[2] == 1) and not dropout:  # a step (not a prefill: its causal mask is implied)
+            out = step_attention(query, key, value, attention_mask if four_d else None,
+                                 query.shape[-1] ** -0.5 if scaling is None else scaling)
+            if out is not None:
+                return out, None
         if query.shape[2] == 1 and query.dtype in WIDENED and (attention_mask is None or four_d):
             out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(),
                                                  attn_mask=attention_mask.float() if four_d else None,
@@ -87,4 +96,6 @@ def attention_for(device: torch.device | str, dtype: torch.dtype) -> str:
     1-token step of a bf16 model rounds otherwise than torch's bf16 one, so a cached greedy reply names it."""
     if AttentionInterface._global_mapping.get("sdpa") is not grouped_sdpa_forward or torch.device(device).type != "cpu":
         return "sdpa"
+    if step_kernel_available() and dtype in STEP_DTYPES:
+        return "sdpa, CPU steps: step attention, rows alone in float32"
     return "sdpa, CPU steps: grouped" + (", 1 token in float32" if dtype in WIDENED else "")

@@ -1,4 +1,5 @@
-"""Attention for a CPU decoding step (``medusa_train/backbone/attention.py``).
+"""Attention for a CPU decoding step (``medusa_train/backbone/attention.py``) where the step attention kernel does not
+apply (``sdpa_paths``: as without a compiler; the kernel itself: ``test_step_attention.py``).
 
 What it must hold: a verify step's hidden states bitwise those of transformers' own ``sdpa`` (which copies the keys
 and values per query head), reached without those copies; a bf16 1-token step exactly float32 SDPA over the widened
@@ -38,6 +39,13 @@ def registered():
 
 
 @pytest.fixture
+def sdpa_paths(monkeypatch):
+    """The step attention kernel out of the way (what a machine without a compiler runs)."""
+    monkeypatch.setattr(attention, "step_attention", lambda *args, **kwargs: None)
+    monkeypatch.setattr(attention, "step_kernel_available", lambda: False)
+
+
+@pytest.fixture
 def delegated(monkeypatch):
     """How many calls the grouped function handed to transformers' own."""
     calls = []
@@ -59,7 +67,7 @@ def _verify_hidden(model, tree: TokenTree, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_verify_step_is_bitwise_transformers_sdpa_without_copying_the_cache(registered, delegated, arch):
+def test_a_verify_step_is_bitwise_transformers_sdpa_without_copying_the_cache(registered, sdpa_paths, delegated, arch):
     model = MedusaModel.from_backbone(make_tiny_backbone(arch, seed=5), num_heads=4).eval()
     ids = prompts(1, seed=2)[0]
     tree = TokenTree.from_name("default")
@@ -73,7 +81,7 @@ def test_a_verify_step_is_bitwise_transformers_sdpa_without_copying_the_cache(re
     assert delegated == [ids.shape[1]] * model.backbone.config.num_hidden_layers
 
 
-def test_other_calls_are_transformers_own(registered, delegated):
+def test_other_calls_are_transformers_own(registered, sdpa_paths, delegated):
     backbone = make_tiny_backbone("llama", seed=6)
     layer = backbone.model.layers[0].self_attn
     g = torch.Generator().manual_seed(0)
@@ -91,7 +99,7 @@ def test_other_calls_are_transformers_own(registered, delegated):
     assert len(delegated) == 4
 
 
-def test_greedy_decoding_with_grouped_attention_is_plain_greedy(registered):
+def test_greedy_decoding_with_grouped_attention_is_plain_greedy(registered, sdpa_paths):
     """HF ``generate`` (its own masked steps included) gives what it gave before; ours stays token-identical to it."""
     backbone = make_tiny_backbone("llama", seed=4)
     transformers_sdpa()
@@ -106,7 +114,7 @@ def test_greedy_decoding_with_grouped_attention_is_plain_greedy(registered):
         assert max(out.accept_lengths) >= 3
 
 
-def test_a_bf16_one_token_step_attends_in_float32(registered, delegated):
+def test_a_bf16_one_token_step_attends_in_float32(registered, sdpa_paths, delegated):
     """torch's CPU SDPA in bf16 takes ~5x float32's time at one query token (``docs/results.md``, "Step cost"): such a
     step attends in float32 and rounds once, with or without a mask, grouped heads or not; a cached reply names it."""
     backbone = make_tiny_backbone("llama", seed=6)
