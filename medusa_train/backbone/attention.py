@@ -18,9 +18,10 @@ Batched greedy replies (``backbone/batched.py``) step many prompts at once over 
 above, so its output is bitwise that of the same step taken alone (padded keys, even masked, change how a row's
 sums round).
 
-``use_grouped_attention()`` registers this function under transformers' own name (``AttentionInterface``), for
-every model of the process at once, so HF ``generate``, HF prompt lookup and our decoder run the same attention (a
-speedup still divides by the best plain decoding). It takes only the cases above: a CPU, no autograd, none of
+``use_grouped_attention()`` registers ``step_sdpa_forward`` under transformers' own name (``AttentionInterface``;
+``grouped_sdpa_forward``, the SDPA paths alone, with ``step_kernel=False``), for every model of the process at
+once, so HF ``generate``, HF prompt lookup and our decoder run the same attention (a speedup still divides by the
+best plain decoding). It takes only the cases above: a CPU, no autograd, none of
 sdpa's extras (a position bias, a paged cache, a soft cap); every other call (training, a prefill without a mask,
 CUDA) is transformers' own function, unchanged. ``attention_for`` names what a step runs (a cached greedy reply says
 which it was made on)."""
@@ -41,28 +42,41 @@ EXTRAS = ("position_bias", "cache", "softcap")
 WIDENED = (torch.bfloat16, torch.float16)  #: the dtypes whose 1-token CPU steps attend in float32
 
 
+def step_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """``grouped_sdpa_forward`` with a CPU decoding step taken by the step attention first (1-64 query tokens with a
+    4D mask, or one without: not a prefill, whose causal mask is implied). (batch, query, heads, dim)."""
+    return _cpu_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, True, kwargs)
+
+
 def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa_attention_forward``, with a CPU decoding step taken by the step attention, or where it
-    does not apply by SDPA directly: several masked tokens over grouped heads through its grouped-query path instead
-    of through copies of the keys and values, a bf16 or fp16 1-token step in float32; with ``row_starts`` (a batch of
-    1-token steps over caches of different lengths, left-padded), each row over its own keys from its start, alone.
-    (batch, query, heads, dim)."""
+    """transformers' ``sdpa_attention_forward``, with a CPU decoding step taken by SDPA directly: several masked
+    tokens over grouped heads through its grouped-query path instead of through copies of the keys and values, a
+    bf16 or fp16 1-token step in float32; with ``row_starts`` (a batch of 1-token steps over caches of different
+    lengths, left-padded), each row over its own keys from its start, alone. (batch, query, heads, dim)."""
+    return _cpu_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, False, kwargs)
+
+
+def _cpu_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, kernel: bool,
+                   kwargs: dict) -> tuple[torch.Tensor, None]:
+    """Both functions' work (``kernel``: the step attention first)."""
     row_starts = kwargs.pop("row_starts", None)
     if row_starts is not None:
         if query.shape[2] != 1 or len(row_starts) != query.shape[0]:
             raise ValueError(f"row_starts: one start per row of a batch of 1-token steps, not {len(row_starts)} for "
                              f"a query of shape {tuple(query.shape)}")
-        rows = [grouped_sdpa_forward(module, query[r:r + 1], key[r:r + 1, :, start:], value[r:r + 1, :, start:], None,
-                                     dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)[0]
+        rows = [_cpu_attention(module, query[r:r + 1], key[r:r + 1, :, start:], value[r:r + 1, :, start:], None,
+                               dropout, scaling, is_causal, kernel, dict(kwargs))[0]
                 for r, start in enumerate(row_starts)]
         return torch.cat(rows), None
     if (query.device.type == "cpu" and not torch.is_grad_enabled()
             and not any(kwargs.get(name) is not None for name in EXTRAS)):
         grouped = getattr(module, "num_key_value_groups", 1) > 1
         four_d = attention_mask is not None and attention_mask.dim() == 4
-        if (four_d or query.shape[2] == 1) and not dropout:  # a step (not a prefill: its causal mask is implied)
+        if kernel and (four_d or query.shape[2] == 1) and not dropout:
             out = step_attention(query, key, value, attention_mask if four_d else None,
                                  query.shape[-1] ** -0.5 if scaling is None else scaling)
             if out is not None:
@@ -80,9 +94,10 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                                   is_causal=is_causal, **kwargs)
 
 
-def use_grouped_attention() -> None:
-    """Make ``grouped_sdpa_forward`` what every model of this process runs as ``sdpa`` (once is enough; again: the same)."""
-    AttentionInterface.register("sdpa", grouped_sdpa_forward)
+def use_grouped_attention(step_kernel: bool = True) -> None:
+    """Make ``step_sdpa_forward`` (``step_kernel=False``: ``grouped_sdpa_forward``, a benchmark's "before") what
+    every model of this process runs as ``sdpa`` (once is enough; again: the same)."""
+    AttentionInterface.register("sdpa", step_sdpa_forward if step_kernel else grouped_sdpa_forward)
 
 
 def transformers_sdpa() -> None:
@@ -94,8 +109,9 @@ def attention_for(device: torch.device | str, dtype: torch.dtype) -> str:
     """What a decoding step's attention runs for a model on ``device`` in ``dtype`` in this process: ``sdpa`` (as
     transformers has it), or with ``use_grouped_attention``'s CPU paths (``sdpa, CPU steps: ...``). The float32
     1-token step of a bf16 model rounds otherwise than torch's bf16 one, so a cached greedy reply names it."""
-    if AttentionInterface._global_mapping.get("sdpa") is not grouped_sdpa_forward or torch.device(device).type != "cpu":
+    registered = AttentionInterface._global_mapping.get("sdpa")
+    if registered not in (step_sdpa_forward, grouped_sdpa_forward) or torch.device(device).type != "cpu":
         return "sdpa"
-    if step_kernel_available() and dtype in STEP_DTYPES:
+    if registered is step_sdpa_forward and step_kernel_available() and dtype in STEP_DTYPES:
         return "sdpa, CPU steps: step attention, rows alone in float32"
     return "sdpa, CPU steps: grouped" + (", 1 token in float32" if dtype in WIDENED else "")

@@ -7,7 +7,7 @@ same whatever the rows beside it, each reply is the one its prompt gets alone, t
 
 - the linears run the row kernel (``backbone/rows.py``) from one row on: each output summed the same way at any
   number of rows (on an Intel CPU a 1-token step stays on MKL's GEMV, which rounds otherwise: one at a time there);
-- each row attends over its own keys alone (``attention.grouped_sdpa_forward`` given ``row_starts``), through the
+- each row attends over its own keys alone (``attention.step_sdpa_forward`` given ``row_starts``), through the
   path its 1-token step takes, however far its prompt was padded on the left;
 - each prompt's prefill runs alone, as ``generate`` runs it; norms, rotary positions and the rest work row by row.
 
@@ -33,7 +33,7 @@ def batch_rows(backbone, wanted: int = DEFAULT_ROWS) -> tuple[int, str]:
     bitwise its one-prompt reply (1: one at a time), and what says so."""
     from transformers import AttentionInterface, DynamicCache
 
-    from medusa_train.backbone.attention import grouped_sdpa_forward
+    from medusa_train.backbone.attention import grouped_sdpa_forward, step_sdpa_forward
     from medusa_train.backbone.rows import RowLinear, row_range
 
     if wanted <= 1:
@@ -47,7 +47,7 @@ def batch_rows(backbone, wanted: int = DEFAULT_ROWS) -> tuple[int, str]:
     if fewest != 1:
         return 1, "one prompt at a time: a 1-token step runs torch's GEMV on this CPU, which rounds otherwise"
     if (getattr(backbone.config, "_attn_implementation", None) != "sdpa"
-            or AttentionInterface._global_mapping.get("sdpa") is not grouped_sdpa_forward):
+            or AttentionInterface._global_mapping.get("sdpa") not in (step_sdpa_forward, grouped_sdpa_forward)):
         return 1, "one prompt at a time: the attention is not the decoders' grouped sdpa"
     if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=backbone.config).layers):
         return 1, "one prompt at a time: a cache layer that is not a plain dynamic one (a sliding window)"

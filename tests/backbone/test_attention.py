@@ -40,7 +40,8 @@ def registered():
 
 @pytest.fixture
 def sdpa_paths(monkeypatch):
-    """The step attention kernel out of the way (what a machine without a compiler runs)."""
+    """The step attention out of the way, as on a machine without a compiler (its kernel not built): ``use_grouped_
+    attention(step_kernel=False)`` registers the SDPA paths alone, and this makes the default do the same."""
     monkeypatch.setattr(attention, "step_attention", lambda *args, **kwargs: None)
     monkeypatch.setattr(attention, "step_kernel_available", lambda: False)
 

@@ -19,11 +19,11 @@ from helpers.decoding import hf_greedy, install_oracle_heads, prompts
 from transformers import AttentionInterface
 
 from medusa_train import MedusaModel
-from medusa_train.backbone import attention, native
+from medusa_train.backbone import native
 from medusa_train.backbone import step_attention as step
 from medusa_train.backbone.attention import attention_for, use_grouped_attention
 from medusa_train.backbone.native import cpu_isa
-from medusa_train.backbone.rows import use_row_kernel
+from medusa_train.backbone.rows import row_dtypes, use_row_kernel
 from medusa_train.decoding import TokenTree, tree_generate
 
 pytestmark = [
@@ -168,10 +168,10 @@ def registered():
     AttentionInterface.register("sdpa", before)
 
 
-@pytest.mark.skipif("torch.bfloat16 not in row_dtypes()",
+@pytest.mark.skipif(cpu_isa() is None or torch.bfloat16 not in row_dtypes(),
                     reason="bf16 linears whose rows sum alike in any step: the row kernel's, on AVX512-BF16 CPUs")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bf16_tree_decoding_is_plain_greedy_token_for_token(kernel, registered, monkeypatch, arch):
+def test_bf16_tree_decoding_is_plain_greedy_token_for_token(kernel, registered, arch):
     """What the kernel is for: in bfloat16 a verify step's node attends as a plain step's token, so with the row
     kernel's linears (each row summed alike in any step) our decoder's greedy text is HF ``generate``'s, every token.
     SDPA's paths round a verify step otherwise than a plain one and part ways within these replies (checked below:
@@ -194,5 +194,6 @@ def test_bf16_tree_decoding_is_plain_greedy_token_for_token(kernel, registered, 
 
     same, longest = decode_all()
     assert same == 6 and longest >= 3
-    monkeypatch.setattr(attention, "step_attention", lambda *args, **kwargs: None)  # SDPA's paths instead
+    use_grouped_attention(step_kernel=False)  # SDPA's paths instead
+    assert attention_for("cpu", torch.bfloat16) == "sdpa, CPU steps: grouped, 1 token in float32"
     assert decode_all()[0] < 6
