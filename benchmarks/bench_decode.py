@@ -24,7 +24,8 @@ initialisation are used here: only cost is measured).
 
 Options (``key=value``): model, dtype (bfloat16), device (cuda if available, else cpu), context (256),
 repeats (20), warmup (3), num_heads (4), sizes (``1,chain,16,32,64``), threads, accept_length, seed,
-linears (``both``), reads (``plain``; ``next_token`` or ``path``: heads that read the next token or their tree path, whose
+linears (``both``), attention (``step``: the step attention, ``backbone/step_attention.py``; ``sdpa``: SDPA's
+paths alone, as without it; ``both``: the two in turns, each beside every linear path), reads (``plain``; ``next_token`` or ``path``: heads that read the next token or their tree path, whose
 candidates cost one head call per tree depth; ``prefix``: path heads reading through a prefix attention
 layer, which also runs over each step's accepted tokens), share_lm_head (false), draft_vocab (K: heads
 scoring a K-token draft vocabulary, ``heads.draft_vocab_size=K``; the first K token ids stand in for the
@@ -57,8 +58,8 @@ from medusa_train.tree.fit import assumed_rank_accuracies, expected_accept_lengt
 
 DEFAULTS = dict(model="packaged:smollm2-135m-instruct", dtype="bfloat16", device=None, context=256, repeats=20,
                 warmup=3, num_heads=4, sizes="1,chain,16,32,64", threads=None, accept_length=None, seed=0,
-                reads="plain", share_lm_head="false", draft_vocab=None, linears="both", shape=None, graphs="false",
-                output=None)
+                reads="plain", share_lm_head="false", draft_vocab=None, linears="both", attention="step", shape=None,
+                graphs="false", output=None)
 
 #: random-weight Llama shapes (``shape=``): nothing to download or carry, the step costs what the real model's does
 SHAPES = {"135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -85,38 +86,48 @@ def trees_to_measure(sizes: str, num_heads: int) -> list[tuple[str, TokenTree]]:
 
 
 LINEAR_NAMES = {"gemm": "torch's GEMM", "rows": "the row kernel (medusa_train/backbone/rows.py)"}
+ATTENTION_NAMES = {"step": "the step attention (medusa_train/backbone/step_attention.py)", "sdpa": "SDPA's paths"}
+
+
+def path_name(linear: str, attention: str, attentions: list[str]) -> str:
+    """A timed path's key: its linear path, and its attention where more than the step attention is timed."""
+    return linear if attentions == ["step"] else f"{linear}, {attention}"
 PARTS = ("verify", "candidates", "forward", "lm_head")  #: what each tree's step is timed as, whole and by part
 
 
 def measure(model: MedusaModel, trees, context: int, repeats: int, warmup: int,
-            seed: int, linears: list[str]) -> dict[str, tuple[float, float, list]]:
+            seed: int, linears: list[str], attentions: list[str] = ("step",)) -> dict[str, tuple[float, float, list]]:
     """Median seconds at ``context`` cached tokens, for each linear path in ``linears`` (``gemm``: torch's;
-    ``rows``: the row kernel), all taking turns in every round: a plain step (the model's own mask path, as in
+    ``rows``: the row kernel) beside each attention in ``attentions`` (``step``: the step attention; ``sdpa``:
+    SDPA's paths alone), all taking turns in every round: a plain step (the model's own mask path, as in
     ``generate``), the same step given an explicit 4D mask, and for each tree its verify step and, alone,
     the parts of it: the heads' candidates, the backbone's pass over the nodes, the LM head (+ argmax)
-    over the nodes: ``{path: (plain, plain_explicit, [(name, tree, {part: seconds})])}``."""
+    over the nodes: ``{path_name: (plain, plain_explicit, [(name, tree, {part: seconds})])}``."""
     steps = DecodeStepParts(model, context, seed)
     switched = [m for m in model.modules() if type(m) is RowLinear]  # found once: switching stays cheap
 
-    def switch_to(cls) -> None:  # inside every timed step, so a few class assignments, no search
+    def switch_to(cls, step_kernel: bool) -> None:  # inside every timed step: class assignments, one registration
         for layer in switched:
             layer.__class__ = cls
+        use_grouped_attention(step_kernel=step_kernel)
 
-    timed = []
-    for path in linears:
-        switch = functools.partial(switch_to, torch.nn.Linear if path == "gemm" else RowLinear)
+    timed, paths = [], [(linear, attention) for linear in linears for attention in attentions]
+    for linear, attention in paths:
+        switch = functools.partial(switch_to, torch.nn.Linear if linear == "gemm" else RowLinear, attention == "step")
         own = [steps.plain_step, lambda: steps.plain_step(explicit_mask=True)]
         for _, tree in trees:
             own += [steps.verify_step(tree), steps.candidates_step(tree), steps.forward_step(tree),
                     steps.lm_head_step(tree.num_nodes)]
         timed += [lambda fn=fn, switch=switch: (switch(), fn())[1] for fn in own]
     seconds = median_times(timed, repeats, warmup, steps.device)
-    n, per_path = len(PARTS), len(timed) // len(linears)
+    use_grouped_attention()
+    n, per_path = len(PARTS), len(timed) // len(paths)
     results = {}
-    for i, path in enumerate(linears):
+    for i, (linear, attention) in enumerate(paths):
         own = seconds[i * per_path:(i + 1) * per_path]
-        results[path] = (own[0], own[1], [(name, tree, dict(zip(PARTS, own[2 + n * j: 2 + n * (j + 1)])))
-                                          for j, (name, tree) in enumerate(trees)])
+        results[path_name(linear, attention, list(attentions))] = (
+            own[0], own[1], [(name, tree, dict(zip(PARTS, own[2 + n * j: 2 + n * (j + 1)])))
+                             for j, (name, tree) in enumerate(trees)])
     return results
 
 
@@ -217,10 +228,15 @@ def main(**overrides) -> int:
         return 2
     if linear_path(backbone) == "torch GEMM":
         linears = ["gemm"]  # not a float32 CPU backbone, or no kernel here (said above)
+    attentions = {"both": ["step", "sdpa"], "step": ["step"], "sdpa": ["sdpa"]}.get(opts["attention"])
+    if attentions is None:
+        print(f"attention={opts['attention']}: must be step, sdpa or both")
+        return 2
     limit_bytes = weight_bytes_per_step(backbone)
     bandwidth = read_bandwidth(device)
     limit_ms = limit_bytes / bandwidth * 1e3
-    measured = measure(model, trees, context, int(opts["repeats"]), int(opts["warmup"]), int(opts["seed"]), linears)
+    measured = measure(model, trees, context, int(opts["repeats"]), int(opts["warmup"]), int(opts["seed"]), linears,
+                       attentions)
     roof = None
     if device.type == "cpu" and opts["dtype"] == "float32":  # the arithmetic's side of the limit (benchmarks/roof.py)
         from benchmarks.roof import compute_roof, linear_macs_per_token
@@ -261,9 +277,11 @@ def main(**overrides) -> int:
               + "; each path's rate at that many rows, from the caches (G/s): "
               + "; ".join(f"{p} " + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in rates.items())
                           for p, rates in roof["path_macs_per_s"].items()))
-    for path in linears:
+    for path in measured:
         plain, plain_explicit, results = measured[path]
-        print(f"\n{LINEAR_NAMES[path]}: plain step {plain * 1e3:.2f} ms ({plain / (limit_ms / 1e3):.2f}x the memory "
+        linear, _, attention = path.partition(", ")
+        names = LINEAR_NAMES[linear] + (f", {ATTENTION_NAMES[attention]}" if attention else "")
+        print(f"\n{names}: plain step {plain * 1e3:.2f} ms ({plain / (limit_ms / 1e3):.2f}x the memory "
               f"limit; {plain_explicit * 1e3:.2f} ms given an explicit 4D mask)\n")
         print("| tree | nodes | verify step (ms) | heads' candidates | backbone pass | LM head + argmax | the rest "
               "(acceptance, cache, mask, host) | verify / plain step | backbone pass / plain step | accept length | "
@@ -295,7 +313,7 @@ def main(**overrides) -> int:
     output = Path(opts["output"] or f"outputs/bench/decode-{opts['dtype']}-{opts['reads']}{draft}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=1) + "\n")
-    last = report["linears"][linears[-1]]
+    last = report["linears"][list(measured)[-1]]
     print(f"\nwrote {output}" + (f" and {plot(last['trees'], last['plain_ms'] / 1e3, report['settings'] | {'device': str(device)}, output.with_suffix('.png'))}"
                                  if _has_matplotlib() else " (pip install matplotlib for the plot)"))
     return 0
