@@ -45,8 +45,8 @@ static inline vec vload_bf16(const uint16_t* p) {  // VW bf16 values widened (ex
 static inline vec vpow2i(vec n) {  // 2^n for integral n in [-126, 127]
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
-static inline vec vzero_below(vec x, vec y, float limit) {  // y where x >= limit, else 0
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset(limit), _CMP_GE_OQ), y);
+static inline vec vzero_below(vec x, vec y, float limit) {  // 0 where x < limit, else y (a NaN stays a NaN)
+  return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, vset(limit), _CMP_LT_OQ), vzero());
 }
 static inline void vstore_bf16(uint16_t* y, vec v) {  // rounded to nearest even, a NaN kept a quiet NaN (as torch)
   const __m512i u = _mm512_castps_si512(v);
@@ -85,7 +85,7 @@ static inline vec vpow2i(vec n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 static inline vec vzero_below(vec x, vec y, float limit) {
-  return _mm256_and_ps(_mm256_cmp_ps(x, vset(limit), _CMP_GE_OQ), y);
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, vset(limit), _CMP_LT_OQ), y);
 }
 static inline void vstore_bf16(uint16_t* y, vec v) {
   const __m256i u = _mm256_castps_si256(v);
@@ -106,7 +106,7 @@ static inline float vsum(vec v) {
 
 // exp(x) for x <= 0, lane by lane (each lane's result depends on its own input only): x = n ln2 + r, |r| <= ln2 / 2,
 // exp(r) by its degree-7 Taylor polynomial (relative error < 2e-7 there), times 2^n; 0 below -87 (where 2^n would
-// leave float32's normal range).
+// leave float32's normal range); a NaN stays a NaN.
 static inline vec vexp(vec x) {
   const vec n = vround(vmul(x, vset(1.44269504088896341f)));
   vec r = vfma(n, vset(-0.693359375f), x);  // ln 2 in two parts: the first exact in float32
@@ -179,7 +179,7 @@ static void scores(const Row* rows, int count, const typename E::T* k, int mask_
       float score = vsum(acc) * scale;
       if (mask_kind == ADDITIVE) score += static_cast<const float*>(rows[r].mask)[j];
       s[r * L + j] = score;
-      best[r] = score > best[r] ? score : best[r];
+      best[r] = score > best[r] || score != score ? score : best[r];  // a NaN score stays: the row's output NaN
     }
   }
   for (int r = 0; r < count; ++r) top[r] = best[r];
@@ -217,7 +217,7 @@ static void scores_paired(const Row* rows, int count, const uint16_t* k, int mas
       float score = vsum(acc) * scale;
       if (mask_kind == ADDITIVE) score += static_cast<const float*>(rows[r].mask)[j];
       s[r * L + j] = score;
-      best[r] = score > best[r] ? score : best[r];
+      best[r] = score > best[r] || score != score ? score : best[r];  // a NaN score stays: the row's output NaN
     }
   }
   for (int r = 0; r < count; ++r) top[r] = best[r];

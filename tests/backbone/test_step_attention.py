@@ -122,6 +122,21 @@ def test_masked_out_keys_between_a_rows_own_change_nothing(kernel, dtype, boolea
     assert torch.equal(gapped, plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_is_not_hidden(kernel, dtype):
+    """A NaN in a query or a key makes the rows that read it NaN, as SDPA's do: not a weight of zero, not a row
+    quietly attending the rest."""
+    q, k, v = _inputs(4, 2, 3, 20, 64, dtype, seed=9)
+    q = q.clone()
+    q[0, 1, 2, 5] = float("nan")  # query 2 of head 1
+    out = step.step_attention(q, k, v, None, 0.125)
+    assert out[0, 2, 1].isnan().all() and not out[0, :2].isnan().any() and not out[0, 2, [0, 2, 3]].isnan().any()
+    k = k.clone()
+    k[0, 1, 7, 3] = float("nan")  # a key of key head 1: heads 2 and 3 read it
+    out = step.step_attention(q.nan_to_num(), k, v, torch.zeros(1, 1, 3, 20), 0.125)
+    assert out[0, :, 2:].isnan().all() and not out[0, :, :2].isnan().any()
+
+
 def test_calls_it_does_not_take_are_left_to_sdpa(kernel):
     q, k, v = _inputs(4, 2, 3, 20, 64, torch.float32)
     assert step.step_attention(q, k, v, None, 0.125) is not None
