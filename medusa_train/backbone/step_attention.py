@@ -17,7 +17,8 @@ query's scores on AVX512-BF16 by its dot-product instruction (pairs of bf16 prod
 float additive one (taken in float32) or a boolean one (True: attend), one row per query, the same for every head.
 
 ``step_attention`` returns None where it does not apply (not a CPU, batch > 1, a head dimension it was not built
-for, more than ``MAX_QUERIES`` queries, keys not laid out as a cache's), and the caller runs SDPA.
+for, more than ``MAX_QUERIES`` queries, more than one query on an AVX2 build, keys not laid out as a cache's), and
+the caller runs SDPA.
 ``MEDUSA_TRAIN_STEP_ATTENTION=0`` turns it off (a benchmark's "before").
 """
 
@@ -35,6 +36,11 @@ SOURCE = Path(__file__).with_suffix(".cpp")  #: step_attention.cpp beside this f
 #: the most query tokens a step it takes has (a verify over the largest tree); a prefill's many go to SDPA
 MAX_QUERIES = 64
 DTYPES = (torch.float32, torch.bfloat16)
+#: the AVX-512 build's vector lanes. The AVX2 build (16 registers) holds one query row's sums at a time and reads each
+#: key and value once per row: on one thread of the AVX2 code paths a 6-16 node verify cost 6-7% more than on SDPA's
+#: path (the one-core demo's cost curve, 2026-11-30), so there the kernel takes one-query steps only, and a tree node
+#: rounds as SDPA's grouped path rounds (float32 there: greedy parity held on that path before the kernel)
+AVX512_LANES = 16
 
 
 @functools.cache
@@ -65,6 +71,8 @@ def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     kernel = step_kernel()
     if isinstance(kernel, str) or not _fits(query, key, value, mask, kernel.head_dims):
         return None
+    if query.shape[2] > 1 and kernel.lanes < AVX512_LANES:
+        return None  # AVX2: SDPA's path for several queries (MULTI_QUERY_FROM)
     _, heads, queries, dim = query.shape
     key_heads, keys = key.shape[1], key.shape[2]
     kind, row, pointer = 0, 0, 0

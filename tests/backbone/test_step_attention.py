@@ -162,6 +162,8 @@ def test_a_switched_off_kernel_is_not_built(monkeypatch):
 
 @pytest.mark.skipif(cpu_isa() != "AVX512", reason="on an AVX2 CPU the tests above run the AVX2 build itself")
 def test_the_avx2_build_holds_the_same_on_an_avx512_cpu(kernel, monkeypatch):
+    """The AVX2 build attends a plain step's query as the AVX-512 one does, and leaves several queries to SDPA (on one
+    thread its multi-query steps cost more than SDPA's grouped path)."""
     avx2 = native.build("step_attention", step.SOURCE, "AVX2", native.ISA_FLAGS["AVX2"])
     assert not isinstance(avx2, str), avx2
     assert avx2.lanes == 8
@@ -169,9 +171,18 @@ def test_the_avx2_build_holds_the_same_on_an_avx512_cpu(kernel, monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = _inputs(9, 3, 12, 90, 64, dtype, seed=7)
         mask = _tree_mask(12, 90, dtype)
-        together = step.step_attention(q, k, v, mask, 0.125)
+        assert step.step_attention(q, k, v, mask, 0.125) is None
         tolerance = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -8)
-        torch.testing.assert_close(together.double(), _exact(q, k, v, mask == 0), **tolerance)
+        for row in (0, 4, 11):
+            alone = step.step_attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1], 0.125)
+            torch.testing.assert_close(alone.double(), _exact(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1] == 0),
+                                       **tolerance)
+        # the build itself still takes several rows, each as it takes it alone (the same code, called directly)
+        together = torch.empty(1, 12, 9, 64, dtype=dtype)
+        run = avx2.attend if dtype == torch.float32 else avx2.attend_bf16
+        additive = mask[0, 0].float().contiguous()
+        run(q.data_ptr(), k.data_ptr(), v.data_ptr(), additive.data_ptr(), together.data_ptr(), 12, 9, 3, 90, 64,
+            q.stride(2), q.stride(1), k.stride(1), v.stride(1), 1, additive.stride(0), 0.125)
         assert torch.equal(step.step_attention(q[:, :, 4:5], k, v, mask[:, :, 4:5], 0.125), together[:, 4:5])
 
 
