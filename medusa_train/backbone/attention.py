@@ -34,8 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from medusa_train.backbone.step_attention import DTYPES as STEP_DTYPES
-from medusa_train.backbone.step_attention import available as step_kernel_available
-from medusa_train.backbone.step_attention import step_attention
+from medusa_train.backbone.step_attention import step_attention, steps_taken
 
 #: the sdpa keywords the grouped path does not handle (any of them set: transformers' own function runs)
 EXTRAS = ("position_bias", "cache", "softcap")
@@ -105,13 +104,24 @@ def transformers_sdpa() -> None:
     AttentionInterface.register("sdpa", sdpa_attention_forward)
 
 
-def attention_for(device: torch.device | str, dtype: torch.dtype) -> str:
-    """What a decoding step's attention runs for a model on ``device`` in ``dtype`` in this process: ``sdpa`` (as
-    transformers has it), or with ``use_grouped_attention``'s CPU paths (``sdpa, CPU steps: ...``). The float32
-    1-token step of a bf16 model rounds otherwise than torch's bf16 one, so a cached greedy reply names it."""
+def head_dim_of(backbone) -> int | None:
+    """The width of ``backbone``'s attention heads (its config's ``head_dim``, else hidden size over heads)."""
+    text = backbone.config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    return getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+
+
+def attention_for(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> str:
+    """What a decoding step's attention runs for a model on ``device`` in ``dtype`` (heads of ``head_dim``) in this
+    process: ``sdpa`` (as transformers has it), or with ``use_grouped_attention``'s CPU paths (``sdpa, CPU steps:
+    ...``). The float32 1-token step of a bf16 model rounds otherwise than torch's bf16 one, so a cached greedy reply
+    names it."""
     registered = AttentionInterface._global_mapping.get("sdpa")
     if registered not in (step_sdpa_forward, grouped_sdpa_forward) or torch.device(device).type != "cpu":
         return "sdpa"
-    if registered is step_sdpa_forward and step_kernel_available() and dtype in STEP_DTYPES:
+    taken = steps_taken(head_dim) if registered is step_sdpa_forward and dtype in STEP_DTYPES else None
+    if taken == "all":
         return "sdpa, CPU steps: step attention, rows alone in float32"
+    if taken == "1 query":
+        return "sdpa, CPU steps: step attention for 1 token, grouped for more"
     return "sdpa, CPU steps: grouped" + (", 1 token in float32" if dtype in WIDENED else "")

@@ -54,6 +54,15 @@ def available() -> bool:
     return not isinstance(step_kernel(), str)
 
 
+def steps_taken(head_dim: int | None = None) -> str | None:
+    """Which decoding steps the kernel takes here for heads of ``head_dim`` (None: any it was built for): ``"all"``,
+    ``"1 query"`` (an AVX2 build), or None (not built, or not for that head dimension)."""
+    kernel = step_kernel()
+    if isinstance(kernel, str) or (head_dim is not None and head_dim not in kernel.head_dims):
+        return None
+    return "all" if kernel.lanes >= AVX512_LANES else "1 query"
+
+
 def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                    scale: float) -> torch.Tensor | None:
     """Attention of a decoding step's queries over a cache, or None where the kernel does not apply.

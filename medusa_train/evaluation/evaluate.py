@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_train.backbone.attention import attention_for
+from medusa_train.backbone.attention import attention_for, head_dim_of
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
 from medusa_train.backbone.rows import linear_path
 from medusa_train.config.budget import budget_spent
@@ -292,7 +292,8 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
         "device": str(model.lm_head.weight.device), "torch_threads": torch.get_num_threads(),
         "linear_layers": linear_path(model.backbone),
-        "attention": attention_for(model.lm_head.weight.device, model.lm_head.weight.dtype),
+        "attention": attention_for(model.lm_head.weight.device, model.lm_head.weight.dtype,
+                                   head_dim_of(model.backbone)),
         "warmup": warmup, "cpu_load_average_at_start": round(load_at_start, 2),
         "plain_decoding": _plain_decoding(report["plain_reference"], gen.temperature),
         "prompt_lookup": lookup_settings,

@@ -43,7 +43,7 @@ def sdpa_paths(monkeypatch):
     """The step attention out of the way, as on a machine without a compiler (its kernel not built): ``use_grouped_
     attention(step_kernel=False)`` registers the SDPA paths alone, and this makes the default do the same."""
     monkeypatch.setattr(attention, "step_attention", lambda *args, **kwargs: None)
-    monkeypatch.setattr(attention, "step_kernel_available", lambda: False)
+    monkeypatch.setattr(attention, "steps_taken", lambda head_dim=None: None)
 
 
 @pytest.fixture

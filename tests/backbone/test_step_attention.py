@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from medusa_train import MedusaModel
 from medusa_train.backbone import native
 from medusa_train.backbone import step_attention as step
-from medusa_train.backbone.attention import attention_for, use_grouped_attention
+from medusa_train.backbone.attention import attention_for, head_dim_of, use_grouped_attention
 from medusa_train.backbone.native import cpu_isa
 from medusa_train.backbone.rows import row_dtypes, use_row_kernel
 from medusa_train.decoding import TokenTree, tree_generate
@@ -184,6 +184,20 @@ def test_the_avx2_build_holds_the_same_on_an_avx512_cpu(kernel, monkeypatch):
         run(q.data_ptr(), k.data_ptr(), v.data_ptr(), additive.data_ptr(), together.data_ptr(), 12, 9, 3, 90, 64,
             q.stride(2), q.stride(1), k.stride(1), v.stride(1), 1, additive.stride(0), 0.125)
         assert torch.equal(step.step_attention(q[:, :, 4:5], k, v, mask[:, :, 4:5], 0.125), together[:, 4:5])
+
+
+def test_the_label_names_the_steps_the_kernel_takes(kernel, registered, monkeypatch):
+    """A cached reply's key and a report name what ran: the kernel for every step, for one token (an AVX2 build), or
+    SDPA's paths (a head dimension the kernel was not built for)."""
+    use_grouped_attention()
+    assert attention_for("cpu", torch.float32, 64) == "sdpa, CPU steps: step attention, rows alone in float32"
+    assert 48 not in step.step_kernel().head_dims
+    assert attention_for("cpu", torch.bfloat16, 48) == "sdpa, CPU steps: grouped, 1 token in float32"
+    assert head_dim_of(make_tiny_backbone("llama", hidden_size=128)) == 32
+    if cpu_isa() == "AVX512":
+        avx2 = native.build("step_attention", step.SOURCE, "AVX2", native.ISA_FLAGS["AVX2"])
+        monkeypatch.setattr(step, "step_kernel", lambda: avx2)
+        assert attention_for("cpu", torch.float32, 64) == "sdpa, CPU steps: step attention for 1 token, grouped for more"
 
 
 @pytest.fixture
