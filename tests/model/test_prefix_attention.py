@@ -9,9 +9,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.backbones import make_tiny_backbone
 from helpers.heads import randomise
 
 from medusa_train import MedusaModel
+from medusa_train.backbone.step_attention import steps_taken
+from medusa_train.families.medusa import prefix_attention
 from medusa_train.families.medusa.export import export_heads
 from medusa_train.families.medusa.layouts import read_heads
 from medusa_train.families.medusa.model import load_heads_strict
@@ -75,13 +78,19 @@ def test_the_layer_is_causal_pre_norm_attention_then_a_gated_mlp(tiny_llama):
         assert not torch.allclose(model.head_features(changed)[:, 4:], out[:, 4:])
 
 
+@pytest.mark.parametrize("hidden", [64, 128])
 @pytest.mark.parametrize("chunks", [[7], [1] * 7, [3, 1, 2, 1], [2, 5]])
-def test_the_decode_cache_continues_the_sequence(tiny_llama, chunks):
+def test_the_decode_cache_continues_the_sequence(chunks, hidden, monkeypatch):
     """Feeding the positions a few at a time (prompt, then each step's accepted tokens) through the
-    decode state gives, at each step's last position, what one pass over the whole sequence gives."""
-    model = randomise_prefix(MedusaModel.from_backbone(tiny_llama, num_heads=1, prefix_attention=True))
-    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(5))
+    decode state gives, at each step's last position, what one pass over the whole sequence gives. Heads of 16
+    (SDPA) and of 32 (on an AVX2/AVX-512 CPU the step attention takes the steps after the prompt)."""
+    backbone = make_tiny_backbone("llama", hidden_size=hidden)
+    model = randomise_prefix(MedusaModel.from_backbone(backbone, num_heads=1, prefix_attention=True))
+    x = torch.randn(7, hidden, generator=torch.Generator().manual_seed(5))
     state = model.new_decode_state()
+    taken = []
+    kernel = prefix_attention.step_attention
+    monkeypatch.setattr(prefix_attention, "step_attention", lambda *a: taken.append(kernel(*a) is not None) or kernel(*a))
     with torch.no_grad():
         whole = model.head_features(x)
         parts, start = [], 0
@@ -92,6 +101,8 @@ def test_the_decode_cache_continues_the_sequence(tiny_llama, chunks):
             assert torch.equal(model.head_features(None, None, state), parts[-1])  # asking again reads nothing new
     torch.testing.assert_close(torch.cat(parts), whole[[sum(chunks[:i + 1]) - 1 for i in range(len(chunks))]],
                                rtol=1e-4, atol=1e-5)
+    assert len(taken) == len(chunks) - 1  # each step after the prompt
+    assert taken == [hidden == 128 and steps_taken(32) is not None] * len(taken)
 
 
 def test_round_trip_and_layouts_that_cannot_hold_it(tmp_path, tiny_llama):

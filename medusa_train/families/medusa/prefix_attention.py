@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medusa_train.backbone.step_attention import step_attention
+
 
 @dataclass
 class PrefixCache:
@@ -80,10 +82,13 @@ class PrefixAttention(nn.Module):
                 k, v = torch.cat([cache.keys, k], dim=-2), torch.cat([cache.values, v], dim=-2)
             cache.keys, cache.values = k, v
         if past:
-            allowed = torch.ones(seq, past + seq, dtype=torch.bool, device=x.device).tril(past)
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+            allowed = torch.ones(1, 1, seq, past + seq, dtype=torch.bool, device=x.device).tril(past)
+            # a decoding step on a CPU: the step attention (None where it does not apply, as in training)
+            stepped = None if torch.is_grad_enabled() else step_attention(q, k, v, allowed, q.shape[-1] ** -0.5)
+            attended = (stepped if stepped is not None
+                        else F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2))
         else:
-            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(attended.transpose(1, 2).reshape(batch, seq, size))
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        x = x + self.out(attended.reshape(batch, seq, size))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
