@@ -126,6 +126,7 @@ def changed(before: dict, after: dict) -> set[str]:
     ("tree.guard_max_minutes=null", {"tree", "report"}),  # the guard sized to another time: maybe another tree
     ("eval.limit=8", {"report"}),
     ("eval.max_minutes=30", {"report"}),  # the evaluation sized to another time: other prompts
+    ("max_minutes=30", set()),  # the whole demo's time: a run's evaluation is cut by the hour, its folder the same
 ])
 def test_a_setting_redoes_its_stage_and_the_stages_after_it_only(override, redone):
     overrides = (override,) if isinstance(override, str) else override
@@ -210,3 +211,18 @@ def test_the_demo_stages_are_declared_with_what_they_read_and_write(tmp_path):
         preset = [f"train.experiment={method.experiment}"] if method.experiment else []
         cfg = resolve_dtypes(demo_config(f"recipe={recipe}", f"output_dir={tmp_path}", *preset), native_bf16())
         assert written <= set(demo.stage_paths(cfg)), recipe
+
+
+def test_the_evaluation_gets_what_the_demos_time_leaves():
+    """``max_minutes`` bounds the whole demo: the evaluation is given its own budget or what the stages before it
+    left less the reserve, whichever is less, and never less than the floor."""
+    from medusa_train.config.demo import EVAL_FLOOR_MINUTES, EVAL_RESERVE_MINUTES, evaluation_minutes
+
+    cfg = demo_config("max_minutes=35", "eval.max_minutes=6")
+    assert evaluation_minutes(cfg, 20 * 60) == 6  # early: its own budget
+    assert evaluation_minutes(cfg, 29 * 60) == pytest.approx(35 - 29 - EVAL_RESERVE_MINUTES)  # the stand-in's hour
+    assert evaluation_minutes(cfg, 40 * 60) == EVAL_FLOOR_MINUTES  # late: still a question or two
+    assert evaluation_minutes(demo_config("max_minutes=null", "eval.max_minutes=6"), 40 * 60) == 6
+    assert evaluation_minutes(demo_config("max_minutes=35", "eval.max_minutes=null"), 29 * 60) == pytest.approx(
+        35 - 29 - EVAL_RESERVE_MINUTES)
+    assert evaluation_minutes(demo_config("max_minutes=null", "eval.max_minutes=null"), 0) is None

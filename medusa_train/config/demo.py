@@ -92,6 +92,12 @@ class DemoConfig:
     output_dir: str = "outputs/demo"
     model: str = "packaged:smollm2-135m-instruct"
     threads: int | None = None  #: torch threads per stage (null = all cores)
+    #: the whole demo's time from its start, downloads included: the evaluation gets what the stages before it left
+    #: (at most eval.max_minutes, at least ``EVAL_FLOOR_MINUTES``), less ``EVAL_RESERVE_MINUTES`` for its start-up and
+    #: its last question; the log says so when it cut. On the BF16 CPU the demo takes ~28 (no cut); on one core of the
+    #: AVX2 code paths distill, train and tree took 29.0 of 35.5 in a slow hour (docs/results.md#the-demo-time-and-result).
+    #: Does not key any folder. null: no limit
+    max_minutes: float | None = 35
     #: medusa1 | medusa2 | eagle3 (an EAGLE-3 draft, with train.experiment=eagle3: the same data, compared with the
     #: heads in our decoder; served in vLLM by ``medusa-train evaluate draft=<its export> engine=vllm``)
     recipe: str = "medusa1"
@@ -100,6 +106,22 @@ class DemoConfig:
     medusa2: JointStage = field(default_factory=JointStage)
     tree: TreeStage = field(default_factory=TreeStage)
     eval: EvalStage = field(default_factory=EvalStage)
+
+
+#: the evaluation's start-up and its last question past its budget: 0.2-0.5 min measured on the slowest machine
+EVAL_RESERVE_MINUTES = 1.0
+#: the least the evaluation is given however late it starts: every decoder on a question or two
+EVAL_FLOOR_MINUTES = 1.0
+
+
+def evaluation_minutes(c: DemoConfig, elapsed_s: float) -> float | None:
+    """The evaluation's time budget (``bench.max_minutes``) after ``elapsed_s`` seconds of the demo: ``eval.max_minutes``
+    or what ``max_minutes`` leaves (less ``EVAL_RESERVE_MINUTES``), whichever is less, never under ``EVAL_FLOOR_MINUTES``
+    (None: no limit)."""
+    if c.max_minutes is None:
+        return c.eval.max_minutes
+    left = max(c.max_minutes - elapsed_s / 60 - EVAL_RESERVE_MINUTES, EVAL_FLOOR_MINUTES)
+    return left if c.eval.max_minutes is None else min(c.eval.max_minutes, left)
 
 
 #: what the demo runs in (auto: one of them, chosen for this machine); its training sets bf16 autocast or none
@@ -119,6 +141,7 @@ def check_demo_config(c: DemoConfig) -> list[str]:
            "must name a preset in configs/experiment/ (" + ", ".join(sorted(
                f.stem for f in (CONFIG_DIR / "experiment").glob("*.yaml"))) + ")")
     p.need(c.threads is None or c.threads >= 1, "threads", c.threads, "must be >= 1 or null (all cores)")
+    p.need(c.max_minutes is None or c.max_minutes > 0, "max_minutes", c.max_minutes, "must be > 0 or null (no limit)")
     p.need(c.distill.engine in (None, "vllm"), "distill.engine", c.distill.engine, "must be vllm or null (in-process)")
     p.need(c.distill.concurrency >= 1, "distill.concurrency", c.distill.concurrency, "must be >= 1")
     return p

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from medusa_train.config.check import ConfigError
 from medusa_train.config.compose import compose_training
-from medusa_train.config.demo import DemoConfig, build_demo_config, resolve_dtypes
+from medusa_train.config.demo import DemoConfig, build_demo_config, evaluation_minutes, resolve_dtypes
 from medusa_train.config.methods import METHODS
 from medusa_train.evaluation.report import headline_lines, mismatch_summary, prompts_decoded
 from medusa_train.training.run_folder import RunFolder
@@ -241,6 +241,7 @@ def run(cfg: DemoConfig) -> None:
     from medusa_train.backbone.load import native_bf16
     from medusa_train.model.family import family_of_method
 
+    begun = time.perf_counter()  # the demo's max_minutes counts from here
     resolve_dtypes(cfg, native_bf16())  # before any folder is keyed
     out = Path(cfg.output_dir)
     if cfg.threads:
@@ -269,10 +270,16 @@ def run(cfg: DemoConfig) -> None:
         f"model.dtype={e.dtype}", f"answer_tokens={e.max_new_tokens}", f"output={tree}"],
         done=newer(tree, export / "model.safetensors"))
 
+    evaluated = newer(report / "report.json", tree, export / "model.safetensors")
+    budget = evaluation_minutes(cfg, time.perf_counter() - begun)
+    if budget != e.max_minutes and not evaluated:
+        print(f"\nevaluate: {budget:.1f} min of the demo's max_minutes={cfg.max_minutes:g} left to it (eval.max_minutes="
+              f"{_null(e.max_minutes)}; its start-up and last question counted)", flush=True)
     times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
         *py, "evaluate", f"draft={export}", f"tree={tree}", f"bench.limit={e.limit}",
-        f"bench.turns={e.turns}", f"bench.max_minutes={_null(e.max_minutes)}", f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
-        f"output_dir={report}", *(["drift.original=auto"] if method.adapts_backbone else [])], done=newer(report / "report.json", tree, export / "model.safetensors"))
+        f"bench.turns={e.turns}", f"bench.max_minutes={_null(None if budget is None else round(budget, 2))}",
+        f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
+        f"output_dir={report}", *(["drift.original=auto"] if method.adapts_backbone else [])], done=evaluated)
 
     record_times(run_dir, times)
     result = json.loads((report / "report.json").read_text())
