@@ -81,7 +81,7 @@ def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if isinstance(kernel, str) or not _fits(query, key, value, mask, kernel.head_dims):
         return None
     if query.shape[2] > 1 and kernel.lanes < AVX512_LANES:
-        return None  # AVX2: SDPA's path for several queries (MULTI_QUERY_FROM)
+        return None  # an AVX2 build: SDPA's grouped path for several queries (AVX512_LANES)
     _, heads, queries, dim = query.shape
     key_heads, keys = key.shape[1], key.shape[2]
     kind, row, pointer = 0, 0, 0

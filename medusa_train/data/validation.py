@@ -131,7 +131,8 @@ def continuations_key(backbone, tokenizer, dtype: str, prompts: Sequence[str], m
     # on the other (``continuations`` makes them with the decoders' attention)
     device, torch_dtype = backbone.get_input_embeddings().weight.device, getattr(torch, dtype)
     parts = {"format": FORMAT, "model": model_fingerprint(backbone), "tokenizer": tokenizer_fingerprint(tokenizer),
-             "dtype": dtype, "linears": linears_for(device, torch_dtype), "attention": attention_for(device, torch_dtype, head_dim_of(backbone)),
+             "dtype": dtype, "linears": linears_for(device, torch_dtype),
+             "attention": attention_for(device, torch_dtype, head_dim_of(backbone)),
              "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
              "prompts": hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
