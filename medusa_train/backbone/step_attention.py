@@ -78,10 +78,17 @@ def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         (1, queries, heads, dim) contiguous, the query's dtype (what transformers' attention functions return).
     """
     kernel = step_kernel()
-    if isinstance(kernel, str) or not _fits(query, key, value, mask, kernel.head_dims):
+    if isinstance(kernel, str) or (query.dim() == 4 and query.shape[2] > 1 and kernel.lanes < AVX512_LANES):
+        return None  # not built; or an AVX2 build: SDPA's grouped path for several queries (AVX512_LANES)
+    return attend(kernel, query, key, value, mask, scale)
+
+
+def attend(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> torch.Tensor | None:
+    """``step_attention`` through the build ``kernel`` (``step_kernel()``'s, or another ISA's), for any 1 to
+    ``MAX_QUERIES`` queries whatever the build, or None where it does not take these tensors."""
+    if not _fits(query, key, value, mask, kernel.head_dims):
         return None
-    if query.shape[2] > 1 and kernel.lanes < AVX512_LANES:
-        return None  # an AVX2 build: SDPA's grouped path for several queries (AVX512_LANES)
     _, heads, queries, dim = query.shape
     key_heads, keys = key.shape[1], key.shape[2]
     kind, row, pointer = 0, 0, 0

@@ -10,6 +10,7 @@ SDPA's paths do not give.
 from __future__ import annotations
 
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -79,7 +80,7 @@ def test_the_step_attention_is_the_attention(kernel, dtype, heads, key_heads, di
         masks.append(masks[0] == 0)  # the same mask as booleans (True: attend)
     tolerance = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -8)
     for mask in masks:
-        got = step.step_attention(q, k, v, mask, dim ** -0.5)
+        got = step.attend(kernel, q, k, v, mask, dim ** -0.5)
         assert got is not None and got.dtype == dtype and got.shape == (1, queries, heads, dim) and got.is_contiguous()
         exact = _exact(q, k, v, None if mask is None else (mask == 0 if mask.dtype != torch.bool else mask))
         torch.testing.assert_close(got.double(), exact, **tolerance)
@@ -92,16 +93,16 @@ def test_the_step_attention_is_the_attention(kernel, dtype, heads, key_heads, di
 def test_a_row_is_bitwise_the_same_alone_beside_others_and_over_any_threads(kernel, dtype):
     q, k, v = _inputs(9, 3, 16, 150, 64, dtype, seed=3)
     mask = torch.zeros(1, 1, 16, 150, dtype=torch.float32)
-    together = step.step_attention(q, k, v, mask, 0.125)
+    together = step.attend(kernel, q, k, v, mask, 0.125)
     for i, n in [(0, 1), (5, 1), (2, 3), (7, 9)]:
-        alone = step.step_attention(q[:, :, i:i + n], k, v, mask[:, :, i:i + n], 0.125)
+        alone = step.attend(kernel, q[:, :, i:i + n], k, v, mask[:, :, i:i + n], 0.125)
         assert torch.equal(alone, together[:, i:i + n])
     for h in range(9):  # one head alone (its key head alone beside it)
-        alone = step.step_attention(q[:, h:h + 1], k[:, h // 3: h // 3 + 1], v[:, h // 3: h // 3 + 1], mask, 0.125)
+        alone = step.attend(kernel, q[:, h:h + 1], k[:, h // 3: h // 3 + 1], v[:, h // 3: h // 3 + 1], mask, 0.125)
         assert torch.equal(alone[:, :, 0], together[:, :, h])
     torch.set_num_threads(2)
     try:
-        assert torch.equal(step.step_attention(q, k, v, mask, 0.125), together)
+        assert torch.equal(step.attend(kernel, q, k, v, mask, 0.125), together)
     finally:
         torch.set_num_threads(1)
 
@@ -117,8 +118,8 @@ def test_masked_out_keys_between_a_rows_own_change_nothing(kernel, dtype, boolea
     mask[..., seen] = 0
     if boolean:
         mask = mask == 0
-    gapped = step.step_attention(q, k, v, mask, 0.125)
-    plain = step.step_attention(q, k[:, :, seen].contiguous(), v[:, :, seen].contiguous(), None, 0.125)
+    gapped = step.attend(kernel, q, k, v, mask, 0.125)
+    plain = step.attend(kernel, q, k[:, :, seen].contiguous(), v[:, :, seen].contiguous(), None, 0.125)
     assert torch.equal(gapped, plain)
 
 
@@ -129,24 +130,28 @@ def test_a_nan_is_not_hidden(kernel, dtype):
     q, k, v = _inputs(4, 2, 3, 20, 64, dtype, seed=9)
     q = q.clone()
     q[0, 1, 2, 5] = float("nan")  # query 2 of head 1
-    out = step.step_attention(q, k, v, None, 0.125)
+    out = step.attend(kernel, q, k, v, None, 0.125)
     assert out[0, 2, 1].isnan().all() and not out[0, :2].isnan().any() and not out[0, 2, [0, 2, 3]].isnan().any()
     k = k.clone()
     k[0, 1, 7, 3] = float("nan")  # a key of key head 1: heads 2 and 3 read it
-    out = step.step_attention(q.nan_to_num(), k, v, torch.zeros(1, 1, 3, 20), 0.125)
+    out = step.attend(kernel, q.nan_to_num(), k, v, torch.zeros(1, 1, 3, 20), 0.125)
     assert out[0, :, 2:].isnan().all() and not out[0, :, :2].isnan().any()
 
 
 def test_calls_it_does_not_take_are_left_to_sdpa(kernel):
     q, k, v = _inputs(4, 2, 3, 20, 64, torch.float32)
-    assert step.step_attention(q, k, v, None, 0.125) is not None
-    assert step.step_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), None,
-                               0.125) is None  # a batch
-    assert step.step_attention(q.half(), k.half(), v.half(), None, 0.125) is None  # float16
-    assert step.step_attention(*_inputs(4, 2, 3, 20, 48, torch.float32), None, 0.125) is None  # a head size not built
-    assert step.step_attention(*_inputs(4, 2, 65, 80, 64, torch.float32), None, 0.125) is None  # a prefill's queries
-    assert step.step_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, None, 0.125) is None  # keys' layout
-    assert step.step_attention(q, k, v, torch.zeros(1, 4, 3, 20), 0.125) is None  # a mask per head
+    assert step.step_attention(q[:, :, :1], k, v, None, 0.125) is not None  # a plain step's one query
+    # several: the AVX-512 build takes them; on an AVX2 build SDPA's grouped path does (it verifies them cheaper)
+    assert (step.step_attention(q, k, v, None, 0.125) is not None) == (kernel.lanes >= step.AVX512_LANES)
+    assert step.attend(kernel, q, k, v, None, 0.125) is not None  # the build itself takes them either way
+    for call in (step.step_attention, partial(step.attend, kernel)):
+        assert call(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), None,
+                    0.125) is None  # a batch
+        assert call(q.half(), k.half(), v.half(), None, 0.125) is None  # float16
+        assert call(*_inputs(4, 2, 1, 20, 48, torch.float32), None, 0.125) is None  # a head size not built
+        assert call(*_inputs(4, 2, 65, 80, 64, torch.float32), None, 0.125) is None  # a prefill's queries
+        assert call(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, None, 0.125) is None  # keys' layout
+        assert call(q, k, v, torch.zeros(1, 4, 3, 20), 0.125) is None  # a mask per head
 
 
 def test_a_switched_off_kernel_is_not_built(monkeypatch):
@@ -177,12 +182,8 @@ def test_the_avx2_build_holds_the_same_on_an_avx512_cpu(kernel, monkeypatch):
             alone = step.step_attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1], 0.125)
             torch.testing.assert_close(alone.double(), _exact(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1] == 0),
                                        **tolerance)
-        # the build itself still takes several rows, each as it takes it alone (the same code, called directly)
-        together = torch.empty(1, 12, 9, 64, dtype=dtype)
-        run = avx2.attend if dtype == torch.float32 else avx2.attend_bf16
-        additive = mask[0, 0].float().contiguous()
-        run(q.data_ptr(), k.data_ptr(), v.data_ptr(), additive.data_ptr(), together.data_ptr(), 12, 9, 3, 90, 64,
-            q.stride(2), q.stride(1), k.stride(1), v.stride(1), 1, additive.stride(0), 0.125)
+        together = step.attend(avx2, q, k, v, mask, 0.125)  # the build itself still takes several rows, each alike
+        torch.testing.assert_close(together.double(), _exact(q, k, v, mask == 0), **tolerance)
         assert torch.equal(step.step_attention(q[:, :, 4:5], k, v, mask[:, :, 4:5], 0.125), together[:, 4:5])
 
 
@@ -190,7 +191,9 @@ def test_the_label_names_the_steps_the_kernel_takes(kernel, registered, monkeypa
     """A cached reply's key and a report name what ran: the kernel for every step, for one token (an AVX2 build), or
     SDPA's paths (a head dimension the kernel was not built for)."""
     use_grouped_attention()
-    assert attention_for("cpu", torch.float32, 64) == "sdpa, CPU steps: step attention, rows alone in float32"
+    assert attention_for("cpu", torch.float32, 64) == ("sdpa, CPU steps: step attention, rows alone in float32"
+                                                       if cpu_isa() == "AVX512" else
+                                                       "sdpa, CPU steps: step attention for 1 token, grouped for more")
     assert 48 not in step.step_kernel().head_dims
     assert attention_for("cpu", torch.bfloat16, 48) == "sdpa, CPU steps: grouped, 1 token in float32"
     assert head_dim_of(make_tiny_backbone("llama", hidden_size=128)) == 32

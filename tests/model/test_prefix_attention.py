@@ -99,10 +99,12 @@ def test_the_decode_cache_continues_the_sequence(chunks, hidden, monkeypatch):
             start += n
             assert len(state.prefix_cache) == start
             assert torch.equal(model.head_features(None, None, state), parts[-1])  # asking again reads nothing new
+    # float32 rounding only (one-row and many-row sums part at ~1e-5 on AVX2 code; a wrong key or mask: ~1e-1)
     torch.testing.assert_close(torch.cat(parts), whole[[sum(chunks[:i + 1]) - 1 for i in range(len(chunks))]],
-                               rtol=1e-4, atol=1e-5)
+                               rtol=1e-4, atol=5e-5)
     assert len(taken) == len(chunks) - 1  # each step after the prompt
-    assert taken == [hidden == 128 and steps_taken(32) is not None] * len(taken)
+    kind = steps_taken(32)  # "all", "1 query" (an AVX2 build) or None
+    assert taken == [hidden == 128 and (kind == "all" or kind == "1 query" and n == 1) for n in chunks[1:]]
 
 
 def test_round_trip_and_layouts_that_cannot_hold_it(tmp_path, tiny_llama):
