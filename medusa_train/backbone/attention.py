@@ -106,7 +106,7 @@ def transformers_sdpa() -> None:
 
 def head_dim_of(backbone) -> int | None:
     """The width of ``backbone``'s attention heads (its config's ``head_dim``, else hidden size over heads)."""
-    text = backbone.config.get_text_config()
+    text = backbone.config.get_text_config(decoder=True)
     heads = getattr(text, "num_attention_heads", None)
     return getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
 

@@ -60,7 +60,12 @@ def steps_taken(head_dim: int | None = None) -> str | None:
     kernel = step_kernel()
     if isinstance(kernel, str) or (head_dim is not None and head_dim not in kernel.head_dims):
         return None
-    return "all" if kernel.lanes >= AVX512_LANES else "1 query"
+    return "all" if _takes_several(kernel) else "1 query"
+
+
+def _takes_several(kernel) -> bool:
+    """Whether steps of several queries go to this build (the AVX-512 one), not to SDPA's grouped path (AVX2)."""
+    return kernel.lanes >= AVX512_LANES
 
 
 def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -78,7 +83,7 @@ def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         (1, queries, heads, dim) contiguous, the query's dtype (what transformers' attention functions return).
     """
     kernel = step_kernel()
-    if isinstance(kernel, str) or (query.dim() == 4 and query.shape[2] > 1 and kernel.lanes < AVX512_LANES):
+    if isinstance(kernel, str) or (query.dim() == 4 and query.shape[2] > 1 and not _takes_several(kernel)):
         return None  # not built; or an AVX2 build: SDPA's grouped path for several queries (AVX512_LANES)
     return attend(kernel, query, key, value, mask, scale)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 
+from medusa_train.backbone.attention import head_dim_of
 from medusa_train.model.contract import CapturedStates, SharedStart
 
 FORMAT = "eagle3"
@@ -136,7 +137,7 @@ class Eagle3Config:
                                                            "rope_theta": getattr(text, "rope_theta", 10000.0)}
         return cls(hidden_size=text.hidden_size, num_attention_heads=heads,
                    num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+                   head_dim=head_dim_of(backbone),
                    intermediate_size=intermediate_size or text.intermediate_size,
                    vocab_size=backbone.get_output_embeddings().weight.shape[0],
                    draft_vocab_size=draft_vocab_size or backbone.get_output_embeddings().weight.shape[0],
