@@ -43,7 +43,7 @@ def batch_rows(backbone, wanted: int = DEFAULT_ROWS) -> tuple[int, str]:
     linears = [m for m in backbone.modules() if isinstance(m, torch.nn.Linear)]
     if not linears or any(type(m) is not RowLinear for m in linears):
         return 1, "one prompt at a time: not every linear layer runs the row kernel"
-    fewest, most = row_range()
+    fewest, most = row_range(linears[0].weight.dtype)
     if fewest != 1:
         return 1, "one prompt at a time: a 1-token step runs torch's GEMV on this CPU, which rounds otherwise"
     if (getattr(backbone.config, "_attn_implementation", None) != "sdpa"

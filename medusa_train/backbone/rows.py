@@ -8,8 +8,9 @@ AVX2, k-major, so a vector load brings one k for every output of the panel) and 
 by every row; each output is one vector lane summing its k in order, so a row's output is bitwise the same in any
 verify it is part of, and no lanes are summed across at the end (the kernel before this one read ``nn.Linear``'s
 own layout and summed each output's lanes: as long as the products themselves at K = 576). On an Intel CPU a
-1-token step stays on torch's GEMV (MKL's) and 2-16 rows take the kernel; on other vendors' CPUs MKL's small-row
-paths are slow and the kernel takes every step from one row to 64 (``row_range``).
+float32 1-token step stays on torch's GEMV (MKL's) and 2-16 rows take the kernel, a bfloat16 step of 1-16 rows
+takes it; on other vendors' CPUs MKL's small-row paths are slow and the kernel takes every step from one row to 64
+(``row_range``).
 
 ``use_row_kernel(model)`` switches every plain ``nn.Linear`` of a model to it. A switched layer uses the kernel
 only where it applies (no autograd, CPU tensors of a dtype ``row_dtypes`` has, the rows ``row_range`` gives) and
@@ -22,9 +23,10 @@ for this CPU on first use (AVX-512 or AVX2 with FMA; ~10 s, kept in torch's ``~/
 imported from there afterwards); without a compiler, or on another CPU, layers stay as they are and one line says
 why. ``MEDUSA_TRAIN_ROW_KERNEL=0`` turns it off (a benchmark's "before").
 
-bfloat16: where an AVX-512 CPU has AVX512-BF16 and is not Intel's (``bf16_possible``), the kernel takes bfloat16
-layers too (one instruction sums a pair of bf16 products into each float32 lane; the bias added in float32; each
-output rounded once to bf16, to nearest even): on the AMD EPYC torch's bf16 linears read their weights at 9-14 GB/s.
+bfloat16: where an AVX-512 CPU has AVX512-BF16 (``bf16_possible``), the kernel takes bfloat16 layers too (one
+instruction sums a pair of bf16 products into each float32 lane; the bias added in float32; each output rounded once
+to bf16, to nearest even): on the AMD EPYC torch's bf16 linears read their weights at 9-14 GB/s; on the Intel Xeon
+with AMX torch's bf16 GEMM takes ~54 ms for the backbone's pass over 1-8 rows where the kernel takes 37-55.
 A draft vocabulary's rows of the LM head take the kernel as the LM head does (``step_linear``).
 """
 
@@ -48,6 +50,11 @@ MIN_ROWS = {"AVX512": 4, "AVX2": 2}
 #: the most rows it takes on an Intel CPU: more go to torch's GEMM (faster from 32 rows on both instruction sets:
 #: docs/results.md, "Step cost against the machine's limit")
 MAX_ROWS = 16
+#: the fewest bfloat16 rows it takes on an Intel CPU: from one (the AMX CPU, the backbone's bf16 pass over 1 / 2 / 4 /
+#: 8 / 16 / 32 rows: torch's AMX GEMM 54.3 / 55.7 / 53.7 / 59.5 / 62.4 / 72.4 ms, the kernel 36.8 / 40.8 / 44.7 /
+#: 55.3 / 64.9 / 88.2; twentieth session, docs/results.md): a plain step and a verify over up to 16 nodes then sum
+#: alike, so bf16 tree decoding there is plain greedy for trees of up to ``MAX_ROWS`` nodes
+MIN_ROWS_BF16 = 1
 #: on any other CPU, from one row: MKL gives other vendors' CPUs slower small-row paths (AMD EPYC, AVX-512, float32:
 #: the backbone's 1-token pass 48.6 ms on MKL's GEMV, 31.1 ms on the kernel; a 2-token pass 74.4 against 36.9).
 #: A plain step, HF ``generate``'s included, then runs the kernel too: every speedup still divides by it
@@ -76,21 +83,21 @@ def _build(isa: str, flags: list[str]):
 
 
 @functools.cache
-def row_range() -> tuple[int, int]:
-    """The fewest and the most rows a switched layer sends to the kernel on this CPU (``(1, 0)``: none)."""
+def row_range(dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """The fewest and the most rows of ``dtype`` a switched layer sends to the kernel on this CPU (``(1, 0)``: none)."""
     isa = cpu_isa()
     if isa is None:
         return 1, 0
     if cpu_vendor() in ("GenuineIntel", None):
-        return MIN_ROWS[isa], MAX_ROWS
+        return (MIN_ROWS_BF16 if dtype == torch.bfloat16 else MIN_ROWS[isa]), MAX_ROWS
     return MIN_ROWS_ELSEWHERE, MAX_ROWS_ELSEWHERE
 
 
 def bf16_possible() -> bool:
-    """Whether the kernel can take bfloat16 layers here: an AVX-512 CPU with AVX512-BF16, not Intel's (there torch's
-    bfloat16 GEMM has AMX, against which the kernel is unmeasured); on the AMD EPYC torch's bfloat16 linears stream
-    their weights at 9-14 GB/s where the kernel's bf16 path reaches 19-27 (docs/results.md, "Step cost")."""
-    return cpu_isa() == "AVX512" and "avx512_bf16" in native.cpu_flags() and cpu_vendor() not in ("GenuineIntel", None)
+    """Whether the kernel can take bfloat16 layers here: an AVX-512 CPU with AVX512-BF16 (on the AMD EPYC torch's
+    bfloat16 linears stream their weights at 9-14 GB/s where the kernel's bf16 path reaches 19-27; on the Intel Xeon
+    it is faster than torch's AMX GEMM at 1-8 rows: ``MIN_ROWS_BF16``; docs/results.md, "Step cost")."""
+    return cpu_isa() == "AVX512" and "avx512_bf16" in native.cpu_flags()
 
 
 @functools.cache
@@ -158,7 +165,7 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     in (a layer's own ``__dict__``, a draft vocabulary's), packed again whenever the weight is not the one packed
     (another tensor, other data under it, or the same data written in place: its version counter)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    fewest, most = row_range()
+    fewest, most = row_range(x.dtype)
     if not (fewest <= rows <= most and x.dtype == weight.dtype and x.dtype in row_dtypes() and x.device.type == "cpu"
             and weight.device.type == "cpu" and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad

@@ -3,7 +3,7 @@
 What it must hold: the product of ``F.linear`` to float32 accuracy on any shape (tails of K, N and rows
 included); each row's output bitwise the same whatever rows sit beside it (every verify a row is part of agrees); every other
 call (a 1-token step on Intel, autograd, bfloat16 with a bias, a prefill's many rows) exactly ``F.linear``'s; greedy
-decoding unchanged; a model's weights and state dict untouched. Where the CPU has AVX512-BF16 (not Intel's), bfloat16
+decoding unchanged; a model's weights and state dict untouched. Where the CPU has AVX512-BF16, bfloat16
 rows too: the float32 sum of their exact products rounded once, and bitwise the same beside any other rows.
 """
 
@@ -116,7 +116,7 @@ def test_switching_keeps_the_models_weights_and_state_dict(kernel):
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert without_row_kernel(model) == count and linear_path(model) == "torch GEMM"
-    # in bfloat16: every (bias-free) layer where the kernel takes bfloat16 here (AVX512-BF16, not Intel), else none
+    # in bfloat16: every (bias-free) layer where the kernel takes bfloat16 here (AVX512-BF16), else none
     assert use_row_kernel(model.bfloat16())[0] == (count if torch.bfloat16 in row_dtypes() else 0)
 
 
@@ -192,7 +192,7 @@ def test_a_switched_off_kernel_switches_nothing(monkeypatch):
 
 
 bf16_only = pytest.mark.skipif("torch.bfloat16 not in row_dtypes()",
-                               reason="the kernel takes bfloat16 on AVX512-BF16 CPUs other than Intel's")
+                               reason="the kernel takes bfloat16 on AVX512-BF16 CPUs")
 
 
 @bf16_only
@@ -213,7 +213,7 @@ def test_a_bias_is_added_to_the_float32_sums_before_their_one_rounding(kernel, d
     """float32: bitwise the bias added to the kernel's sums afterwards; bfloat16 (where the kernel takes it): the
     float32 sum plus the bias rounded once, as torch's bf16 linear rounds, and bitwise the same beside other rows."""
     if dtype not in row_dtypes():
-        pytest.skip("the kernel takes bfloat16 on AVX512-BF16 CPUs other than Intel's")
+        pytest.skip("the kernel takes bfloat16 on AVX512-BF16 CPUs")
     g = torch.Generator().manual_seed(2)
     for n, k in [(40, 24), (7, 13), (1536, 576)]:
         w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
