@@ -45,12 +45,13 @@ def _alone(backbone, ids: list[torch.Tensor], max_new_tokens: int, eos: list[int
     return [hf_greedy(backbone, p, max_new_tokens, eos)[0, p.shape[1]:].tolist() for p in ids]
 
 
-@exact_here
 @pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("qwen2", torch.float32),
                                          ("llama", torch.bfloat16)])
 def test_each_batched_reply_is_generates_reply_to_its_prompt_alone(arch, dtype):
     if dtype not in row_dtypes():
         pytest.skip(f"the row kernel takes no {dtype} here")
+    if row_range(dtype)[0] != 1:  # Intel's float32: MKL's GEMV takes 1-token steps (bf16 there: the kernel)
+        pytest.skip(f"a 1-token {dtype} step runs torch's GEMV on this CPU")
     backbone = make_tiny_backbone(arch, seed=3).to(dtype)
     use_row_kernel(backbone)
     rows, why = batch_rows(backbone, wanted=3)
