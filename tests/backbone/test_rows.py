@@ -2,7 +2,7 @@
 
 What it must hold: the product of ``F.linear`` to float32 accuracy on any shape (tails of K, N and rows
 included); each row's output bitwise the same whatever rows sit beside it (every verify a row is part of agrees); every other
-call (a 1-token step on Intel, autograd, bfloat16 with a bias, a prefill's many rows) exactly ``F.linear``'s; greedy
+call (a float32 1-token step on Intel, autograd, bfloat16 with a bias, a prefill's many rows) exactly ``F.linear``'s; greedy
 decoding unchanged; a model's weights and state dict untouched. Where the CPU has AVX512-BF16, bfloat16
 rows too: the float32 sum of their exact products rounded once, and bitwise the same beside any other rows.
 """
@@ -22,6 +22,7 @@ from medusa_train.backbone.rows import (
     MAX_ROWS,
     MAX_ROWS_ELSEWHERE,
     MIN_ROWS,
+    MIN_ROWS_BF16,
     RowLinear,
     linear_path,
     row_dtypes,
@@ -85,6 +86,7 @@ def test_other_calls_are_exactly_torchs(kernel):
     layer.__class__ = RowLinear
     fewest, most = row_range()
     assert (fewest, most) in [(MIN_ROWS[cpu_isa()], MAX_ROWS), (1, MAX_ROWS_ELSEWHERE)]
+    assert row_range(torch.bfloat16) in [(MIN_ROWS_BF16, MAX_ROWS), (1, MAX_ROWS_ELSEWHERE)]
     many = torch.randn(most + 1, 24, generator=g)  # a prefill's rows
     with torch.no_grad():
         assert torch.equal(layer(many), reference(many))
