@@ -1,7 +1,8 @@
 """Kernels compiled for this CPU: what its instruction sets are, and building a C++ source for them.
 
 The backbone's decoding-step kernels (the row kernel, ``rows.cpp``; the step attention, ``step_attention.cpp``) are
-written for AVX2 with FMA and for AVX-512 (with AVX512-BF16's instructions where the CPU has them). Each is compiled
+written for AVX2 with FMA and for AVX-512 (with AVX512-BF16's instructions where the CPU has them, and the row kernel
+with AMX's tiles where it has those). Each is compiled
 on first use for the instruction set torch itself runs here (``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 CPU gives the
 AVX2 build, as it gives torch's AVX2 kernels: how an AVX2 machine's code paths are measured on a newer one), with
 pybind11 and ATen's ``parallel_for`` only (~10 s), kept in torch's ``~/.cache/torch_extensions`` under a name that
@@ -23,6 +24,9 @@ import torch
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 #: added where an AVX-512 CPU has AVX512-BF16 (the kernels' bfloat16 paths)
 BF16_FLAGS = ["-mavx512bf16"]
+#: added where it also has AMX's tiles with their bfloat16 products (Intel's from Sapphire Rapids: the row kernel's
+#: bfloat16 path on tiles)
+AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
 
 
 def switched_off(variable: str) -> bool:
@@ -66,20 +70,27 @@ def cpu_isa() -> str | None:
 
 
 def build_flags(isa: str) -> list[str]:
-    """The compiler's instruction-set flags for ``isa`` on this CPU (AVX512-BF16's added where it has it)."""
-    return ISA_FLAGS[isa] + (BF16_FLAGS if isa == "AVX512" and "avx512_bf16" in cpu_flags() else [])
+    """The compiler's instruction-set flags for ``isa`` on this CPU (AVX512-BF16's added where it has it, and AMX's
+    where it has that too)."""
+    if isa != "AVX512" or "avx512_bf16" not in cpu_flags():
+        return ISA_FLAGS[isa]
+    amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
+    return ISA_FLAGS[isa] + BF16_FLAGS + (AMX_FLAGS if amx else [])
 
 
 def build_for_cpu(stem: str, source: Path, switch: str | None = None):
-    """``source`` compiled for this CPU's instruction set (AVX512-BF16's flag tried first where it has it), or a string
-    saying why there is none (``switch``: an environment variable that turns it off)."""
+    """``source`` compiled for this CPU's instruction set (AVX512-BF16's and AMX's flags tried first where it has them,
+    then without AMX's, then without both), or a string saying why there is none (``switch``: an environment variable
+    that turns it off)."""
     if switch and switched_off(switch):
         return f"off ({switch}={os.environ[switch]})"
     isa = cpu_isa()
     if isa is None:
         return f"not built: this CPU's capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2 or AVX-512"
-    # a compiler without AVX512-BF16's flag still builds the rest
-    tries = [build_flags(isa)] + ([ISA_FLAGS[isa]] if build_flags(isa) != ISA_FLAGS[isa] else [])
+    # a compiler without AMX's flags, or without AVX512-BF16's, still builds the rest
+    full = build_flags(isa)
+    tries = [f for f in (full, [x for x in full if x not in AMX_FLAGS], ISA_FLAGS[isa])]
+    tries = [f for i, f in enumerate(tries) if f not in tries[:i]]
     failures = []
     for flags in tries:
         built = build(stem, source, isa, flags)

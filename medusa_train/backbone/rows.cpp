@@ -1,4 +1,5 @@
-// medusa-train's CPU float32 (and bfloat16) linear for a few rows (a verify step's tree nodes; backbone/rows.py).
+// medusa-train's CPU float32 (and bfloat16: AVX512-BF16, or AMX's tiles) linear for a few rows (a verify step's tree
+// nodes; backbone/rows.py).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k], with w packed once into panels of PANEL outputs (rows.py ``pack_weight``): a
 // panel holds, for each step along k, the PANEL outputs' weights side by side (float32: one k; bfloat16: a pair of
@@ -206,11 +207,96 @@ static void rows_linear_of(int64_t x_ptr, int64_t packed_ptr, int64_t bias_ptr, 
   });
 }
 
+#if HAS_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// bfloat16 on AMX's tiles (Intel's CPUs from Sapphire Rapids): one TDPBF16PS multiplies up to 16 rows by 32 k of 16
+// outputs, so a pass over 1-16 rows costs what reading the panel costs. The same packed panels: a step s holds the
+// panel's 32 outputs' pairs (k = 2s, 2s + 1) in 128 bytes, so 16 steps at a stride of 128 bytes are a B tile in AMX's
+// pair layout (its first or second 64 bytes: outputs 0-15 or 16-31), and 32 of a row's k are an A tile row. An
+// output's sum depends on its own row alone and always takes the same instructions in the same order, so a row's
+// output is bitwise the same at any number of rows (not the same as the AVX512-BF16 path's: another summation).
+#define HAS_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static bool amx_permitted() {  // Linux gives a process AMX's tile state only once asked (arch_prctl, since 5.16)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// tiles 0, 1: the sums (R rows x 16 outputs each), 2: R rows' 32 k, 3, 4: the panel's two halves, 16 steps
+static void load_tiles(int R) {
+  TileConfig c;
+  for (int t = 0; t < 5; ++t) c.colsb[t] = 64, c.rows[t] = uint8_t(t < 3 ? R : 16);
+  _tile_loadconfig(&c);
+}
+
+static void amx_pass(const uint16_t* X, const float* panel, const uint16_t* B, uint16_t* Y, int64_t m0, int64_t n0,
+                     int64_t K, int64_t N, int R) {
+  alignas(64) float sums[16 * PANEL];
+  _tile_zero(0);
+  _tile_zero(1);
+  const uint16_t* x = X + m0 * K;
+  for (int64_t k = 0; k < K; k += 32) {
+    const float* steps = panel + (k / 2) * PANEL;
+    _tile_loadd(2, x + k, K * 2);
+    _tile_loadd(3, steps, PANEL * 4);
+    _tile_loadd(4, steps + VW, PANEL * 4);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, sums, PANEL * 4);
+  _tile_stored(1, sums + VW, PANEL * 4);
+  for (int r = 0; r < NR; ++r) {  // as pass() ends: the bias in float32, one rounding
+    const int64_t left = N - n0 - r * VW;
+    if (left <= 0) break;
+    const int n = int(std::min<int64_t>(left, VW));
+    const vec b = B ? BF16::bias(B + n0 + r * VW, n) : vzero();
+    for (int i = 0; i < R; ++i) BF16::store(Y + (m0 + i) * N + n0 + r * VW, vadd(vload(sums + i * PANEL + r * VW), b), n);
+  }
+}
+
+// rows_linear_of<BF16>'s contract; a K that is not a multiple of 32 takes the AVX512-BF16 path (whole layers: each
+// layer's rows still sum alike at any number of rows)
+static void rows_linear_amx(int64_t x_ptr, int64_t packed_ptr, int64_t bias_ptr, int64_t y_ptr, int64_t M, int64_t K,
+                            int64_t N) {
+  if (K % 32 != 0 || !amx_permitted()) return rows_linear_of<BF16>(x_ptr, packed_ptr, bias_ptr, y_ptr, M, K, N);
+  const uint16_t* X = reinterpret_cast<const uint16_t*>(x_ptr);
+  const uint16_t* B = reinterpret_cast<const uint16_t*>(bias_ptr);
+  const float* packed = reinterpret_cast<const float*>(packed_ptr);
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y_ptr);
+  const int64_t panels = (N + PANEL - 1) / PANEL, lanes = (K / 2) * PANEL;
+  pybind11::gil_scoped_release unlocked;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    int loaded = 0;  // the tile configuration is each thread's own
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {  // the later passes read the panel from the caches
+        const int R = int(std::min<int64_t>(16, M - m0));
+        if (R != loaded) load_tiles(R), loaded = R;
+        amx_pass(X, packed + p * lanes, B, Y, m0, p * PANEL, K, N, R);
+      }
+    _tile_release();
+  });
+}
+#else
+#define HAS_AMX 0
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("panel") = PANEL;
   m.def("rows_linear", &rows_linear_of<F32>, "y = x @ w.T (+ b) for a few float32 rows, w packed (pack_weight)");
 #if HAS_BF16
   m.def("rows_linear_bf16", &rows_linear_of<BF16>,
         "y = x @ w.T (+ b) for a few bfloat16 rows (float32 sums and bias, rounded to nearest even), w packed");
+#endif
+#if HAS_AMX
+  m.def("rows_linear_amx", &rows_linear_amx, "rows_linear_bf16 on AMX's tiles (its own summation: bitwise the same "
+        "at any number of rows, not the same as rows_linear_bf16's)");
+  m.def("amx_permitted", &amx_permitted, "whether Linux gave this process AMX's tile state");
 #endif
 }

@@ -9,7 +9,7 @@ by every row; each output is one vector lane summing its k in order, so a row's 
 verify it is part of, and no lanes are summed across at the end (the kernel before this one read ``nn.Linear``'s
 own layout and summed each output's lanes: as long as the products themselves at K = 576). On an Intel CPU a
 float32 1-token step stays on torch's GEMV (MKL's) and 2-16 rows take the kernel, a bfloat16 step of 1-16 rows
-takes it; on other vendors' CPUs MKL's small-row paths are slow and the kernel takes every step from one row to 64
+takes it (1-64 on AMX's tiles, below); on other vendors' CPUs MKL's small-row paths are slow and the kernel takes every step from one row to 64
 (``row_range``).
 
 ``use_row_kernel(model)`` switches every plain ``nn.Linear`` of a model to it. A switched layer uses the kernel
@@ -28,6 +28,14 @@ instruction sums a pair of bf16 products into each float32 lane; the bias added 
 to bf16, to nearest even): on the AMD EPYC torch's bf16 linears read their weights at 9-14 GB/s; on the Intel Xeon
 with AMX torch's bf16 GEMM takes ~54 ms for the backbone's pass over 1-8 rows where the kernel takes 37-55.
 A draft vocabulary's rows of the LM head take the kernel as the LM head does (``step_linear``).
+
+AMX: where the CPU also has AMX's tiles (Intel's from Sapphire Rapids; ``amx_possible``), bfloat16 layers run on them
+from the same packed panels (one tile instruction multiplies 16 rows by 32 k of 16 outputs): the backbone's linears
+over 1 / 16 / 32 / 64 rows take 14.0 / 16.2 / 18.9 / 26.5 ms on the AMX CPU, at its measured read rate, where the
+AVX512-BF16 path takes 15.9 / 37.1 / 59.0 / 109.5 and torch's AMX GEMM (packing the weights each call) ~30-40: so
+bfloat16 steps of 1-64 rows take it there (``MAX_ROWS_AMX``). Its sums are each row's alone, in the same order at any
+number of rows, so tree decoding there is plain greedy too; they are not the AVX512-BF16 path's (~1 output in 8,000
+rounds otherwise), so a cached reply names which it was made on (``linears_for``).
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ MAX_ROWS = 16
 #: the fewest bfloat16 rows it takes on an Intel CPU: from one (the AMX CPU, the backbone's bf16 pass over 1 / 2 / 4 /
 #: 8 / 16 / 32 rows: torch's AMX GEMM 54.3 / 55.7 / 53.7 / 59.5 / 62.4 / 72.4 ms, the kernel 36.8 / 40.8 / 44.7 /
 #: 55.3 / 64.9 / 88.2; twentieth session, docs/results.md): a plain step and a verify over up to 16 nodes then sum
-#: alike, so bf16 tree decoding there is plain greedy for trees of up to ``MAX_ROWS`` nodes
+#: alike, so bf16 tree decoding there is plain greedy for trees of up to ``MAX_ROWS`` nodes (an Intel CPU without
+#: AMX's tiles: with them, ``MAX_ROWS_AMX``)
 MIN_ROWS_BF16 = 1
 #: on any other CPU, from one row: MKL gives other vendors' CPUs slower small-row paths (AMD EPYC, AVX-512, float32:
 #: the backbone's 1-token pass 48.6 ms on MKL's GEMV, 31.1 ms on the kernel; a 2-token pass 74.4 against 36.9).
@@ -62,6 +71,9 @@ MIN_ROWS_ELSEWHERE = 1
 #: ... and to 64 rows, a verify over the largest tree (AMD EPYC, float32, the backbone's pass over 32 / 64 tokens:
 #: 127 / 175 ms on torch's GEMM, 80 / 135 on the kernel; the same on the AVX2 code paths)
 MAX_ROWS_ELSEWHERE = 64
+#: bfloat16 rows on AMX's tiles (``amx_possible``): from one to 64, a verify over the largest tree (the AMX CPU, the
+#: backbone's linears over 1 / 16 / 64 rows: 14.0 / 16.2 / 26.5 ms on the tiles, ~30 / 30 / 37 on torch's AMX GEMM)
+MAX_ROWS_AMX = 64
 ENV_SWITCH = "MEDUSA_TRAIN_ROW_KERNEL"  #: ``0`` / ``off``: never switch layers
 SOURCE = Path(__file__).with_suffix(".cpp")  #: rows.cpp beside this file
 
@@ -88,6 +100,8 @@ def row_range(dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     isa = cpu_isa()
     if isa is None:
         return 1, 0
+    if dtype == torch.bfloat16 and amx_possible():
+        return 1, MAX_ROWS_AMX
     if cpu_vendor() in ("GenuineIntel", None):
         return (MIN_ROWS_BF16 if dtype == torch.bfloat16 else MIN_ROWS[isa]), MAX_ROWS
     return MIN_ROWS_ELSEWHERE, MAX_ROWS_ELSEWHERE
@@ -98,6 +112,14 @@ def bf16_possible() -> bool:
     bfloat16 linears stream their weights at 9-14 GB/s where the kernel's bf16 path reaches 19-27; on the Intel Xeon
     it is faster than torch's AMX GEMM at 1-8 rows: ``MIN_ROWS_BF16``; docs/results.md, "Step cost")."""
     return cpu_isa() == "AVX512" and "avx512_bf16" in native.cpu_flags()
+
+
+@functools.cache
+def amx_possible() -> bool:
+    """Whether bfloat16 layers run on AMX's tiles here: the kernel was built with AMX's flags (a CPU with AMX-BF16, a
+    compiler that knows them) and Linux gave this process the tiles' state (asked for once, as oneDNN asks)."""
+    kernel = row_kernel()
+    return not isinstance(kernel, str) and hasattr(kernel, "rows_linear_amx") and bool(kernel.amx_permitted())
 
 
 @functools.cache
@@ -151,7 +173,8 @@ def _rows_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tens
     bias = None if bias is None else bias.detach().to(x.dtype).contiguous()
     y = torch.empty(x.shape[0], n, dtype=x.dtype)
     kernel = row_kernel()
-    run = kernel.rows_linear if x.dtype == torch.float32 else kernel.rows_linear_bf16
+    run = (kernel.rows_linear if x.dtype == torch.float32
+           else kernel.rows_linear_amx if amx_possible() else kernel.rows_linear_bf16)
     run(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], n)
     return y
 
@@ -223,7 +246,7 @@ def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
     for layer in layers:
         layer.__class__ = RowLinear
     kinds = sorted({str(m.weight.dtype).removeprefix("torch.") for m in layers})
-    bf16 = ", AVX512-BF16" if torch.bfloat16 in row_dtypes() else ""
+    bf16 = (", AVX512-BF16" + (", AMX" if amx_possible() else "")) if torch.bfloat16 in row_dtypes() else ""
     return len(layers), f"row kernel: {len(layers)} {' and '.join(kinds)} linear layers ({cpu_isa()}{bf16})"
 
 
@@ -251,12 +274,12 @@ def without_row_kernel(model: torch.nn.Module) -> int:
 
 def linears_for(device: torch.device | str, dtype: torch.dtype) -> str:
     """What a decoding step's linear layers run on for a backbone on ``device`` in ``dtype`` once ``use_row_kernel``
-    has run: the row kernel (``row kernel, panels (AVX512)``) or ``torch``. Its sums round differently from torch's
+    has run: the row kernel (``row kernel, panels (AVX512)``; bfloat16 on AMX: ``row kernel, AMX tiles``) or ``torch``. Its sums round differently from torch's
     (and from those of the kernel before it, which summed each output's lanes at the end), so a cached greedy reply
     names the one it was made on."""
     if torch.device(device).type != "cpu" or dtype not in row_dtypes():
         return "torch"
-    return f"row kernel, panels ({cpu_isa()})"
+    return "row kernel, AMX tiles" if dtype == torch.bfloat16 and amx_possible() else f"row kernel, panels ({cpu_isa()})"
 
 
 def linear_path(model: torch.nn.Module) -> str:

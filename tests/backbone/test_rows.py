@@ -4,7 +4,8 @@ What it must hold: the product of ``F.linear`` to float32 accuracy on any shape 
 included); each row's output bitwise the same whatever rows sit beside it (every verify a row is part of agrees); every other
 call (a float32 1-token step on Intel, autograd, bfloat16 with a bias, a prefill's many rows) exactly ``F.linear``'s; greedy
 decoding unchanged; a model's weights and state dict untouched. Where the CPU has AVX512-BF16, bfloat16
-rows too: the float32 sum of their exact products rounded once, and bitwise the same beside any other rows.
+rows too: the float32 sum of their exact products rounded once, and bitwise the same beside any other rows; where it
+has AMX as well, bfloat16 rows on its tiles: the same accuracy and bitwise the same beside any other rows.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from medusa_train import MedusaModel
 from medusa_train.backbone.native import cpu_flags, cpu_isa
 from medusa_train.backbone.rows import (
     MAX_ROWS,
+    MAX_ROWS_AMX,
     MAX_ROWS_ELSEWHERE,
     MIN_ROWS,
     MIN_ROWS_BF16,
     RowLinear,
+    amx_possible,  # noqa: F401 (the AMX test's skipif condition)
     linear_path,
+    pack_weight,
     row_dtypes,
     row_kernel,
     row_kernel_during,
@@ -86,7 +90,7 @@ def test_other_calls_are_exactly_torchs(kernel):
     layer.__class__ = RowLinear
     fewest, most = row_range()
     assert (fewest, most) in [(MIN_ROWS[cpu_isa()], MAX_ROWS), (1, MAX_ROWS_ELSEWHERE)]
-    assert row_range(torch.bfloat16) in [(MIN_ROWS_BF16, MAX_ROWS), (1, MAX_ROWS_ELSEWHERE)]
+    assert row_range(torch.bfloat16) in [(MIN_ROWS_BF16, MAX_ROWS), (1, MAX_ROWS_ELSEWHERE), (1, MAX_ROWS_AMX)]
     many = torch.randn(most + 1, 24, generator=g)  # a prefill's rows
     with torch.no_grad():
         assert torch.equal(layer(many), reference(many))
@@ -210,6 +214,38 @@ def test_bfloat16_rows_are_the_float32_sums_rounded_once(kernel, n, k):
         assert torch.equal(rows_linear(x[start:start + rows], w), together[start:start + rows]), (start, rows)
 
 
+@pytest.mark.skipif("not amx_possible()", reason="bfloat16 on AMX's tiles: CPUs with AMX-BF16 (Intel's, from Sapphire "
+                    "Rapids)")
+@pytest.mark.parametrize("n, k", SHAPES + [(100, 64), (3072, 576), (576, 1536)])
+def test_bfloat16_rows_on_amx_tiles_sum_alike_at_any_number_of_rows(kernel, n, k):
+    """Each row's outputs bitwise the same at 1-64 rows, bias or none, the float32 sums rounded once as the AVX512-BF16
+    path's are, but not summed alike (~1 output in 8,000 rounds otherwise), so replies made on one are named apart
+    from the other's (``linears_for``); a K that is not a multiple of 32 takes the AVX512-BF16 path itself."""
+    assert row_range(torch.bfloat16) == (1, MAX_ROWS_AMX)
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(MAX_ROWS_AMX, k, generator=g).bfloat16()
+    packed, built = pack_weight(w), row_kernel()
+    xp = x if k % 2 == 0 else torch.nn.functional.pad(x, (0, 1))
+
+    def run(path, first, rows, bias):
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        part = xp[first:first + rows].contiguous()
+        path(part.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), rows,
+             xp.shape[1], n)
+        return y
+
+    for bias in (None, b):
+        tiles = run(built.rows_linear_amx, 0, MAX_ROWS_AMX, bias)
+        for first, rows in [(0, 1), (7, 1), (0, 2), (3, 15), (0, 16), (5, 17), (30, 33)]:
+            assert torch.equal(run(built.rows_linear_amx, first, rows, bias), tiles[first:first + rows]), (first, rows)
+        exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        torch.testing.assert_close(tiles.double(), exact, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
+        avx512 = run(built.rows_linear_bf16, 0, MAX_ROWS_AMX, bias)
+        differ = float((tiles != avx512).float().mean())
+        assert differ == 0 if k % 32 else differ < 1e-3, differ
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_bias_is_added_to_the_float32_sums_before_their_one_rounding(kernel, dtype):
     """float32: bitwise the bias added to the kernel's sums afterwards; bfloat16 (where the kernel takes it): the
@@ -277,6 +313,27 @@ def test_a_compiler_without_the_bf16_flag_still_builds_the_float32_kernel(kernel
         monkeypatch.undo()
         rows.row_kernel.cache_clear(), rows.row_dtypes.cache_clear()
     assert torch.bfloat16 in rows.row_dtypes() or not rows.bf16_possible()
+
+
+@pytest.mark.skipif(not {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags() or cpu_isa() != "AVX512",
+                    reason="only where the build adds AMX's flags")
+def test_a_compiler_without_amxs_flags_still_builds_the_bf16_kernel(kernel, monkeypatch):
+    from medusa_train.backbone import native, rows
+
+    monkeypatch.setattr(native, "AMX_FLAGS", ["-mno-such-flag-here"])
+    caches = (rows.row_kernel, rows.row_dtypes, rows.amx_possible, rows.row_range)
+    [c.cache_clear() for c in caches]
+    try:
+        built = rows.row_kernel()
+        assert not isinstance(built, str), built
+        assert not hasattr(built, "rows_linear_amx") and not rows.amx_possible()
+        assert rows.row_dtypes() == frozenset({torch.float32, torch.bfloat16})
+        assert rows.row_range(torch.bfloat16) == (MIN_ROWS_BF16, MAX_ROWS)  # Intel's without AMX
+    finally:
+        monkeypatch.undo()
+        [c.cache_clear() for c in caches]
+    assert rows.amx_possible() and rows.row_range(torch.bfloat16) == (1, MAX_ROWS_AMX)  # each cached from the build
+    assert torch.bfloat16 in rows.row_dtypes()
 
 
 @pytest.mark.skipif(cpu_isa() != "AVX512", reason="on an AVX2 CPU the tests above run the AVX2 build itself")
