@@ -284,5 +284,8 @@ def linears_for(device: torch.device | str, dtype: torch.dtype) -> str:
 
 def linear_path(model: torch.nn.Module) -> str:
     """What a decoding step's linear layers run on, for a report: the row kernel or torch's GEMM."""
-    switched = sum(type(m) is RowLinear for m in model.modules())
-    return f"row kernel ({cpu_isa()}, {switched} layers)" if switched else "torch GEMM"
+    switched = [m for m in model.modules() if type(m) is RowLinear]
+    if not switched:
+        return "torch GEMM"
+    tiles = ", AMX tiles" if amx_possible() and any(m.weight.dtype == torch.bfloat16 for m in switched) else ""
+    return f"row kernel ({cpu_isa()}{tiles}, {len(switched)} layers)"

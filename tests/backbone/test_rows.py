@@ -28,6 +28,7 @@ from medusa_train.backbone.rows import (
     RowLinear,
     amx_possible,  # noqa: F401 (the AMX test's skipif condition)
     linear_path,
+    linears_for,
     pack_weight,
     row_dtypes,
     row_kernel,
@@ -222,6 +223,9 @@ def test_bfloat16_rows_on_amx_tiles_sum_alike_at_any_number_of_rows(kernel, n, k
     path's are, but not summed alike (~1 output in 8,000 rounds otherwise), so replies made on one are named apart
     from the other's (``linears_for``); a K that is not a multiple of 32 takes the AVX512-BF16 path itself."""
     assert row_range(torch.bfloat16) == (1, MAX_ROWS_AMX)
+    assert linears_for("cpu", torch.bfloat16) == "row kernel, AMX tiles" != linears_for("cpu", torch.float32)
+    layers = torch.nn.Sequential(torch.nn.Linear(k, n).bfloat16())
+    assert use_row_kernel(layers)[0] == 1 and linear_path(layers) == "row kernel (AVX512, AMX tiles, 1 layers)"
     g = torch.Generator().manual_seed(n * 7 + k)
     w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     x = torch.randn(MAX_ROWS_AMX, k, generator=g).bfloat16()
