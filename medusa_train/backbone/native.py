@@ -89,8 +89,8 @@ def build_for_cpu(stem: str, source: Path, switch: str | None = None):
         return f"not built: this CPU's capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2 or AVX-512"
     # a compiler without AMX's flags, or without AVX512-BF16's, still builds the rest
     full = build_flags(isa)
-    tries = [f for f in (full, [x for x in full if x not in AMX_FLAGS], ISA_FLAGS[isa])]
-    tries = [f for i, f in enumerate(tries) if f not in tries[:i]]
+    tries = [full, [x for x in full if x not in AMX_FLAGS], ISA_FLAGS[isa]]
+    tries = [f for i, f in enumerate(tries) if f not in tries[:i]]  # each set of flags once
     failures = []
     for flags in tries:
         built = build(stem, source, isa, flags)

@@ -75,6 +75,9 @@ MAX_ROWS_ELSEWHERE = 64
 #: backbone's linears over 1 / 16 / 64 rows: 14.0 / 16.2 / 26.5 ms on the tiles, ~30 / 30 / 37 on torch's AMX GEMM)
 MAX_ROWS_AMX = 64
 ENV_SWITCH = "MEDUSA_TRAIN_ROW_KERNEL"  #: ``0`` / ``off``: never switch layers
+#: ``0`` / ``off``: bfloat16 stays on the AVX512-BF16 path where the CPU has AMX (a benchmark's "before", or a machine
+#: whose tiles misbehave)
+AMX_SWITCH = "MEDUSA_TRAIN_AMX_TILES"
 SOURCE = Path(__file__).with_suffix(".cpp")  #: rows.cpp beside this file
 
 
@@ -117,7 +120,10 @@ def bf16_possible() -> bool:
 @functools.cache
 def amx_possible() -> bool:
     """Whether bfloat16 layers run on AMX's tiles here: the kernel was built with AMX's flags (a CPU with AMX-BF16, a
-    compiler that knows them) and Linux gave this process the tiles' state (asked for once, as oneDNN asks)."""
+    compiler that knows them) and Linux gave this process the tiles' state (asked for once, as oneDNN asks), unless
+    ``MEDUSA_TRAIN_AMX_TILES=0``."""
+    if native.switched_off(AMX_SWITCH):
+        return False
     kernel = row_kernel()
     return not isinstance(kernel, str) and hasattr(kernel, "rows_linear_amx") and bool(kernel.amx_permitted())
 
