@@ -257,7 +257,8 @@ static void amx_pass(const uint16_t* X, const float* panel, const uint16_t* B, u
     if (left <= 0) break;
     const int n = int(std::min<int64_t>(left, VW));
     const vec b = B ? BF16::bias(B + n0 + r * VW, n) : vzero();
-    for (int i = 0; i < R; ++i) BF16::store(Y + (m0 + i) * N + n0 + r * VW, vadd(vload(sums + i * PANEL + r * VW), b), n);
+    for (int i = 0; i < R; ++i)
+      BF16::store(Y + (m0 + i) * N + n0 + r * VW, vadd(vload(sums + i * PANEL + r * VW), b), n);
   }
 }
 

@@ -9,8 +9,8 @@ by every row; each output is one vector lane summing its k in order, so a row's 
 verify it is part of, and no lanes are summed across at the end (the kernel before this one read ``nn.Linear``'s
 own layout and summed each output's lanes: as long as the products themselves at K = 576). On an Intel CPU a
 float32 1-token step stays on torch's GEMV (MKL's) and 2-16 rows take the kernel, a bfloat16 step of 1-16 rows
-takes it (1-64 on AMX's tiles, below); on other vendors' CPUs MKL's small-row paths are slow and the kernel takes every step from one row to 64
-(``row_range``).
+takes it (1-64 on AMX's tiles, below); on other vendors' CPUs MKL's small-row paths are slow and the kernel takes
+every step from one row to 64 (``row_range``).
 
 ``use_row_kernel(model)`` switches every plain ``nn.Linear`` of a model to it. A switched layer uses the kernel
 only where it applies (no autograd, CPU tensors of a dtype ``row_dtypes`` has, the rows ``row_range`` gives) and
@@ -252,7 +252,7 @@ def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
     for layer in layers:
         layer.__class__ = RowLinear
     kinds = sorted({str(m.weight.dtype).removeprefix("torch.") for m in layers})
-    bf16 = (", AVX512-BF16" + (", AMX" if amx_possible() else "")) if torch.bfloat16 in row_dtypes() else ""
+    bf16 = (", AVX512-BF16" + (", AMX tiles" if amx_possible() else "")) if torch.bfloat16 in row_dtypes() else ""
     return len(layers), f"row kernel: {len(layers)} {' and '.join(kinds)} linear layers ({cpu_isa()}{bf16})"
 
 
@@ -280,12 +280,14 @@ def without_row_kernel(model: torch.nn.Module) -> int:
 
 def linears_for(device: torch.device | str, dtype: torch.dtype) -> str:
     """What a decoding step's linear layers run on for a backbone on ``device`` in ``dtype`` once ``use_row_kernel``
-    has run: the row kernel (``row kernel, panels (AVX512)``; bfloat16 on AMX: ``row kernel, AMX tiles``) or ``torch``. Its sums round differently from torch's
-    (and from those of the kernel before it, which summed each output's lanes at the end), so a cached greedy reply
-    names the one it was made on."""
+    has run: the row kernel (``row kernel, panels (AVX512)``; bfloat16 on AMX: ``row kernel, AMX tiles``) or
+    ``torch``. Its sums round differently from torch's (and from those of the kernel before it, which summed each
+    output's lanes at the end; the tiles' from the panels'), so a cached greedy reply names the one it was made on."""
     if torch.device(device).type != "cpu" or dtype not in row_dtypes():
         return "torch"
-    return "row kernel, AMX tiles" if dtype == torch.bfloat16 and amx_possible() else f"row kernel, panels ({cpu_isa()})"
+    if dtype == torch.bfloat16 and amx_possible():
+        return "row kernel, AMX tiles"
+    return f"row kernel, panels ({cpu_isa()})"
 
 
 def linear_path(model: torch.nn.Module) -> str:

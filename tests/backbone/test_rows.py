@@ -345,23 +345,24 @@ def test_the_tiles_switched_off_leave_bf16_on_the_avx512_bf16_path(kernel, monke
     from medusa_train.backbone import rows
 
     g = torch.Generator().manual_seed(3)
-    w, x = torch.randn(1536, 576, generator=g).bfloat16(), torch.randn(16, 576, generator=g).bfloat16()
+    w, x = torch.randn(1536, 576, generator=g).bfloat16(), torch.randn(64, 576, generator=g).bfloat16()
     packed = pack_weight(w)
+    tiles, y = (torch.empty(64, 1536, dtype=torch.bfloat16) for _ in range(2))
+    kernel.rows_linear_amx(x.data_ptr(), packed.data_ptr(), 0, tiles.data_ptr(), 64, 576, 1536)
+    kernel.rows_linear_bf16(x.data_ptr(), packed.data_ptr(), 0, y.data_ptr(), 64, 576, 1536)
+    if torch.equal(tiles, y):  # ~12 of these 98,304 outputs differ on the AMX CPU: which path ran shows in them
+        pytest.skip("the two paths sum these inputs alike on this CPU: the switch cannot be told from the outputs")
     monkeypatch.setenv(rows.AMX_SWITCH, "0")
     caches = (rows.amx_possible, rows.row_range)
     [c.cache_clear() for c in caches]
     try:
         assert not rows.amx_possible() and rows.row_range(torch.bfloat16) == (MIN_ROWS_BF16, MAX_ROWS)
         assert linears_for("cpu", torch.bfloat16) == "row kernel, panels (AVX512)"
-        off = rows_linear(x, w, packed)
-        y = torch.empty(16, 1536, dtype=torch.bfloat16)
-        kernel.rows_linear_bf16(x.data_ptr(), packed.data_ptr(), 0, y.data_ptr(), 16, 576, 1536)
-        assert torch.equal(off, y)  # the AVX512-BF16 path's own sums
+        assert torch.equal(rows_linear(x, w, packed), y)  # the AVX512-BF16 path's own sums
     finally:
         monkeypatch.undo()
         [c.cache_clear() for c in caches]
-    kernel.rows_linear_amx(x.data_ptr(), packed.data_ptr(), 0, y.data_ptr(), 16, 576, 1536)
-    assert rows.amx_possible() and torch.equal(rows_linear(x, w, packed), y)  # the tiles again
+    assert rows.amx_possible() and torch.equal(rows_linear(x, w, packed), tiles)  # the tiles again
 
 
 @pytest.mark.skipif(cpu_isa() != "AVX512", reason="on an AVX2 CPU the tests above run the AVX2 build itself")
