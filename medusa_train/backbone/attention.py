@@ -114,14 +114,15 @@ def head_dim_of(backbone) -> int | None:
 def attention_for(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> str:
     """What a decoding step's attention runs for a model on ``device`` in ``dtype`` (heads of ``head_dim``) in this
     process: ``sdpa`` (as transformers has it), or with ``use_grouped_attention``'s CPU paths (``sdpa, CPU steps:
-    ...``). The float32 1-token step of a bf16 model rounds otherwise than torch's bf16 one, so a cached greedy reply
-    names it."""
+    ...``). The float32 1-token step of a bf16 model rounds otherwise than torch's bf16 one, and the step attention's
+    AVX-512 build sums a score in one lane since the twenty-second session (before, across a vector's lanes), so a
+    cached greedy reply names which it was made on."""
     registered = AttentionInterface._global_mapping.get("sdpa")
     if registered not in (step_sdpa_forward, grouped_sdpa_forward) or torch.device(device).type != "cpu":
         return "sdpa"
     taken = steps_taken(head_dim) if registered is step_sdpa_forward and dtype in STEP_DTYPES else None
     if taken == "all":
-        return "sdpa, CPU steps: step attention, rows alone in float32"
+        return "sdpa, CPU steps: step attention, rows alone in float32, a key to a lane"
     if taken == "1 query":
         return "sdpa, CPU steps: step attention for 1 token, grouped for more"
     return "sdpa, CPU steps: grouped" + (", 1 token in float32" if dtype in WIDENED else "")

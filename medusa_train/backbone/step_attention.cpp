@@ -5,8 +5,9 @@
 // float32 whatever the element type (float32 or bfloat16; a bf16 output rounded once, to nearest even).
 //
 // Every query row is computed alone, by one thread, keys in order, each key's score by the same sequence of
-// operations (its dot product's lanes summed by one fixed tree), and a key whose weight is exactly zero (masked out,
-// or one whose exp underflows) is skipped. So a row's output is bitwise the same whatever other rows share the call
+// operations (AVX-512: its own lane's sum over the head's elements in order, 16 keys a vector; AVX2: its dot product's
+// lanes summed by one fixed tree), and a key whose weight is exactly zero (masked out, or one whose exp underflows)
+// changes no sum. So a row's output is bitwise the same whatever other rows share the call
 // and whatever masked-out keys lie between its own: a verify step's node attends exactly as the same token would in a
 // plain step over the same text. torch's SDPA at one or a few queries costs ~20x its reads here (0.04-0.09 ms a layer
 // over 142 cached keys, docs/results.md "Step cost").
@@ -138,19 +139,167 @@ struct BF16 {
 
 enum MaskKind { NO_MASK = 0, ADDITIVE = 1, ALLOWED = 2 };  // none; float32, added to the scores; bool, true: attend
 
-// R query rows of one key head against its L keys, the head dimension C vectors (both known when compiled, so the R x C
-// sums stay in registers): the keys and values read once for all R rows. Rows are independent: each one's sums are
-// what they would be alone.
+// One query row of a task: a task's rows all read one key head's L keys, the head dimension C vectors (both known when
+// compiled, so the sums stay in registers), the keys and values read once for all of them. Rows are independent:
+// each one's sums are what they would be alone.
 struct Row {
   const void* q;     // its query (D elements)
   const void* mask;  // its mask row (or none)
   void* out;         // its output (D elements)
 };
 
+constexpr bool HOLD = VW == 16;  // whether a value's vectors are held in registers while the rows use them
+
+// rows a value block holds: R x C sums in registers (AVX-512: 16 of its 32, beside the value's C vectors; with more
+// rows GCC kept every sum in memory as well, stored at each key: 1.65x the time at 6 rows; AVX2: 14 of its 16)
+template <int C>
+constexpr int rows_for() {
+  return std::max(1, VW == 16 ? 16 / C : 14 / C);
+}
+
+// rows a task takes: its scores' words laid out once for all of them (AVX-512: a 16-key block's transposition shared
+// by up to 16 rows), their weighted values in blocks of rows_for
+template <int C>
+constexpr int task_rows() {
+  return VW == 16 ? rows_for<C>() * std::max(1, 16 / rows_for<C>()) : rows_for<C>();
+}
+
+#if VW == 16
+// A 16 x 16 block of 32-bit elements transposed: lane c of in[r] becomes lane r of out[c].
+static inline void transpose16(const __m512 in[16], __m512 out[16]) {
+  __m512 t[16], u[16], w[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int c = 0; c < 4; ++c) {
+      w[8 * i + c] = _mm512_shuffle_f32x4(u[8 * i + c], u[8 * i + 4 + c], 0x88);
+      w[8 * i + 4 + c] = _mm512_shuffle_f32x4(u[8 * i + c], u[8 * i + 4 + c], 0xdd);
+    }
+  for (int c = 0; c < 8; ++c) {
+    out[c] = _mm512_shuffle_f32x4(w[c], w[8 + c], 0x88);
+    out[8 + c] = _mm512_shuffle_f32x4(w[c], w[8 + c], 0xdd);
+  }
+}
+
+// How a key head's elements are scored, 16 keys at a time with one key to a lane: a score is its lane's sum over the
+// head's 32-bit words in order (a float32 element, a bf16 pair on AVX512-BF16's dot product, or a bf16 element widened
+// where that instruction is missing), the same sequence of operations for every key and every query row.
+template <class E>
+struct Words {
+#if defined(__AVX512BF16__)
+  static constexpr bool PAIRED = E::PAIRS;
+#else
+  static constexpr bool PAIRED = false;
+#endif
+  static constexpr int per(int D) { return PAIRED ? D / 2 : D; }  // words in a key of D elements
+  // words [w, w + count) of a key row (count <= 16), lanes past count zero
+  static inline __m512 load(const typename E::T* key, int w, int count) {
+    const __mmask16 m = __mmask16((1u << count) - 1);
+    if constexpr (PAIRED) return _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(m, key + 2 * w));
+    if constexpr (E::PAIRS) return count == VW ? E::load(key + w) : _mm512_maskz_mov_ps(m, E::load(key + w));
+    return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(key) + w);
+  }
+  // one row's query as the words its scores multiply (a widened bf16 query: float32)
+  static inline void query(const typename E::T* q, int D, float* out) {
+    if constexpr (PAIRED || !E::PAIRS) {
+      std::memcpy(out, q, size_t(D) * sizeof(typename E::T));
+    } else {
+      for (int c = 0; c < D; c += VW) vstore(out + c, E::load(q + c));
+    }
+  }
+  static inline vec step(vec acc, const float* q, int w, __m512 key) {
+#if defined(__AVX512BF16__)
+    if constexpr (PAIRED) {
+      int32_t pair;  // the query's pair w, its bits as they are
+      std::memcpy(&pair, q + w, sizeof(pair));
+      return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)_mm512_castps_si512(key));
+    }
+#endif
+    return vfma(vset(q[w]), key, acc);
+  }
+};
+
+// keys [j0, j0 + n) of a key head (n <= 16), key j0 + l in lane l of kt[w], word by word; lanes past n zero
+template <class E, int W>
+static inline void key_block(const typename E::T* k, int64_t D, int n, __m512* kt) {
+  __m512 in[16], out[16];
+  for (int w0 = 0; w0 < W; w0 += 16) {
+    const int count = std::min(16, W - w0);
+    for (int l = 0; l < 16; ++l) in[l] = l < n ? Words<E>::load(k + l * D, w0, count) : _mm512_setzero_ps();
+    transpose16(in, out);
+    for (int c = 0; c < count; ++c) kt[w0 + c] = out[c];
+  }
+}
+
+// each key's score for a task's rows (count of them, at most 16), their largest in top: the keys 16 at a time, a key to
+// a lane (above), each block transposed once for all the rows, Q rows' sums in registers at once; times scale, plus the
+// mask. Masked-out keys (a boolean mask's) score -inf.
+template <class E, int C, int Q>
+static void scores(const Row* rows, int count, const typename E::T* k, int mask_kind, int64_t L, float scale, float* s,
+                   float* top) {
+  constexpr int D = C * VW, W = Words<E>::per(D);
+  const float lowest = -std::numeric_limits<float>::infinity();
+  static_assert(task_rows<C>() <= 16, "a task's rows share one transposition of each 16-key block");
+  alignas(64) float q[16][D];  // the task's queries, as words
+  alignas(64) __m512 kt[W];
+  vec best[16];
+  __mmask16 bad[16];
+  for (int r = 0; r < count; ++r) {
+    Words<E>::query(static_cast<const typename E::T*>(rows[r].q), D, q[r]);
+    best[r] = vset(lowest);
+    bad[r] = 0;
+  }
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {
+    const int n = int(std::min<int64_t>(16, L - j0));
+    const __mmask16 m = __mmask16((1u << n) - 1);
+    key_block<E, W>(k + j0 * D, D, n, kt);
+    for (int r0 = 0; r0 < count; r0 += Q) {
+      const int rows_now = std::min(Q, count - r0);
+      vec acc[Q];
+      for (int r = 0; r < Q; ++r) acc[r] = vzero();
+      for (int w = 0; w < W; ++w) {
+        const __m512 key = kt[w];
+        for (int r = 0; r < Q; ++r) {
+          if (r >= rows_now) break;
+          acc[r] = Words<E>::step(acc[r], q[r0 + r], w, key);
+        }
+      }
+      for (int r = 0; r < rows_now; ++r) {
+        const Row& row = rows[r0 + r];
+        vec score = vmul(acc[r], vset(scale));
+        if (mask_kind == ADDITIVE) {
+          score = _mm512_add_ps(score, _mm512_maskz_loadu_ps(m, static_cast<const float*>(row.mask) + j0));
+        } else if (mask_kind == ALLOWED) {
+          alignas(16) unsigned char allowed[16] = {0};
+          std::memcpy(allowed, static_cast<const bool*>(row.mask) + j0, size_t(n));
+          const __m512i flags = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(allowed)));
+          score = _mm512_mask_mov_ps(vset(lowest), _mm512_test_epi32_mask(flags, flags), score);
+        }
+        _mm512_mask_storeu_ps(s + (r0 + r) * L + j0, m, score);
+        bad[r0 + r] |= _mm512_mask_cmp_ps_mask(m, score, score, _CMP_UNORD_Q);
+        best[r0 + r] = _mm512_mask_max_ps(best[r0 + r], m, best[r0 + r], score);
+      }
+    }
+  }
+  for (int r = 0; r < count; ++r)
+    top[r] = bad[r] ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(best[r]);  // a NaN: output NaN
+}
+
+#else
 // how many rows' queries the scores hold in registers at once: Q x C of them, beside Q sums and C keys
 template <int C>
 constexpr int score_rows() {
-  return std::max(1, (VW == 16 ? 24 : 14) / (C + 1));
+  return std::max(1, 14 / (C + 1));
 }
 
 // each key's score for up to Q rows (count of them), their largest in top: q . k_j summed lane by lane over the C
@@ -184,67 +333,13 @@ static void scores(const Row* rows, int count, const typename E::T* k, int mask_
   }
   for (int r = 0; r < count; ++r) top[r] = best[r];
 }
-
-#if defined(__AVX512BF16__)
-// bfloat16 scores on AVX512-BF16: one instruction sums a pair of products into each float32 lane (q . k_j over the
-// C / 2 vectors of pairs in order, then vsum's tree): half the instructions of widening both to float32, the same
-// sequence for every key
-template <int C, int Q>
-static void scores_paired(const Row* rows, int count, const uint16_t* k, int mask_kind, int64_t L, float scale, float* s,
-                          float* top) {
-  constexpr int P = C / 2;  // vectors of bf16 pairs in a head
-  constexpr int64_t D = int64_t(C) * VW;
-  const float lowest = -std::numeric_limits<float>::infinity();
-  __m512bh q[Q][P];
-  for (int r = 0; r < Q; ++r)
-    for (int c = 0; c < P; ++c)
-      q[r][c] = (__m512bh)(r < count ? _mm512_loadu_si512(static_cast<const uint16_t*>(rows[r].q) + c * 2 * VW)
-                                     : _mm512_setzero_si512());
-  float best[Q];
-  for (int r = 0; r < Q; ++r) best[r] = lowest;
-  for (int64_t j = 0; j < L; ++j) {
-    const uint16_t* kj = k + j * D;
-    __m512bh kv[P];
-    for (int c = 0; c < P; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kj + c * 2 * VW);
-    for (int r = 0; r < Q; ++r) {
-      if (r >= count) break;
-      if (mask_kind == ALLOWED && !static_cast<const bool*>(rows[r].mask)[j]) {
-        s[r * L + j] = lowest;
-        continue;
-      }
-      vec acc = _mm512_dpbf16_ps(vzero(), q[r][0], kv[0]);
-      for (int c = 1; c < P; ++c) acc = _mm512_dpbf16_ps(acc, q[r][c], kv[c]);
-      float score = vsum(acc) * scale;
-      if (mask_kind == ADDITIVE) score += static_cast<const float*>(rows[r].mask)[j];
-      s[r * L + j] = score;
-      best[r] = score > best[r] || score != score ? score : best[r];  // a NaN score stays: the row's output NaN
-    }
-  }
-  for (int r = 0; r < count; ++r) top[r] = best[r];
-}
 #endif
 
-constexpr bool HOLD = VW == 16;  // whether a value's vectors are held in registers while the rows use them
-
-template <class E, int C, int R>
-static void attend_rows(const Row* rows, const typename E::T* k, const typename E::T* v, int mask_kind, int64_t L,
-                        float scale, float* s /* R x L */) {
-  typedef typename E::T T;
-  constexpr int64_t D = int64_t(C) * VW;
+// each row's scores turned into weights, in place: exp(s - top), lane by lane (a row whose every key is masked out:
+// all zero)
+static void weights(float* s, const float* top, int count, int64_t L) {
   const float lowest = -std::numeric_limits<float>::infinity();
-  constexpr int QR = score_rows<C>();
-  float top[R];
-  for (int r0 = 0; r0 < R; r0 += QR) {  // scores, QR rows at a time with their queries held in registers
-#if defined(__AVX512BF16__)
-    if constexpr (E::PAIRS && C % 2 == 0) {
-      scores_paired<C, (R < QR ? R : QR)>(rows + r0, std::min(QR, R - r0), k, mask_kind, L, scale, s + r0 * L,
-                                          top + r0);
-      continue;
-    }
-#endif
-    scores<E, C, (R < QR ? R : QR)>(rows + r0, std::min(QR, R - r0), k, mask_kind, L, scale, s + r0 * L, top + r0);
-  }
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < count; ++r) {
     float* sr = s + r * L;
     if (top[r] == lowest) {  // every key masked out: weights all zero, output zeros (SDPA: NaN; no decoder asks this)
       for (int64_t j = 0; j < L; ++j) sr[j] = 0.0f;
@@ -260,6 +355,13 @@ static void attend_rows(const Row* rows, const typename E::T* k, const typename 
       for (int64_t l = 0; j + l < L; ++l) sr[j + l] = tail[l];
     }
   }
+}
+
+// R rows' outputs: their weighted values over the keys in order, divided by the weights' sum
+template <class E, int C, int R>
+static void weighted_values(const Row* rows, const typename E::T* v, int64_t L, const float* s /* R x L */) {
+  typedef typename E::T T;
+  constexpr int64_t D = int64_t(C) * VW;
   vec acc[R][C];
   float total[R];
   for (int r = 0; r < R; ++r) {
@@ -285,48 +387,58 @@ static void attend_rows(const Row* rows, const typename E::T* k, const typename 
   }
 }
 
-// the rows of a block by how many there are (at most R)
+// the weighted values of a block's rows by how many there are (at most R)
 template <class E, int C, int R>
-static void attend_block(const Row* rows, int count, const typename E::T* k, const typename E::T* v, int mask_kind,
-                         int64_t L, float scale, float* s) {
+static void values_block(const Row* rows, int count, const typename E::T* v, int64_t L, const float* s) {
   if constexpr (R > 0) {
-    if (count == R) return attend_rows<E, C, R>(rows, k, v, mask_kind, L, scale, s);
-    attend_block<E, C, R - 1>(rows, count, k, v, mask_kind, L, scale, s);
+    if (count == R) return weighted_values<E, C, R>(rows, v, L, s);
+    values_block<E, C, R - 1>(rows, count, v, L, s);
   }
 }
 
-// rows a block holds: R x C sums in registers (AVX-512: 16 of its 32, beside the value's C vectors; with more rows GCC
-// kept every sum in memory as well, stored at each key: 1.65x the time at 6 rows; AVX2: 14 of its 16)
-template <int C>
-constexpr int rows_for() {
-  return std::max(1, VW == 16 ? 16 / C : 14 / C);
+// a task's rows (at most task_rows): scores, weights, then the weighted values rows_for at a time
+template <class E, int C>
+static void attend_rows(const Row* rows, int count, const typename E::T* k, const typename E::T* v, int mask_kind,
+                        int64_t L, float scale, float* s /* count x L */) {
+  constexpr int RB = rows_for<C>();
+  float top[task_rows<C>()];
+#if VW == 16
+  scores<E, C, 8>(rows, count, k, mask_kind, L, scale, s, top);  // 8 rows' sums in registers at once
+#else
+  constexpr int QR = score_rows<C>();
+  for (int r0 = 0; r0 < count; r0 += QR)
+    scores<E, C, QR>(rows + r0, std::min(QR, count - r0), k, mask_kind, L, scale, s + r0 * L, top + r0);
+#endif
+  weights(s, top, count, L);
+  for (int r0 = 0; r0 < count; r0 += RB)
+    values_block<E, C, RB>(rows + r0, std::min(RB, count - r0), v, L, s + r0 * L);
 }
 
 // q (Q queries, H heads, D) with strides (q_row, q_head); k, v (G heads, L keys, D) with head strides, rows of D;
 // mask (Q, >= L) rows of mask_row elements (or none); out (Q, H, D) contiguous. Head h reads key head h / (H / G).
-// Work: for each key head, its Q x H / G query rows in blocks of up to rows_for<C>, a block per task.
+// Work: for each key head, its Q x H / G query rows in blocks of up to task_rows<C>, a block per task.
 template <class E, int C>
 static void attend_c(const typename E::T* q, const typename E::T* k, const typename E::T* v, const char* mask,
                      typename E::T* out, int64_t Q, int64_t H, int64_t G, int64_t L, int64_t q_row, int64_t q_head,
                      int64_t k_head, int64_t v_head, int mask_kind, int64_t mask_row, float scale) {
-  constexpr int RB = rows_for<C>();
+  constexpr int TB = task_rows<C>();
   constexpr int64_t D = int64_t(C) * VW;
-  const int64_t group = H / G, per_head = Q * group, blocks = (per_head + RB - 1) / RB;
+  const int64_t group = H / G, per_head = Q * group, blocks = (per_head + TB - 1) / TB;
   const size_t mask_item = mask_kind == ALLOWED ? sizeof(bool) : sizeof(float);
   // a thread takes at least ~4K query-key pairs (~15 us): a plain step's few rows stay on one
-  const int64_t grain = std::max<int64_t>(1, 4096 / (L * RB));
+  const int64_t grain = std::max<int64_t>(1, 4096 / (L * std::min<int64_t>(TB, per_head)));
   at::parallel_for(0, G * blocks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(RB * L);
-    Row rows[RB];
+    std::vector<float> scores(TB * L);
+    Row rows[TB];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / blocks, first = (task % blocks) * RB;
-      const int count = int(std::min<int64_t>(RB, per_head - first));
+      const int64_t g = task / blocks, first = (task % blocks) * TB;
+      const int count = int(std::min<int64_t>(TB, per_head - first));
       for (int r = 0; r < count; ++r) {
         const int64_t i = (first + r) / group, h = g * group + (first + r) % group;
         rows[r] = Row{q + i * q_row + h * q_head, mask_kind == NO_MASK ? nullptr : mask + i * mask_row * mask_item,
                       out + (i * H + h) * D};
       }
-      attend_block<E, C, RB>(rows, count, k + g * k_head, v + g * v_head, mask_kind, L, scale, scores.data());
+      attend_rows<E, C>(rows, count, k + g * k_head, v + g * v_head, mask_kind, L, scale, scores.data());
     }
   });
 }

@@ -13,7 +13,10 @@ kernel's linears (each row's output bitwise the same beside any others, ``rows.p
 activations, a tree decoder's greedy output is a plain decoder's, token for token, on a CPU in any dtype.
 
 Sums in float32 whatever the element type (float32 or bfloat16, a bf16 output rounded once to nearest even); a bf16
-query's scores on AVX512-BF16 by its dot-product instruction (pairs of bf16 products, float32 sums). Masks: none, a
+query's scores on AVX512-BF16 by its dot-product instruction (pairs of bf16 products, float32 sums). On AVX-512 the
+scores take 16 keys at a time, a key to a lane (each 16-key block of the cache transposed once for up to 16 query rows),
+a score its lane's sum over the head's elements in order: ~1.2x faster than one score a vector (summed across its
+lanes) at 1-12 queries, 1.4-1.7x at 16-64 (docs/results.md, "Step cost"). Masks: none, a
 float additive one (taken in float32) or a boolean one (True: attend), one row per query, the same for every head.
 
 ``step_attention`` returns None where it does not apply (not a CPU, batch > 1, a head dimension it was not built

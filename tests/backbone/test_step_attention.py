@@ -191,7 +191,7 @@ def test_the_label_names_the_steps_the_kernel_takes(kernel, registered, monkeypa
     """A cached reply's key and a report name what ran: the kernel for every step, for one token (an AVX2 build), or
     SDPA's paths (a head dimension the kernel was not built for)."""
     use_grouped_attention()
-    assert attention_for("cpu", torch.float32, 64) == ("sdpa, CPU steps: step attention, rows alone in float32"
+    assert attention_for("cpu", torch.float32, 64) == ("sdpa, CPU steps: step attention, rows alone in float32, a key to a lane"
                                                        if cpu_isa() == "AVX512" else
                                                        "sdpa, CPU steps: step attention for 1 token, grouped for more")
     assert 48 not in step.step_kernel().head_dims
@@ -223,7 +223,7 @@ def test_bf16_tree_decoding_is_plain_greedy_token_for_token(kernel, registered, 
     model = MedusaModel.from_backbone(backbone, num_heads=4).to(torch.bfloat16).eval()
     assert use_row_kernel(model)[0] > 0
     use_grouped_attention()
-    assert attention_for("cpu", torch.bfloat16) == "sdpa, CPU steps: step attention, rows alone in float32"
+    assert attention_for("cpu", torch.bfloat16) == "sdpa, CPU steps: step attention, rows alone in float32, a key to a lane"
 
     def decode_all() -> tuple[int, int]:
         same = longest = 0
