@@ -51,7 +51,8 @@ from benchmarks.bench_options import bench_options
 from benchmarks.steps import DecodeStepParts
 from medusa_train import MedusaModel, load_backbone
 from medusa_train.backbone.attention import use_grouped_attention
-from medusa_train.backbone.rows import RowLinear, linear_path, use_row_kernel
+from medusa_train.backbone.row_layers import linear_path, use_row_kernel
+from medusa_train.backbone.rows import RowLinear
 from medusa_train.decoding import TokenTree
 from medusa_train.tree.cost import device_name, median_times
 from medusa_train.tree.fit import assumed_rank_accuracies, expected_accept_length

@@ -1,5 +1,5 @@
 // medusa-train's CPU float32 (and bfloat16: AVX512-BF16, or AMX's tiles) linear for a few rows (a verify step's tree
-// nodes; backbone/rows.py).
+// nodes; backbone/rows.py), and the RMS norm of such rows, each alone.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k], with w packed once into panels of PANEL outputs (rows.py ``pack_weight``): a
 // panel holds, for each step along k, the PANEL outputs' weights side by side (float32: one k; bfloat16: a pair of
@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -36,6 +37,13 @@ static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline vec vbroadcast(float v) { return _mm512_set1_ps(v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline float vsum(vec v) {  // one fixed tree: halves added down to one lane
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
 static inline void vstore(float* y, vec v, int n) {  // the first n lanes
   _mm512_mask_storeu_ps(y, n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1), v);
 }
@@ -52,6 +60,12 @@ static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vec vbroadcast(float v) { return _mm256_set1_ps(v); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline float vsum(vec v) {
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
 static inline __m256i first_lanes(int n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -87,6 +101,8 @@ struct F32 {
   static inline vec bias(const T* b, int n) { return vload_first(b, n); }
   static inline vec madd(vec w, vec x, vec acc) { return vfma(w, x, acc); }
   static inline void store(T* y, vec v, int n) { vstore(y, v, n); }
+  static inline vec widen(const T* x, int n) { return vload_first(x, n); }  // n elements as float32, zeros after
+  static inline vec rounded(vec v) { return v; }                             // v as an element holds it
 };
 
 #if defined(__AVX512BF16__)
@@ -106,15 +122,19 @@ struct BF16 {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(n < 16 ? first : b));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  static inline void store(T* y, vec v, int n) {  // round to nearest even (NaN kept a quiet NaN), as torch rounds
+  static inline __m512i bits(vec v) {  // rounded to nearest even (NaN kept a quiet NaN), as torch rounds: bf16 bits
     const __m512i u = _mm512_castps_si512(v);
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                   _mm512_set1_epi32(0x7f800000));
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i out = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    out = _mm512_mask_mov_epi32(out, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    _mm512_mask_cvtepi32_storeu_epi16(y, n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1), out);
+    const __m512i out = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    return _mm512_mask_mov_epi32(out, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
   }
+  static inline void store(T* y, vec v, int n) {
+    _mm512_mask_cvtepi32_storeu_epi16(y, n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1), bits(v));
+  }
+  static inline vec widen(const T* x, int n) { return bias(x, n); }
+  static inline vec rounded(vec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits(v), 16)); }
 };
 #else
 #define HAS_BF16 0
@@ -207,6 +227,34 @@ static void rows_linear_of(int64_t x_ptr, int64_t packed_ptr, int64_t bias_ptr, 
   });
 }
 
+// RMS norm of M rows of N, each row alone (a decoding step's norms: rows.py ``step_rms_norm``): y = w * (x * r),
+// r = 1 / sqrt(sum(x^2) / N + eps), in float32; bfloat16 rows widened exactly, x * r rounded to bf16 and the product
+// with w rounded again, as a Llama-style norm rounds in torch. A row's sum of squares is its lanes' sums along the row
+// in order, then one fixed tree across the lanes: the same whatever rows share the call.
+template <class E>
+static void rms_norm_of(int64_t x_ptr, int64_t w_ptr, int64_t y_ptr, int64_t M, int64_t N, double eps) {
+  typedef typename E::T T;
+  const T* X = reinterpret_cast<const T*>(x_ptr);
+  const T* W = reinterpret_cast<const T*>(w_ptr);
+  T* Y = reinterpret_cast<T*>(y_ptr);
+  pybind11::gil_scoped_release unlocked;
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* x = X + m * N;
+      vec squares = vzero();
+      for (int64_t k = 0; k < N; k += VW) {
+        const vec v = E::widen(x + k, int(std::min<int64_t>(VW, N - k)));
+        squares = vfma(v, v, squares);
+      }
+      const vec r = vbroadcast(1.0f / std::sqrt(vsum(squares) / float(N) + float(eps)));
+      for (int64_t k = 0; k < N; k += VW) {
+        const int n = int(std::min<int64_t>(VW, N - k));
+        E::store(Y + m * N + k, vmul(E::widen(W + k, n), E::rounded(vmul(E::widen(x + k, n), r))), n);
+      }
+    }
+  });
+}
+
 #if HAS_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // bfloat16 on AMX's tiles (Intel's CPUs from Sapphire Rapids): one TDPBF16PS multiplies up to 16 rows by 32 k of 16
 // outputs, so a pass over 1-16 rows costs what reading the panel costs. The same packed panels: a step s holds the
@@ -291,7 +339,9 @@ static void rows_linear_amx(int64_t x_ptr, int64_t packed_ptr, int64_t bias_ptr,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("panel") = PANEL;
   m.def("rows_linear", &rows_linear_of<F32>, "y = x @ w.T (+ b) for a few float32 rows, w packed (pack_weight)");
+  m.def("rms_norm", &rms_norm_of<F32>, "y = w * x / rms(x) for float32 rows, each alone");
 #if HAS_BF16
+  m.def("rms_norm_bf16", &rms_norm_of<BF16>, "rms_norm for bfloat16 rows, rounded as torch rounds a Llama-style norm");
   m.def("rows_linear_bf16", &rows_linear_of<BF16>,
         "y = x @ w.T (+ b) for a few bfloat16 rows (float32 sums and bias, rounded to nearest even), w packed");
 #endif

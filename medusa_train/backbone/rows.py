@@ -12,7 +12,8 @@ float32 1-token step stays on torch's GEMV (MKL's) and 2-16 rows take the kernel
 takes it (1-64 on AMX's tiles, below); on other vendors' CPUs MKL's small-row paths are slow and the kernel takes
 every step from one row to 64 (``row_range``).
 
-``use_row_kernel(model)`` switches every plain ``nn.Linear`` of a model to it. A switched layer uses the kernel
+``use_row_kernel(model)`` (``row_layers.py``) switches every plain ``nn.Linear`` of a model to it (and its Llama-style
+RMS norms to the kernel's norm: ``row_norms.py``). A switched layer uses the kernel
 only where it applies (no autograd, CPU tensors of a dtype ``row_dtypes`` has, the rows ``row_range`` gives) and
 ``F.linear`` everywhere else: training, prefill, CUDA and the dtypes the kernel does not take are untouched. It
 packs its weights at its first kernel call and again whenever they change (a new tensor, or one written in place:
@@ -40,7 +41,6 @@ rounds otherwise), so a cached reply names which it was made on (``linears_for``
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from pathlib import Path
 
@@ -222,62 +222,6 @@ class RowLinear(torch.nn.Linear):
         return F.linear(x, self.weight, self.bias) if y is None else y
 
 
-def _switch_back(layer: torch.nn.Module) -> None:
-    """A ``RowLinear`` a plain ``nn.Linear`` again, its packed weights let go."""
-    layer.__dict__.pop(PACKED, None)
-    layer.__class__ = torch.nn.Linear
-
-
-def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
-    """Switch ``model``'s plain ``nn.Linear`` layers to ``RowLinear`` when it sits on a CPU in float32 (or in
-    bfloat16, where ``bf16_possible``).
-
-    Returns ``(layers switched, what was done)``; 0 layers where the model is elsewhere or in another dtype,
-    the kernel is switched off, or it could not be built (the reason is in the message). Quantized and adapter
-    layers (subclasses of ``nn.Linear``) are left alone."""
-    params = list(model.parameters())
-    if not params or any(p.device.type != "cpu" for p in params):
-        return 0, "row kernel: not used (the model is not on a CPU)"
-    wanted = {torch.float32, torch.bfloat16} if bf16_possible() else {torch.float32}
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype in wanted]
-    if not layers:
-        kinds = "float32 or bfloat16" if len(wanted) > 1 else "float32"
-        return 0, f"row kernel: not used (no {kinds} linear layers)"
-    kernel = row_kernel()
-    if isinstance(kernel, str):
-        return 0, f"row kernel: {kernel}; these steps use torch's GEMM"
-    layers = [m for m in layers if m.weight.dtype in row_dtypes()]
-    if not layers:
-        return 0, "row kernel: not used (built without bfloat16 here)"
-    for layer in layers:
-        layer.__class__ = RowLinear
-    kinds = sorted({str(m.weight.dtype).removeprefix("torch.") for m in layers})
-    bf16 = (", AVX512-BF16" + (", AMX tiles" if amx_possible() else "")) if torch.bfloat16 in row_dtypes() else ""
-    return len(layers), f"row kernel: {len(layers)} {' and '.join(kinds)} linear layers ({cpu_isa()}{bf16})"
-
-
-@contextlib.contextmanager
-def row_kernel_during(model: torch.nn.Module):
-    """``use_row_kernel`` for the block only: the layers it switched are plain ``nn.Linear`` again after it (greedy
-    replies from a backbone that trains before and after them). Yields ``use_row_kernel``'s ``(count, message)``."""
-    before = {id(m) for m in model.modules() if type(m) is RowLinear}
-    switched = use_row_kernel(model)
-    try:
-        yield switched
-    finally:
-        for layer in model.modules():
-            if type(layer) is RowLinear and id(layer) not in before:
-                _switch_back(layer)
-
-
-def without_row_kernel(model: torch.nn.Module) -> int:
-    """Switch ``RowLinear`` layers back to ``nn.Linear`` (a benchmark's "before" on the same model)."""
-    layers = [m for m in model.modules() if type(m) is RowLinear]
-    for layer in layers:
-        _switch_back(layer)
-    return len(layers)
-
-
 def linears_for(device: torch.device | str, dtype: torch.dtype) -> str:
     """What a decoding step's linear layers run on for a backbone on ``device`` in ``dtype`` once ``use_row_kernel``
     has run: the row kernel (``row kernel, panels (AVX512)``; bfloat16 on AMX: ``row kernel, AMX tiles``) or
@@ -288,12 +232,3 @@ def linears_for(device: torch.device | str, dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16 and amx_possible():
         return "row kernel, AMX tiles"
     return f"row kernel, panels ({cpu_isa()})"
-
-
-def linear_path(model: torch.nn.Module) -> str:
-    """What a decoding step's linear layers run on, for a report: the row kernel or torch's GEMM."""
-    switched = [m for m in model.modules() if type(m) is RowLinear]
-    if not switched:
-        return "torch GEMM"
-    tiles = ", AMX tiles" if amx_possible() and any(m.weight.dtype == torch.bfloat16 for m in switched) else ""
-    return f"row kernel ({cpu_isa()}{tiles}, {len(switched)} layers)"

@@ -123,6 +123,7 @@ def model_fingerprint(backbone) -> str:
 def continuations_key(backbone, tokenizer, dtype: str, prompts: Sequence[str], max_new_tokens: int,
                       max_prompt_tokens: int) -> str:
     from medusa_train.backbone.attention import attention_for, head_dim_of
+    from medusa_train.backbone.row_norms import norms_for
     from medusa_train.backbone.rows import linears_for
     from medusa_train.data.cache import tokenizer_fingerprint
 
@@ -131,7 +132,7 @@ def continuations_key(backbone, tokenizer, dtype: str, prompts: Sequence[str], m
     # on the other (``continuations`` makes them with the decoders' attention)
     device, torch_dtype = backbone.get_input_embeddings().weight.device, getattr(torch, dtype)
     parts = {"format": FORMAT, "model": model_fingerprint(backbone), "tokenizer": tokenizer_fingerprint(tokenizer),
-             "dtype": dtype, "linears": linears_for(device, torch_dtype),
+             "dtype": dtype, "linears": linears_for(device, torch_dtype), "norms": norms_for(device, torch_dtype),
              "attention": attention_for(device, torch_dtype, head_dim_of(backbone)),
              "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
              "prompts": hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()}
@@ -168,7 +169,7 @@ def greedy_replies(backbone, tokenizer, prompts: Sequence[str], max_new_tokens: 
     from medusa_train.backbone.attention import use_grouped_attention
     from medusa_train.backbone.batched import batch_rows, batched_greedy
     from medusa_train.backbone.generation import encode_chat, eos_token_ids, plain_generate
-    from medusa_train.backbone.rows import row_kernel_during
+    from medusa_train.backbone.row_layers import row_kernel_during
 
     use_grouped_attention()  # the decoders' attention too (a bf16 1-token step in float32 rounds otherwise)
     device = backbone.get_input_embeddings().weight.device

@@ -34,7 +34,7 @@ import torch
 
 from medusa_train.backbone.attention import attention_for, head_dim_of
 from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, plain_generate
-from medusa_train.backbone.rows import linear_path
+from medusa_train.backbone.row_layers import linear_path
 from medusa_train.config.budget import budget_spent
 from medusa_train.config.evaluate import BaselinesConfig, DecodeConfig
 from medusa_train.config.paths import TREE_DIR

@@ -117,7 +117,7 @@ def load_exported_draft(heads_dir: str | os.PathLike | ExportedDraft, model: Eva
     """
     from medusa_train.backbone.attention import use_grouped_attention
     from medusa_train.backbone.load import load_backbone
-    from medusa_train.backbone.rows import use_row_kernel
+    from medusa_train.backbone.row_layers import use_row_kernel
     from medusa_train.model.contract import check_tree_decodable
 
     model = model or EvalModelConfig()
@@ -134,7 +134,7 @@ def load_exported_draft(heads_dir: str | os.PathLike | ExportedDraft, model: Eva
                                         attn_implementation=model.attn_implementation)
     check_tree_decodable(backbone)  # said now, not at the first prompt's decoding
     backbone.to(device)
-    use_row_kernel(backbone)  # a CPU float32 backbone's decoding steps: medusa_train/backbone/rows.py
+    use_row_kernel(backbone)  # a CPU backbone's decoding steps: medusa_train/backbone/row_layers.py
     use_grouped_attention()  # a CPU step's masked tokens read the cached keys once: medusa_train/backbone/attention.py
     draft = load_draft(heads, backbone)
     for part in draft.draft_modules():

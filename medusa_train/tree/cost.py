@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from medusa_train.backbone.rows import linear_path
+from medusa_train.backbone.row_layers import linear_path
 from medusa_train.decoding.acceptance import greedy_accept, top_token
 from medusa_train.decoding.cache import new_cache
 from medusa_train.decoding.generate import compact_cache, propose, tree_pass

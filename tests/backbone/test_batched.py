@@ -20,7 +20,8 @@ from transformers import AttentionInterface
 from medusa_train.backbone.attention import use_grouped_attention
 from medusa_train.backbone.batched import batch_rows, batched_greedy
 from medusa_train.backbone.native import cpu_isa
-from medusa_train.backbone.rows import row_dtypes, row_kernel_during, row_range, use_row_kernel
+from medusa_train.backbone.row_layers import row_kernel_during, use_row_kernel
+from medusa_train.backbone.rows import row_dtypes, row_range
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread", "grouped"),

@@ -19,6 +19,12 @@ from helpers.decoding import hf_greedy, install_oracle_heads, prompts
 
 from medusa_train import MedusaModel
 from medusa_train.backbone.native import cpu_flags, cpu_isa
+from medusa_train.backbone.row_layers import (
+    linear_path,
+    row_kernel_during,
+    use_row_kernel,
+    without_row_kernel,
+)
 from medusa_train.backbone.rows import (
     MAX_ROWS,
     MAX_ROWS_AMX,
@@ -27,16 +33,12 @@ from medusa_train.backbone.rows import (
     MIN_ROWS_BF16,
     RowLinear,
     amx_possible,  # noqa: F401 (the AMX test's skipif condition)
-    linear_path,
     linears_for,
     pack_weight,
     row_dtypes,
     row_kernel,
-    row_kernel_during,
     row_range,
     rows_linear,
-    use_row_kernel,
-    without_row_kernel,
 )
 from medusa_train.decoding import TokenTree, tree_generate
 

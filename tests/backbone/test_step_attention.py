@@ -24,7 +24,8 @@ from medusa_train.backbone import native
 from medusa_train.backbone import step_attention as step
 from medusa_train.backbone.attention import attention_for, head_dim_of, use_grouped_attention
 from medusa_train.backbone.native import cpu_isa
-from medusa_train.backbone.rows import row_dtypes, use_row_kernel
+from medusa_train.backbone.row_layers import use_row_kernel
+from medusa_train.backbone.rows import row_dtypes
 from medusa_train.decoding import TokenTree, tree_generate
 
 pytestmark = [

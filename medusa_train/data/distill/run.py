@@ -196,7 +196,7 @@ def _in_process(model, tokenizer, batches, cfg: DistillConfig, eos_ids: list[int
 
 def _load(cfg: DistillConfig):
     from medusa_train.backbone.load import load_backbone
-    from medusa_train.backbone.rows import use_row_kernel
+    from medusa_train.backbone.row_layers import use_row_kernel
 
     m = cfg.model
     model, tokenizer = load_backbone(m.name_or_path, dtype=m.dtype, quantization=m.quantization,
