@@ -227,7 +227,7 @@ static void rows_linear_of(int64_t x_ptr, int64_t packed_ptr, int64_t bias_ptr, 
   });
 }
 
-// RMS norm of M rows of N, each row alone (a decoding step's norms: rows.py ``step_rms_norm``): y = w * (x * r),
+// RMS norm of M rows of N, each row alone (a decoding step's norms: row_norms.py ``step_rms_norm``): y = w * (x * r),
 // r = 1 / sqrt(sum(x^2) / N + eps), in float32; bfloat16 rows widened exactly, x * r rounded to bf16 and the product
 // with w rounded again, as a Llama-style norm rounds in torch. A row's sum of squares is its lanes' sums along the row
 // in order, then one fixed tree across the lanes: the same whatever rows share the call.
