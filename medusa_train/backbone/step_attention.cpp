@@ -58,13 +58,6 @@ static inline void vstore_bf16(uint16_t* y, vec v) {  // rounded to nearest even
   out = _mm512_mask_mov_epi32(out, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(out));
 }
-static inline float vsum(vec v) {  // one fixed tree: halves added down to one lane
-  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  b = _mm_add_ss(b, _mm_movehdup_ps(b));
-  return _mm_cvtss_f32(b);
-}
 #else
 #define VW 8
 typedef __m256 vec;
@@ -206,7 +199,7 @@ struct Words {
   static inline __m512 load(const typename E::T* key, int w, int count) {
     const __mmask16 m = __mmask16((1u << count) - 1);
     if constexpr (PAIRED) return _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(m, key + 2 * w));
-    if constexpr (E::PAIRS) return count == VW ? E::load(key + w) : _mm512_maskz_mov_ps(m, E::load(key + w));
+    if constexpr (E::PAIRS) return E::load(key + w);  // widened bf16: a head is whole vectors, count is 16
     return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(key) + w);
   }
   // one row's query as the words its scores multiply (a widened bf16 query: float32)
