@@ -33,7 +33,8 @@ data's most frequent ones, which costs the same), output (the JSON
 written, default ``outputs/bench/decode-<dtype>-<reads>.json``; a PNG plot of the curve goes beside it), shape
 (``135m``, ``1b``, ``8b``: a random-weight Llama of that shape built on the device instead of ``model``; no
 weights to carry), graphs (``true`` on CUDA: also each backbone pass captured in a CUDA graph over a static cache and
-replayed, ``decoding/graphs.py``: a server's step; ``scripts/gpu_step_cost.sh`` runs the three shapes).
+replayed, ``decoding/graphs.py``: a server's step; ``compiled``: each captured pass compiled by inductor first, its
+element-wise ops fused; ``scripts/gpu_step_cost.sh`` runs the three shapes).
 
 ``scripts/build_tree.py nodes=auto`` measures the same kind of curve for the fitted tree itself
 (``medusa_train/tree/cost.py``) and picks its size from it.
@@ -146,14 +147,16 @@ def shaped_backbone(shape: str, dtype: str, device: torch.device):
 
 
 @torch.no_grad()
-def graphed_steps(model: MedusaModel, trees, context: int, repeats: int, warmup: int) -> dict:
+def graphed_steps(model: MedusaModel, trees, context: int, repeats: int, warmup: int, compiled: bool = False) -> dict:
     """The backbone's pass over each tree, captured in a CUDA graph over a static cache and replayed (what a server
     pays), and the plain step (one node) likewise: median milliseconds, taking turns."""
     from medusa_train.decoding.graphs import StaticSteps
 
     device = model.lm_head.weight.device
     sizes = [tree for _, tree in trees]
-    graphed = StaticSteps(model, graphs=True)
+    graphed = StaticSteps(model, graphs=True, compiled=compiled)
+    if compiled:  # a compilation per tree size: more sizes than dynamo's default recompile limit
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(sizes) + 2)
     cache = graphed.cache_for(context + max(t.num_nodes for t in sizes) + 1)
     model(torch.randint(0, model.lm_head.weight.shape[0], (1, context), device=device), past_key_values=cache,
           use_cache=True)
@@ -207,7 +210,7 @@ def main(**overrides) -> int:
     if opts["shape"] and opts["shape"] not in SHAPES:
         print(f"shape={opts['shape']}: must be one of {sorted(SHAPES)}")
         return 2
-    if opts["graphs"] == "true" and device.type != "cuda":
+    if opts["graphs"] in ("true", "compiled") and device.type != "cuda":
         print("graphs=true times CUDA graphs: it needs device=cuda")
         return 2
     backbone = shaped_backbone(opts["shape"], opts["dtype"], device) if opts["shape"] else \
@@ -303,8 +306,10 @@ def main(**overrides) -> int:
                          "accept_length": accept, "expected_speedup": accept / relative})
         report["linears"][path] = {"plain_ms": plain * 1e3, "plain_explicit_mask_ms": plain_explicit * 1e3,
                                    "trees": rows}
-    if opts["graphs"] == "true":
-        report["graphed"] = graphed_steps(model, trees, context, int(opts["repeats"]), int(opts["warmup"]))
+    if opts["graphs"] in ("true", "compiled"):  # compiled: inductor's fused kernels inside each captured graph
+        report["graphed"] = graphed_steps(model, trees, context, int(opts["repeats"]), int(opts["warmup"]),
+                                          compiled=opts["graphs"] == "compiled")
+        report["graphed"]["compiled"] = opts["graphs"] == "compiled"
         plain = report["graphed"]["plain_ms"]
         print(f"\nCUDA graphs over a static cache: plain step {plain:.2f} ms ({plain / limit_ms:.2f}x the memory limit)"
               "\n\n| tree | nodes | backbone pass, graphed (ms) | / graphed plain step |\n|---|---:|---:|---:|")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check that fits a loan (15 minutes of device time, 64 MiB a call, no registry there): three back-to-back
 # device calls, the first two staging what the image lacks in /tmp, the third running `python -m benchmarks gpu_check`.
-#   bash scripts/gpu_check.sh prepare HEADS EAGLE3   # here: fills .gpu/c1 .gpu/c2 .gpu/c3 (git-ignored): the packaged
+#   bash scripts/gpu_check.sh prepare HEADS [EAGLE3] # here: fills .gpu/c1 .gpu/c2 .gpu/c3 (git-ignored): the packaged
 #                                                    # model in two parts, wheels, both drafts in bf16, the trees
 #                                                    # fitted here (heads: 64 and 128 nodes with an 8-node lookup
 #                                                    # chain; the EAGLE-3 draft: 64 nodes), validation prompts, MT-Bench
@@ -15,7 +15,7 @@ G=.gpu
 S=/tmp/gpu-stage
 case "${1:-}" in
   prepare)
-    heads=${2:?heads export folder} eagle3=${3:?EAGLE-3 export folder}
+    heads=${2:?heads export folder} eagle3=${3:-}  # without an EAGLE-3 export: the heads' runs alone
     PY=${PY:-.venv/bin/python}
     rm -rf $G/c1 $G/c2 $G/c3 && mkdir -p $G/wheels $G/c1 $G/c2/wheels $G/c3
     (cd $G/wheels && for p in hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
@@ -31,8 +31,8 @@ case "${1:-}" in
       HF_HUB_OFFLINE=1 "$PY" -m medusa_train build-tree draft="$heads" nodes=$t lookup_depth=8 guard_prompts=0 \
           model.dtype=bfloat16 output=$G/c3/heads-tree$t.yaml
     done
-    HF_HUB_OFFLINE=1 "$PY" -m medusa_train build-tree draft="$eagle3" nodes=64 lookup_depth=0 model.dtype=bfloat16 \
-        output=$G/c3/eagle3-tree64.yaml
+    [ -z "$eagle3" ] || HF_HUB_OFFLINE=1 "$PY" -m medusa_train build-tree draft="$eagle3" nodes=64 lookup_depth=0 \
+        model.dtype=bfloat16 output=$G/c3/eagle3-tree64.yaml
     "$PY" - "$heads" "$eagle3" <<'PY'
 import json, shutil, sys
 from pathlib import Path
@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from medusa_train.data.validation import validation_prompts
 from medusa_train.backbone.assets import packaged_data_file
 # both drafts in bfloat16 (what the device decodes in): half the bytes to carry
-for src, dst in ((sys.argv[1], ".gpu/c1/heads"), (sys.argv[2], ".gpu/c3/eagle3")):
+for src, dst in ((sys.argv[1], ".gpu/c1/heads"), (sys.argv[2], ".gpu/c3/eagle3"))[:1 + bool(sys.argv[2])]:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.bak", "vllm*", "checkpoints"))
     for f in Path(dst).glob("*.safetensors"):
         tensors = load_file(f)
@@ -63,7 +63,8 @@ PY
     cp $S/question.jsonl "$bench/"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     # unfiltered and unbuffered: a pipe through grep would hold back what a timed-out call has printed
+    draft=() && [ ! -d $S/eagle3 ] || draft=(draft=$S/eagle3 draft_tree=$S/eagle3-tree64.yaml)
     PYTHONUNBUFFERED=1 python3 -m benchmarks gpu_check heads=$S/heads trees=$S/heads-tree64.yaml,$S/heads-tree128.yaml \
-        draft=$S/eagle3 draft_tree=$S/eagle3-tree64.yaml prompts=$S/validation_prompts.jsonl out="${OUT:-outputs}/gpu";;
+        "${draft[@]}" prompts=$S/validation_prompts.jsonl out="${OUT:-outputs}/gpu";;
   *) sed -n 2,11p "$0"; exit 2;;
 esac
