@@ -7,7 +7,7 @@
 #                                                    # chain; the EAGLE-3 draft: 64 nodes), validation prompts, MT-Bench
 #   device call 1: carry [".gpu/c1"], command: bash scripts/gpu_check.sh stage c1
 #   device call 2: carry [".gpu/c2"], command: bash scripts/gpu_check.sh stage c2
-#   device call 3: carry [".gpu/c3"], command: bash scripts/gpu_check.sh run    (about 6 minutes; timeout_s 540)
+#   device call 3: carry [".gpu/c3"], command: bash scripts/gpu_check.sh run    (about 7 minutes; timeout_s 540)
 # Figures: $OUT/gpu/summary.json and summary.md (written after each stage, printed as they land).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 from medusa_train.config.paths import unwritable
+from medusa_train.evaluation.summary import UNSTEADY
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -108,6 +109,13 @@ def headline_lines(report: dict) -> list[str]:
                      f"({plain['tokens_per_s']:.1f} tokens/s): {ours} {m['speedup']:.2f}x "
                      f"({_num(m['tokens_per_forward'])} tokens per forward){lookup_part}. Over the best free baseline "
                      f"({best_name}) {ours} {_verb(ours, 'buy')} {m['tokens_per_s'] / max(best['tokens_per_s'], 1e-9):.2f}x.")
+    steadiness = report.get("plain_steadiness")
+    if steadiness and steadiness["unsteady"]:
+        slow = ", ".join(f"{u['id']} ({u['ms']:.1f} ms)" for u in steadiness["unsteady"])
+        lines.append(f"Warning: the plain reference ({steadiness['method']}) stepped {steadiness['median_ms']:.2f} ms a "
+                     f"token at the median but over {UNSTEADY:g}x that on {len(steadiness['unsteady'])} prompt(s): "
+                     f"{slow}. Timed while something else held the machine: every speedup above divides by a slowed "
+                     "plain decoding and reads high. Rerun on an idle machine.")
     if report.get("expected"):
         e = report["expected"]
         lines.append(f"Expected beside measured: {e['tokens_per_forward']:.3f} tokens per forward expected by "

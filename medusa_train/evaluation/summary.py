@@ -97,6 +97,27 @@ def plain_reference(rows: dict[str, dict]) -> str:
     return max((m for m in PLAIN_ROWS if m in rows), key=lambda m: rows[m]["tokens_per_s"])
 
 
+#: a prompt whose plain step took more than this many times the plain row's median step: timed while disturbed
+UNSTEADY = 1.5
+
+
+def plain_steadiness(records: list[dict], method: str) -> dict | None:
+    """Milliseconds a decode step of the plain row ``method`` took, prompt by prompt: a plain step costs about the
+    same on every prompt, so a prompt whose step took over ``UNSTEADY`` x the median was timed while something else
+    held the machine (on an H200 the first evaluation in a process stepped 7x slower on 2 of 8 prompts, 2026-12-01),
+    and every speedup divided by that row is too high. ``{method, median_ms, slowest_ms, unsteady: [{id, turn, ms}]}``
+    (None when the row did not run or a record has no decode steps)."""
+    key = f"{method}_s"
+    if any(r.get(key) is None or r[key]["forwards"] < 2 for r in records) or not records:
+        return None
+    steps = [(r, r[key]["decode_s"] * 1e3 / (r[key]["forwards"] - 1)) for r in records]
+    ordered = sorted(ms for _, ms in steps)
+    half = len(ordered) // 2
+    median = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+    return {"method": method, "median_ms": median, "slowest_ms": ordered[-1],
+            "unsteady": [{"id": r["id"], "turn": r["turn"], "ms": ms} for r, ms in steps if ms > UNSTEADY * median]}
+
+
 def verify_step_tokens(records: list[dict]) -> float:
     """1 + the drafts each verify step accepted, averaged over the steps of ``records`` (a diagnostic; predictions
     are of tokens per forward)."""
@@ -140,7 +161,8 @@ def summarise(records: list[dict], num_heads: int, draft: str = "the heads") -> 
         ``speedup`` and ``decode_speedup`` (the heads over the faster plain decoding, ``plain_reference``: HF
         ``generate`` greedy, or the graphed plain row where it ran and was faster), ``tokens_per_s`` and
         ``decode_tokens_per_s`` ({draft, plain}), ``methods`` (every in-process decoder's row, see
-        ``method_rows``), ``mismatches`` (greedy outputs differing from plain decoding; ``None`` when
+        ``method_rows``), ``plain_steadiness`` (the plain reference's step prompt by prompt: ``plain_steadiness``),
+        ``mismatches`` (greedy outputs differing from plain decoding; ``None`` when
         sampling), split into ``mismatches_unexplained`` (must be 0) and ``mismatches_at_rounding`` (see
         ``mismatch_detail``), with ``mismatch_details``, ``per_head_acceptance``, ``accept_length_histogram``
         ({tokens per verify step: steps}), ``per_category`` ({category: count, accepted_length, speedup, ...})
@@ -160,6 +182,7 @@ def summarise(records: list[dict], num_heads: int, draft: str = "the heads") -> 
         "decode_tokens_per_s": overall["decode_tokens_per_s"],
         "methods": methods,
         "plain_reference": plain_reference(methods),
+        "plain_steadiness": plain_steadiness(records, plain_reference(methods)),
         "mismatches": overall["mismatches"],
         "mismatches_unexplained": overall["mismatches_unexplained"],
         "mismatches_at_rounding": overall["mismatches_at_rounding"],
