@@ -80,7 +80,8 @@ def decode(heads: str, tree: str, folder: Path, device: str, limit: int, new_tok
                                        "tokens_per_s": round(m["tokens_per_s"], 1), "speedup": round(m["speedup"], 3)}
                                    for k, m in report["methods"].items()},
             "expected": report.get("expected"), "mismatches": report["mismatches"],
-            "plain_reference": report["plain_reference"], "graph_captures": report["settings"]["graph_captures"]}
+            "plain_reference": report["plain_reference"], "graph_captures": report["settings"]["graph_captures"],
+            "garbage_collections": report["settings"]["garbage_collections"]}
 
 
 def main(heads: str, trees: str, draft: str | None = None, draft_tree: str = "chain", prompts: str | None = None,

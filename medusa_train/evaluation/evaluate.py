@@ -44,6 +44,7 @@ from medusa_train.decoding.graphs import StaticSteps, graphs_wanted
 from medusa_train.decoding.tree import tree_from_config
 from medusa_train.evaluation.compare import first_difference, mismatch_detail
 from medusa_train.evaluation.engines import engine_rows, vllm_reason
+from medusa_train.evaluation.pauses import CollectorPauses
 from medusa_train.evaluation.summary import summarise
 
 WARMUP_TOKENS = 16
@@ -256,21 +257,22 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     conversations: list[list[dict]] = []  # what each input was encoded from (for a served engine)
     tokens = steps = decoded = 0
     bar = tqdm(prompts, desc="evaluate", unit="prompt", disable=not progress)
-    for prompt in bar:
-        if decoded and budget_spent(started, max_minutes):
-            break  # the budget spent: the prompts left are not started (the report says how many were decoded)
-        decoded += 1
-        messages: list[dict] = []
-        for turn, text in enumerate(prompt.turns[:turns], start=1):
-            messages.append({"role": "user", "content": text})
-            record, plain, input_ids = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad, lookup,
-                                                      replayed)
-            inputs.append(input_ids)
-            conversations.append(list(messages))
-            records.append({"id": prompt.id, "category": prompt.category, "turn": turn, **record})
-            messages.append({"role": "assistant", "content": tokenizer.decode(plain, skip_special_tokens=True)})
-            tokens, steps = tokens + record["new_tokens"] - 1, steps + record["steps"]
-            bar.set_postfix(accepted_length=f"{tokens / max(steps, 1):.2f}")
+    with CollectorPauses() as pauses:  # Python's collections inside the timed region (the report keeps them)
+        for prompt in bar:
+            if decoded and budget_spent(started, max_minutes):
+                break  # the budget spent: the prompts left are not started (the report says how many were decoded)
+            decoded += 1
+            messages: list[dict] = []
+            for turn, text in enumerate(prompt.turns[:turns], start=1):
+                messages.append({"role": "user", "content": text})
+                record, plain, input_ids = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad, lookup,
+                                                          replayed)
+                inputs.append(input_ids)
+                conversations.append(list(messages))
+                records.append({"id": prompt.id, "category": prompt.category, "turn": turn, **record})
+                messages.append({"role": "assistant", "content": tokenizer.decode(plain, skip_special_tokens=True)})
+                tokens, steps = tokens + record["new_tokens"] - 1, steps + record["steps"]
+                bar.set_postfix(accepted_length=f"{tokens / max(steps, 1):.2f}")
     bar.close()
 
     stopped = decoded < len(prompts)
@@ -300,6 +302,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         "order": "per prompt: plain, prompt lookup, " + ("plain graphed, " if graphs else "")
                  + ("draft only, lookup only, " if tree.lookup_depth else "") + "draft",
         "cuda_graphs": graphs, "graph_captures": replayed.captures if replayed else 0,
+        "garbage_collections": pauses.summary(),
         "speedup": f"tokens/s / {report['plain_reference']} tokens/s (the faster plain decoding), wall clock of "
                    "whole generations (prefill + decode); decode_speedup: decode time only, tokens after the first",
         "accepted_length": "tokens after each reply's first / target forwards after its prefill",

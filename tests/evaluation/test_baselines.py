@@ -63,6 +63,7 @@ def test_every_row_counts_tokens_per_forward_after_the_prefill(loaded):
     # no CUDA here: no graphs, so HF generate is the plain decoding every speedup divides by
     assert report["plain_reference"] == "plain" and report["settings"]["cuda_graphs"] is False
     assert report["plain_steadiness"]["method"] == "plain" and report["plain_steadiness"]["median_ms"] > 0
+    assert set(report["settings"]["garbage_collections"]) == {"collections", "seconds", "total_s"}
 
 
 def test_speedups_divide_by_the_faster_plain_decoding():
