@@ -265,11 +265,12 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
             messages: list[dict] = []
             for turn, text in enumerate(prompt.turns[:turns], start=1):
                 messages.append({"role": "user", "content": text})
+                at = round(time.perf_counter() - started, 2)  # when its turn began: a disturbance's time shows
                 record, plain, input_ids = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad, lookup,
                                                           replayed)
                 inputs.append(input_ids)
                 conversations.append(list(messages))
-                records.append({"id": prompt.id, "category": prompt.category, "turn": turn, **record})
+                records.append({"id": prompt.id, "category": prompt.category, "turn": turn, "at_s": at, **record})
                 messages.append({"role": "assistant", "content": tokenizer.decode(plain, skip_special_tokens=True)})
                 tokens, steps = tokens + record["new_tokens"] - 1, steps + record["steps"]
                 bar.set_postfix(accepted_length=f"{tokens / max(steps, 1):.2f}")

@@ -401,5 +401,5 @@ def test_an_evaluation_sized_to_its_time_decodes_its_first_prompts_with_every_me
     whole = evaluate(model, tokenizer, PROMPTS, TREE, max_new_tokens=8, progress=False)
     assert whole["prompts"]["decoded"] == 3 and not whole["prompts"]["stopped_at_max_minutes"]
     assert whole["per_prompt"][:2] == [{**r, "draft_s": w["draft_s"], "plain_s": w["plain_s"],
-                                        "prompt_lookup_s": w["prompt_lookup_s"]}
+                                        "prompt_lookup_s": w["prompt_lookup_s"], "at_s": w["at_s"]}
                                        for r, w in zip(sized["per_prompt"], whole["per_prompt"][:2])]
