@@ -2,9 +2,10 @@
 # The step-cost table on a GPU (issue 58): random-weight Llama shapes built on the device (135M, 1B, 8B: no weights
 # to carry), bf16, batch 1, context 256: a plain step and a verify step over 2-64 nodes, eager (as HF `generate` and
 # our decoder run by default) and replayed from CUDA graphs over a static cache (decoding/graphs.py), against the
-# memory limit (weight bytes over the copy rate measured there); then the graphed-decoding parity test.
+# memory limit (weight bytes over the copy rate measured there); the 8B shape's passes compiled by inductor before
+# their capture (graphs=compiled); then the graphed-decoding parity tests, the compiled one's too.
 #   bash scripts/gpu_step_cost.sh prepare     # here: the wheels the device image lacks into .gpu/steps (git-ignored)
-#   device call: carry [".gpu/steps"], command: bash scripts/gpu_step_cost.sh run   (about 5 minutes; timeout_s 540)
+#   device call: carry [".gpu/steps"], command: bash scripts/gpu_step_cost.sh run   (about 7 minutes; timeout_s 590)
 # Figures: $OUT/steps/decode-<shape>.json and the tables in the call's output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,8 @@ case "${1:-}" in
       timeout 150 python3 -m benchmarks decode shape=$shape dtype=bfloat16 device=cuda graphs=true repeats=20 \
           sizes=1,2,4,8,16,32,64 output="$out/decode-$shape.json" || echo "shape $shape: exit $?"
     done
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_graphs.py || echo "graphs test: exit $?";;
+    timeout 150 python3 -m benchmarks decode shape=8b dtype=bfloat16 device=cuda graphs=compiled repeats=10 \
+        sizes=1,16,64 output="$out/decode-8b-compiled.json" || echo "shape 8b compiled: exit $?"
+    timeout 180 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_graphs.py || echo "graphs test: exit $?";;
   *) sed -n 2,8p "$0"; exit 2;;
 esac

@@ -158,6 +158,8 @@ def test_one_static_cache_kept_across_generations_decodes_what_a_fresh_dynamic_o
                 lengths.append(steps.length)
     assert max(dynamic.accept_lengths) >= 2 and len(set(lengths)) >= 2  # paths of several nodes; the cache grew
     assert steps.backbone_pass is None and steps.captures == 0  # no graphs on the CPU
+    with pytest.raises(ValueError, match="compiled=True compiles the pass each graph captures"):
+        StaticSteps(model, compiled=True)  # compiled graphs: tests/gpu/test_graphs.py
 
 
 def test_oracle_paths_take_side_branches():
