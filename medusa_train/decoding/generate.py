@@ -286,10 +286,14 @@ def candidates(model, tree: TokenTree, accepted_inputs: torch.Tensor, accepted_t
                root_token: int, state, context: LookupChain | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(num_nodes,) candidate tokens for one verify step and which nodes hold a guess (``None``: all).
 
-    The draft fills the heads' nodes (``propose``); a lookup chain gets what followed the text's last tokens
+    The draft fills the heads' nodes (``propose``; a tree with none never asks it); a lookup chain gets what followed the text's last tokens
     earlier in it (``context``), and its nodes past what lookup found carry the root token as filler and are
     marked as holding none, so acceptance never keeps them."""
-    tokens = propose(model, tree.heads_tree, accepted_inputs, accepted_tokens, root_token, state)
+    if tree.num_head_nodes > 1:
+        tokens = propose(model, tree.heads_tree, accepted_inputs, accepted_tokens, root_token, state)
+    else:  # no node of the draft's: it is never asked in this generation, so it reads nothing either (a plain step
+        # or a lookup chain alone costs what a decoder without a draft pays)
+        tokens = torch.tensor([root_token], dtype=torch.long, device=accepted_inputs.device)
     if not tree.lookup_depth:
         return tokens, None
     found = context.propose(tree.lookup_depth)
