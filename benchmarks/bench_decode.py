@@ -211,7 +211,7 @@ def main(**overrides) -> int:
         print(f"shape={opts['shape']}: must be one of {sorted(SHAPES)}")
         return 2
     if opts["graphs"] in ("true", "compiled") and device.type != "cuda":
-        print("graphs=true times CUDA graphs: it needs device=cuda")
+        print(f"graphs={opts['graphs']} times CUDA graphs: it needs device=cuda")
         return 2
     backbone = shaped_backbone(opts["shape"], opts["dtype"], device) if opts["shape"] else \
         load_backbone(opts["model"], dtype=opts["dtype"])[0].to(device)
