@@ -105,16 +105,18 @@ def plain_steadiness(records: list[dict], method: str) -> dict | None:
     """Milliseconds a decode step of the plain row ``method`` took, prompt by prompt: a plain step costs about the
     same on every prompt, so a prompt whose step took over ``UNSTEADY`` x the median was timed while something else
     held the machine (on an H200 the first evaluation in a process stepped 7x slower on 2 of 8 prompts, 2026-12-01),
-    and every speedup divided by that row is too high. ``{method, median_ms, slowest_ms, unsteady: [{id, turn, ms}]}``
-    (None when the row did not run or a record has no decode steps)."""
+    and every speedup divided by that row is too high. ``{method, median_ms, slowest_ms, unsteady: [{id, turn, ms}],
+    replies}`` over the replies with decode steps (a reply of one token has none); None when the row did not run."""
     key = f"{method}_s"
-    if any(r.get(key) is None or r[key]["forwards"] < 2 for r in records) or not records:
+    if not records or any(r.get(key) is None for r in records):
         return None
-    steps = [(r, r[key]["decode_s"] * 1e3 / (r[key]["forwards"] - 1)) for r in records]
+    steps = [(r, r[key]["decode_s"] * 1e3 / (r[key]["forwards"] - 1)) for r in records if r[key]["forwards"] >= 2]
+    if not steps:
+        return None
     ordered = sorted(ms for _, ms in steps)
     half = len(ordered) // 2
     median = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
-    return {"method": method, "median_ms": median, "slowest_ms": ordered[-1],
+    return {"method": method, "median_ms": median, "slowest_ms": ordered[-1], "replies": len(steps),
             "unsteady": [{"id": r["id"], "turn": r["turn"], "ms": ms} for r, ms in steps if ms > UNSTEADY * median]}
 
 

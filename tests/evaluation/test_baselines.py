@@ -145,3 +145,9 @@ def test_a_plain_reference_timed_while_disturbed_is_named():
     assert flagged == {"check/eval-0": ["81", "131"], "check/eval-1": [],
                        "check-again/eval-0": ["81", "131"], "check-again/eval-1": []}
     assert plain_steadiness([{"id": "1", "turn": 1, "plain_s": None}], "plain") is None  # the row did not run
+    # a one-token reply has no decode step: left out, the others still checked
+    records = [{"id": p["id"], "turn": p["turn"], "plain_graphed_s": p["plain_graphed"]}
+               for p in measured["evaluations"]["check/eval-0"]["per_prompt"]]
+    records.append({"id": "short", "turn": 1, "plain_graphed_s": {"decode_s": 0.0, "forwards": 1}})
+    steadiness = plain_steadiness(records, "plain_graphed")
+    assert steadiness["replies"] == len(records) - 1 and [u["id"] for u in steadiness["unsteady"]] == ["81", "131"]
