@@ -109,13 +109,6 @@ def headline_lines(report: dict) -> list[str]:
                      f"({plain['tokens_per_s']:.1f} tokens/s): {ours} {m['speedup']:.2f}x "
                      f"({_num(m['tokens_per_forward'])} tokens per forward){lookup_part}. Over the best free baseline "
                      f"({best_name}) {ours} {_verb(ours, 'buy')} {m['tokens_per_s'] / max(best['tokens_per_s'], 1e-9):.2f}x.")
-    steadiness = report.get("plain_steadiness")
-    if steadiness and steadiness["unsteady"]:
-        slow = ", ".join(f"{u['id']} ({u['ms']:.1f} ms)" for u in steadiness["unsteady"])
-        lines.append(f"Warning: the plain reference ({steadiness['method']}) stepped {steadiness['median_ms']:.2f} ms a "
-                     f"token at the median but over {UNSTEADY:g}x that on {len(steadiness['unsteady'])} prompt(s): "
-                     f"{slow}. Timed while something else held the machine: every speedup above divides by a slowed "
-                     "plain decoding and reads high. Rerun on an idle machine.")
     if report.get("expected"):
         e = report["expected"]
         lines.append(f"Expected beside measured: {e['tokens_per_forward']:.3f} tokens per forward expected by "
@@ -140,6 +133,13 @@ def headline_lines(report: dict) -> list[str]:
             line += (f". {draft[0].upper() + draft[1:]} {'were' if _plural(draft) else 'was'} not served: "
                      f"{served['draft_not_served']}.")
         lines.append(line)
+    steadiness = report.get("plain_steadiness")
+    if steadiness and steadiness["unsteady"]:  # last: the lines above keep their places
+        slow = ", ".join(f"{u['id']} ({u['ms']:.1f} ms)" for u in steadiness["unsteady"])
+        lines.append(f"Warning: the plain reference ({steadiness['method']}) stepped {steadiness['median_ms']:.2f} ms a "
+                     f"token at the median but over {UNSTEADY:g}x that on {len(steadiness['unsteady'])} prompt(s): "
+                     f"{slow}. Timed while something else held the machine: the in-process speedups divide by a "
+                     "slowed plain decoding and read high. Rerun on an idle machine.")
     return lines
 
 
