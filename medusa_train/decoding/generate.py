@@ -286,14 +286,10 @@ def candidates(model, tree: TokenTree, accepted_inputs: torch.Tensor, accepted_t
                root_token: int, state, context: LookupChain | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(num_nodes,) candidate tokens for one verify step and which nodes hold a guess (``None``: all).
 
-    The draft fills the heads' nodes (``propose``; a tree with none never asks it); a lookup chain gets what followed the text's last tokens
-    earlier in it (``context``), and its nodes past what lookup found carry the root token as filler and are
-    marked as holding none, so acceptance never keeps them."""
-    if tree.num_head_nodes > 1:
-        tokens = propose(model, tree.heads_tree, accepted_inputs, accepted_tokens, root_token, state)
-    else:  # no node of the draft's: it is never asked in this generation, so it reads nothing either (a plain step
-        # or a lookup chain alone costs what a decoder without a draft pays)
-        tokens = torch.tensor([root_token], dtype=torch.long, device=accepted_inputs.device)
+    The draft fills the heads' nodes (``propose``; a tree with none never asks it); a lookup chain gets what followed
+    the text's last tokens earlier in it (``context``), and its nodes past what lookup found carry the root token as
+    filler and are marked as holding none, so acceptance never keeps them."""
+    tokens = propose(model, tree.heads_tree, accepted_inputs, accepted_tokens, root_token, state)
     if not tree.lookup_depth:
         return tokens, None
     found = context.propose(tree.lookup_depth)
@@ -306,7 +302,9 @@ def candidates(model, tree: TokenTree, accepted_inputs: torch.Tensor, accepted_t
 def propose(model, tree: TokenTree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
             state) -> torch.Tensor:
     """(num_nodes,) candidate tokens for one verify step: the model's draft fills the tree (``model.propose``:
-    Medusa heads, or an EAGLE-3 draft), the decoder never asks which.
+    Medusa heads, or an EAGLE-3 draft), the decoder never asks which. A tree of the root alone (a plain step, or the
+    heads' part of a lookup chain alone) never asks the draft, which then reads nothing either: such a step costs
+    what a decoder without a draft pays (the draft's state is read by nothing else in the generation).
 
     Args:
         model: A ``MedusaModel`` or ``Eagle3Model``.
@@ -317,6 +315,8 @@ def propose(model, tree: TokenTree, accepted_inputs: torch.Tensor, accepted_toke
         root_token: The base model's next token (node 0).
         state: ``model.new_decode_state()`` of this sequence.
     """
+    if tree.num_nodes == 1:
+        return torch.tensor([root_token], dtype=torch.long, device=accepted_inputs.device)
     return model.propose(tree, accepted_inputs, accepted_tokens, root_token, state)
 
 

@@ -17,6 +17,7 @@ decode time only, tokens after the first).
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 
 #: in-process methods: record-key prefix, what the row decodes with ({draft}: what proposes the tree's tokens, its
@@ -113,10 +114,8 @@ def plain_steadiness(records: list[dict], method: str) -> dict | None:
     steps = [(r, r[key]["decode_s"] * 1e3 / (r[key]["forwards"] - 1)) for r in records if r[key]["forwards"] >= 2]
     if not steps:
         return None
-    ordered = sorted(ms for _, ms in steps)
-    half = len(ordered) // 2
-    median = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
-    return {"method": method, "median_ms": median, "slowest_ms": ordered[-1], "replies": len(steps),
+    median = statistics.median(ms for _, ms in steps)
+    return {"method": method, "median_ms": median, "slowest_ms": max(ms for _, ms in steps), "replies": len(steps),
             "unsteady": [{"id": r["id"], "turn": r["turn"], "ms": ms} for r, ms in steps if ms > UNSTEADY * median]}
 
 

@@ -171,9 +171,8 @@ class DecodeSteps:
         @torch.no_grad()
         def step():
             model, context = self.model, self.context
-            tokens = (propose(model, tree.heads_tree, self.out.draft_inputs[0, -1:], self.prompt[0, -1:], self.root,
-                              self.heads_state) if tree.num_head_nodes > 1  # as the decoder: no node, never asked
-                      else torch.tensor([self.root], device=self.device))
+            tokens = propose(model, tree.heads_tree, self.out.draft_inputs[0, -1:], self.prompt[0, -1:], self.root,
+                             self.heads_state)
             if tree.lookup_depth:  # the chain's nodes cost the pass what any node does, whatever they hold
                 tokens = torch.cat([tokens, tokens.new_full((tree.lookup_depth,), self.root)])
             logits = model.base_logits(self.backbone_pass(model, tokens, mask, offsets, self.cache,
