@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 
+from medusa_train.backbone import huge_pages
 from medusa_train.backbone.native import cpu_isa
 from medusa_train.backbone.row_norms import is_row_norm, switch_norms
 from medusa_train.backbone.row_norms import switch_back as switch_norm_back
@@ -47,8 +48,9 @@ def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
     norms = switch_norms(model)
     kinds = sorted({str(m.weight.dtype).removeprefix("torch.") for m in layers})
     bf16 = (", AVX512-BF16" + (", AMX tiles" if amx_possible() else "")) if torch.bfloat16 in row_dtypes() else ""
+    pages = "2 MB pages" if huge_pages.possible() else f"4 KB pages: huge pages {huge_pages.transparent_huge_pages()}"
     return len(layers), (f"row kernel: {len(layers)} {' and '.join(kinds)} linear layers"
-                         + (f" and {norms} RMS norms" if norms else "") + f" ({cpu_isa()}{bf16})")
+                         + (f" and {norms} RMS norms" if norms else "") + f" ({cpu_isa()}{bf16}; weights in {pages})")
 
 
 @contextlib.contextmanager
@@ -88,4 +90,5 @@ def linear_path(model: torch.nn.Module) -> str:
         return "torch GEMM"
     tiles = ", AMX tiles" if amx_possible() and any(m.weight.dtype == torch.bfloat16 for m in switched) else ""
     norms = sum(1 for m in model.modules() if is_row_norm(m))
-    return f"row kernel ({cpu_isa()}{tiles}, {len(switched)} layers" + (f", {norms} RMS norms)" if norms else ")")
+    return (f"row kernel ({cpu_isa()}{tiles}, {len(switched)} layers" + (f", {norms} RMS norms" if norms else "")
+            + f", packed in {'2 MB' if huge_pages.possible() else '4 KB'} pages)")

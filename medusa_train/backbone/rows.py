@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from medusa_train.backbone import native
+from medusa_train.backbone import huge_pages, native
 from medusa_train.backbone.native import cpu_isa, cpu_vendor
 
 #: the fewest rows (tokens in a step) the kernel takes, by instruction set, on an Intel CPU. One row stays torch's
@@ -55,6 +55,10 @@ from medusa_train.backbone.native import cpu_isa, cpu_vendor
 #: two rows too (MKL's 2-row path was as fast as the kernel there). Measured against the kernel before packed panels
 #: (eighth session); the panels' kernel is 9-13% faster at 1-4 rows on AMD and not yet measured on an Intel CPU
 MIN_ROWS = {"AVX512": 4, "AVX2": 2}
+#: ... unless the packed weights sit in 2 MB pages (``huge_pages.possible``): then from one row on both (the AMX CPU,
+#: float32, the backbone's 211 linears at 1 / 2 rows: torch's 30.2 / 30.6 ms, the kernel's panels 27.9 / 26.9; on the
+#: AVX2 code paths 34.6 / 59.8 against 26.0 / 28.5; in 4 KB pages the kernel took 51.1 at one row; 2026-12-01)
+MIN_ROWS_HUGE_PAGES = 1
 #: the most rows it takes on an Intel CPU: more go to torch's GEMM (faster from 32 rows on both instruction sets:
 #: docs/results.md, "Step cost against the machine's limit")
 MAX_ROWS = 16
@@ -106,7 +110,9 @@ def row_range(dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     if dtype == torch.bfloat16 and amx_possible():
         return 1, MAX_ROWS_AMX
     if cpu_vendor() in ("GenuineIntel", None):
-        return (MIN_ROWS_BF16 if dtype == torch.bfloat16 else MIN_ROWS[isa]), MAX_ROWS
+        if dtype == torch.bfloat16:
+            return MIN_ROWS_BF16, MAX_ROWS
+        return (MIN_ROWS_HUGE_PAGES if huge_pages.possible() else MIN_ROWS[isa]), MAX_ROWS
     return MIN_ROWS_ELSEWHERE, MAX_ROWS_ELSEWHERE
 
 
@@ -141,16 +147,18 @@ def row_dtypes() -> frozenset:
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """``w`` (N, K) packed as the kernel reads it: panels of ``panel`` outputs (the last one padded with zeros), each
     holding for every step along K its outputs' weights side by side (float32: one k, as (panels, K, panel);
-    bfloat16: a pair of k, as (panels, K / 2, panel, 2), an odd K padded with a zero weight). A copy: ``w`` is left
-    as it is."""
+    bfloat16: a pair of k, as (panels, K / 2, panel, 2), an odd K padded with a zero weight). A copy, in 2 MB pages
+    where Linux gives them (``huge_pages``): ``w`` is left as it is."""
     panel = row_kernel().panel
     n, k = w.shape
     panels, steps = -(-n // panel), k if w.dtype == torch.float32 else -(-k // 2)
     padded = torch.zeros(panels * panel, k if w.dtype == torch.float32 else 2 * steps, dtype=w.dtype)
     padded[:n, :k] = w
     if w.dtype == torch.float32:
-        return padded.view(panels, panel, k).transpose(1, 2).contiguous()
-    return padded.view(panels, panel, steps, 2).permute(0, 2, 1, 3).contiguous()
+        order = padded.view(panels, panel, k).transpose(1, 2)
+    else:
+        order = padded.view(panels, panel, steps, 2).permute(0, 2, 1, 3)
+    return huge_pages.empty(tuple(order.shape), w.dtype).copy_(order)  # streamed every step: in 2 MB pages
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None,
@@ -224,11 +232,13 @@ class RowLinear(torch.nn.Linear):
 
 def linears_for(device: torch.device | str, dtype: torch.dtype) -> str:
     """What a decoding step's linear layers run on for a backbone on ``device`` in ``dtype`` once ``use_row_kernel``
-    has run: the row kernel (``row kernel, panels (AVX512)``; bfloat16 on AMX: ``row kernel, AMX tiles``) or
-    ``torch``. Its sums round differently from torch's (and from those of the kernel before it, which summed each
-    output's lanes at the end; the tiles' from the panels'), so a cached greedy reply names the one it was made on."""
+    has run: the row kernel (``row kernel, panels (AVX512), rows 1-64``: the rows it takes, the others torch's;
+    bfloat16 on AMX: ``row kernel, AMX tiles``) or ``torch``. Its sums round differently from torch's (and from those
+    of the kernel before it, which summed each output's lanes at the end; the tiles' from the panels'), so a cached
+    greedy reply names the one it was made on."""
     if torch.device(device).type != "cpu" or dtype not in row_dtypes():
         return "torch"
     if dtype == torch.bfloat16 and amx_possible():
         return "row kernel, AMX tiles"
-    return f"row kernel, panels ({cpu_isa()})"
+    fewest, most = row_range(dtype)
+    return f"row kernel, panels ({cpu_isa()}), rows {fewest}-{most}"

@@ -31,6 +31,7 @@ from medusa_train.backbone.rows import (
     MAX_ROWS_ELSEWHERE,
     MIN_ROWS,
     MIN_ROWS_BF16,
+    MIN_ROWS_HUGE_PAGES,
     RowLinear,
     amx_possible,  # noqa: F401 (the AMX test's skipif condition)
     linears_for,
@@ -92,12 +93,12 @@ def test_other_calls_are_exactly_torchs(kernel):
     reference.load_state_dict(layer.state_dict())
     layer.__class__ = RowLinear
     fewest, most = row_range()
-    assert (fewest, most) in [(MIN_ROWS[cpu_isa()], MAX_ROWS), (1, MAX_ROWS_ELSEWHERE)]
+    assert (fewest, most) in [(MIN_ROWS[cpu_isa()], MAX_ROWS), (MIN_ROWS_HUGE_PAGES, MAX_ROWS), (1, MAX_ROWS_ELSEWHERE)]
     assert row_range(torch.bfloat16) in [(MIN_ROWS_BF16, MAX_ROWS), (1, MAX_ROWS_ELSEWHERE), (1, MAX_ROWS_AMX)]
     many = torch.randn(most + 1, 24, generator=g)  # a prefill's rows
     with torch.no_grad():
         assert torch.equal(layer(many), reference(many))
-        one = torch.randn(1, 1, 24, generator=g)  # a plain step: torch's GEMV on an Intel CPU, else the kernel's
+        one = torch.randn(1, 1, 24, generator=g)  # a plain step: torch's GEMV on an Intel CPU in 4 KB pages, else the kernel's
         assert min(MIN_ROWS.values()) >= 2
         expected = reference(one) if fewest > 1 else rows_linear(one[0], layer.weight)[None] + layer.bias
         assert torch.equal(layer(one), expected)
@@ -227,7 +228,7 @@ def test_bfloat16_rows_on_amx_tiles_sum_alike_at_any_number_of_rows(kernel, n, k
     assert row_range(torch.bfloat16) == (1, MAX_ROWS_AMX)
     assert linears_for("cpu", torch.bfloat16) == "row kernel, AMX tiles" != linears_for("cpu", torch.float32)
     layers = torch.nn.Sequential(torch.nn.Linear(k, n).bfloat16())
-    assert use_row_kernel(layers)[0] == 1 and linear_path(layers) == "row kernel (AVX512, AMX tiles, 1 layers)"
+    assert use_row_kernel(layers)[0] == 1 and linear_path(layers).startswith("row kernel (AVX512, AMX tiles, 1 layers, packed in ")
     g = torch.Generator().manual_seed(n * 7 + k)
     w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     x = torch.randn(MAX_ROWS_AMX, k, generator=g).bfloat16()
@@ -359,7 +360,7 @@ def test_the_tiles_switched_off_leave_bf16_on_the_avx512_bf16_path(kernel, monke
     [c.cache_clear() for c in caches]
     try:
         assert not rows.amx_possible() and rows.row_range(torch.bfloat16) == (MIN_ROWS_BF16, MAX_ROWS)
-        assert linears_for("cpu", torch.bfloat16) == "row kernel, panels (AVX512)"
+        assert linears_for("cpu", torch.bfloat16) == f"row kernel, panels (AVX512), rows {MIN_ROWS_BF16}-{MAX_ROWS}"
         assert torch.equal(rows_linear(x, w, packed), y)  # the AVX512-BF16 path's own sums
     finally:
         monkeypatch.undo()
