@@ -3,9 +3,10 @@
 A CPU decoding step reads each weight once (~270 MB a step for the packaged model in bfloat16). In 4 KB pages that is
 ~66,000 page translations a step, each a page walk once it has left the TLB (in a virtual machine a two-level one), and
 the hardware prefetchers stop at every 4 KB boundary. The AMX CPU (2 cores, a virtual machine) summed a 300 MB float32
-buffer at 16.5 GB/s in 4 KB pages and at 28.0 GB/s in 2 MB pages (``outputs`` of 2026-12-01, `docs/results.md`, "Step
-cost"); a draft's small layers, read after the backbone's pass has pushed their translations out, cost most: one head's
-576 x 576 linear 477 us cold where its 0.66 MB take 26 us at the read rate.
+buffer at 16.5 GB/s in 4 KB pages and at 28.0 GB/s in 2 MB pages, and its backbone's linears took 0.69x (bf16) and
+0.56x (float32) of their 4 KB-page time (``docs/log/2026-12-01-packed-weights-in-huge-pages.md``); one head's 576 x 576
+linear, read after a 400 MB write had pushed its translations out, took 477 us where its 0.66 MB take 26 us at the read
+rate.
 
 Linux gives an anonymous private mapping 2 MB pages where transparent huge pages are ``always`` or ``madvise`` (the
 mapping then asks with ``MADV_HUGEPAGE``). ``empty`` hands out tensors from such mappings: blocks of ``BLOCK`` bytes
@@ -105,7 +106,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def mapped_bytes() -> int:
     """Bytes of this process's memory that Linux holds in huge pages now (``AnonHugePages`` of its mappings; 0 where
-    it cannot be read): what a report states beside a step's time."""
+    it cannot be read): whether the advice was taken."""
     try:
         text = Path("/proc/self/smaps_rollup").read_text()
     except OSError:
