@@ -51,9 +51,13 @@ def test_switched_off_or_empty_it_is_torchs(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV_SWITCH, "0")
     assert not huge_pages.possible()
     t = huge_pages.empty((2, 3), torch.float32)
-    assert t.shape == (2, 3) and t.dtype == torch.float32
+    # torch's own memory is resizable; a piece of a mapping (torch.frombuffer) is not
+    assert t.shape == (2, 3) and t.dtype == torch.float32 and t.untyped_storage().resizable()
     monkeypatch.delenv(huge_pages.ENV_SWITCH)
-    assert huge_pages.empty((0, 5), torch.bfloat16).shape == (0, 5)
+    empty = huge_pages.empty((0, 5), torch.bfloat16)
+    assert empty.shape == (0, 5) and empty.untyped_storage().resizable()
+    if huge_pages.possible():  # switched on, the same call takes a mapping
+        assert not huge_pages.empty((2, 3), torch.float32).untyped_storage().resizable()
 
 
 @pytest.mark.skipif(cpu_isa() is None or shutil.which("c++") is None, reason="the row kernel needs AVX2/AVX-512 and c++")
