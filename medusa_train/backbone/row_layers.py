@@ -1,7 +1,9 @@
 """A model's layers switched to the row kernel for decoding steps, and back: its plain linear layers to ``RowLinear``
 (``rows.py``) and its Llama-style RMS norms to the kernel's norm (``row_norms.py``), one call for every decoding path
 (a loaded draft's backbone and draft, distillation, validation replies, the benchmarks), so every decoder of a process
-runs the same layers (HF ``generate``, prompt lookup and ours: a speedup still divides by the best plain decoding)."""
+runs the same layers (HF ``generate``, prompt lookup and ours: a speedup still divides by the best plain decoding); and
+its family's Llama-style rotary embedding to the kernel's (``row_rotary.py``: bitwise transformers', every model of that
+family in the process)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from medusa_train.backbone import huge_pages
 from medusa_train.backbone.native import cpu_isa
 from medusa_train.backbone.row_norms import is_row_norm, switch_norms
 from medusa_train.backbone.row_norms import switch_back as switch_norm_back
+from medusa_train.backbone.row_rotary import switch_back as switch_rotary_back
+from medusa_train.backbone.row_rotary import switch_rotary
 from medusa_train.backbone.rows import PACKED, RowLinear, amx_possible, bf16_possible, row_dtypes, row_kernel
 
 
@@ -46,11 +50,13 @@ def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
     for layer in layers:
         layer.__class__ = RowLinear
     norms = switch_norms(model)
+    rotary = switch_rotary(model)
     kinds = sorted({str(m.weight.dtype).removeprefix("torch.") for m in layers})
     bf16 = (", AVX512-BF16" + (", AMX tiles" if amx_possible() else "")) if torch.bfloat16 in row_dtypes() else ""
     pages = "2 MB pages" if huge_pages.possible() else f"4 KB pages: huge pages {huge_pages.transparent_huge_pages()}"
     return len(layers), (f"row kernel: {len(layers)} {' and '.join(kinds)} linear layers"
-                         + (f" and {norms} RMS norms" if norms else "") + f" ({cpu_isa()}{bf16}; weights in {pages})")
+                         + (f" and {norms} RMS norms" if norms else "") + (" and the rotary embedding" if rotary else "")
+                         + f" ({cpu_isa()}{bf16}; weights in {pages})")
 
 
 @contextlib.contextmanager
@@ -73,13 +79,14 @@ def row_kernel_during(model: torch.nn.Module):
 
 
 def without_row_kernel(model: torch.nn.Module) -> int:
-    """Switch ``RowLinear`` layers back to ``nn.Linear`` and RMS norms to their own classes (a benchmark's "before" on
-    the same model); how many linear layers."""
+    """Switch ``RowLinear`` layers back to ``nn.Linear``, RMS norms to their own classes and every family's rotary
+    embedding to transformers' (a benchmark's "before" on the same model); how many linear layers."""
     layers = [m for m in model.modules() if type(m) is RowLinear]
     for layer in layers:
         _switch_back(layer)
     for norm in [m for m in model.modules() if is_row_norm(m)]:
         switch_norm_back(norm)
+    switch_rotary_back()
     return len(layers)
 
 

@@ -255,6 +255,71 @@ static void rms_norm_of(int64_t x_ptr, int64_t w_ptr, int64_t y_ptr, int64_t M, 
   });
 }
 
+// The rotary embedding of a step's query and key rows (row_rotary.py ``step_rotary``), as transformers' Llama-style
+// ``apply_rotary_pos_emb`` computes it: y = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) for x's halves
+// x1, x2, every product and the sum rounded to the element type as torch rounds each of its ops (a bf16 product of two
+// bf16 values is exact in float32, then rounded to nearest even; (-a) * b is -(a * b), and p + (-q) is p - q, exactly),
+// so the output is bitwise torch's. No multiply may fuse into the add (an FMA rounds once): contraction is off here.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static inline float bf16_value(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t bf16_bits(float f) {  // to nearest even; a NaN a quiet NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded);
+}
+struct RotF32 {
+  typedef float T;
+  static inline float get(T v) { return v; }
+  static inline T put(float v) { return v; }
+  static inline float round(float v) { return v; }
+};
+struct RotBF16 {
+  typedef uint16_t T;
+  static inline float get(T v) { return bf16_value(v); }
+  static inline T put(float v) { return bf16_bits(v); }
+  static inline float round(float v) { return bf16_value(bf16_bits(v)); }
+};
+
+// y[b, h, s, :] for x (B, H, S, D) and cos, sin (B or 1, S, D), strides in elements (the last dimension contiguous;
+// cb 0: one cos row for every batch row)
+template <class E>
+static void rotary_of(int64_t x_ptr, int64_t cos_ptr, int64_t sin_ptr, int64_t y_ptr, int64_t B, int64_t H, int64_t S,
+                      int64_t D, int64_t xb, int64_t xh, int64_t xs, int64_t cb, int64_t cs, int64_t yb, int64_t yh,
+                      int64_t ys) {
+  typedef typename E::T T;
+  const T* X = reinterpret_cast<const T*>(x_ptr);
+  const T* C = reinterpret_cast<const T*>(cos_ptr);
+  const T* Sn = reinterpret_cast<const T*>(sin_ptr);
+  T* Y = reinterpret_cast<T*>(y_ptr);
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < S; ++s) {
+        const T* x = X + b * xb + h * xh + s * xs;
+        const T* c = C + b * cb + s * cs;
+        const T* n = Sn + b * cb + s * cs;
+        T* y = Y + b * yb + h * yh + s * ys;
+        for (int64_t d = 0; d < half; ++d) {
+          const float p = E::round(E::get(x[d]) * E::get(c[d]));
+          const float q = E::round(E::get(x[d + half]) * E::get(n[d]));
+          y[d] = E::put(p - q);
+        }
+        for (int64_t d = half; d < D; ++d) {
+          const float p = E::round(E::get(x[d]) * E::get(c[d]));
+          const float q = E::round(E::get(x[d - half]) * E::get(n[d]));
+          y[d] = E::put(p + q);
+        }
+      }
+}
+#pragma GCC pop_options
+
 #if HAS_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // bfloat16 on AMX's tiles (Intel's CPUs from Sapphire Rapids): one TDPBF16PS multiplies up to 16 rows by 32 k of 16
 // outputs, so a pass over 1-16 rows costs what reading the panel costs. The same packed panels: a step s holds the
@@ -340,8 +405,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("panel") = PANEL;
   m.def("rows_linear", &rows_linear_of<F32>, "y = x @ w.T (+ b) for a few float32 rows, w packed (pack_weight)");
   m.def("rms_norm", &rms_norm_of<F32>, "y = w * x / rms(x) for float32 rows, each alone");
+  m.def("rotary", &rotary_of<RotF32>, "x * cos + rotate_half(x) * sin for float32 rows, as torch computes it");
 #if HAS_BF16
   m.def("rms_norm_bf16", &rms_norm_of<BF16>, "rms_norm for bfloat16 rows, rounded as torch rounds a Llama-style norm");
+  m.def("rotary_bf16", &rotary_of<RotBF16>, "rotary for bfloat16 rows, each product and sum rounded as torch rounds");
   m.def("rows_linear_bf16", &rows_linear_of<BF16>,
         "y = x @ w.T (+ b) for a few bfloat16 rows (float32 sums and bias, rounded to nearest even), w packed");
 #endif
