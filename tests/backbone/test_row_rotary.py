@@ -18,8 +18,14 @@ from transformers.models.llama import modeling_llama
 
 from medusa_train.backbone.native import cpu_isa
 from medusa_train.backbone.row_layers import use_row_kernel, without_row_kernel
-from medusa_train.backbone.row_rotary import (NAME, _computes_as_the_kernel, step_rotary, switch_back, switch_rotary,
-                                              switched_modules)
+from medusa_train.backbone.row_rotary import (
+    NAME,
+    _computes_as_the_kernel,
+    step_rotary,
+    switch_back,
+    switch_rotary,
+    switched_modules,
+)
 from medusa_train.backbone.rows import row_dtypes
 
 pytestmark = [
