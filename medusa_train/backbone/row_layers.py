@@ -67,7 +67,8 @@ def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
 @contextlib.contextmanager
 def row_kernel_during(model: torch.nn.Module):
     """``use_row_kernel`` for the block only: the layers it switched are plain ``nn.Linear`` again after it, its norms
-    their own classes (greedy replies from a backbone that trains before and after them). Yields ``use_row_kernel``'s
+    their own classes (greedy replies from a backbone that trains before and after them; the family's rotary embedding
+    stays the kernel's: bitwise transformers', and transformers' own under autograd). Yields ``use_row_kernel``'s
     ``(count, message)``."""
     before = {id(m) for m in model.modules() if type(m) is RowLinear or is_row_norm(m)}
     switched = use_row_kernel(model)
