@@ -12,8 +12,7 @@ is one lane summing its own weights in order, so a layer's output is bitwise wha
 that): nothing that reads it changes.
 
 The names of the sets (``SETS``) are transformers' Llama-style ones, kept by Llama, Qwen2/3, Mistral, Gemma and many
-more; a model without them keeps one call a layer. ``MEDUSA_TRAIN_ROW_SIBLINGS=0`` keeps one call a layer everywhere
-(a benchmark's "before"). The packed side-by-side weights replace the members' own (made only
+more; a model without them keeps one call a layer. The packed side-by-side weights replace the members' own (made only
 if a member is ever called alone); they are packed again whenever a member's weight changes, as a layer's are.
 """
 
@@ -21,10 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from medusa_train.backbone.native import switched_off
 from medusa_train.backbone.rows import SIBLINGS, RowLinear, _rows_linear, pack_weight, rows_taken
 
-ENV_SWITCH = "MEDUSA_TRAIN_ROW_SIBLINGS"  #: ``0`` / ``off``: one kernel call a layer
 #: the child layers a module applies to one input, by transformers' Llama-style names
 SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -93,9 +90,7 @@ def _no_siblings() -> None:
 
 def group_siblings(model: torch.nn.Module) -> int:
     """Give each set of ``model``'s ``RowLinear`` children named in ``SETS`` (same input width, dtype, device and bias
-    kind; not grouped yet) one ``Siblings``; how many layers are in a set now (none with ``MEDUSA_TRAIN_ROW_SIBLINGS=0``)."""
-    if switched_off(ENV_SWITCH):
-        return 0
+    kind; not grouped yet) one ``Siblings``; how many layers are in a set now."""
     grouped = 0
     for module in model.modules():
         for names in SETS:
