@@ -1,9 +1,8 @@
 """A model's layers switched to the row kernel for decoding steps, and back: its plain linear layers to ``RowLinear``
 (``rows.py``) and its Llama-style RMS norms to the kernel's norm (``row_norms.py``), one call for every decoding path
 (a loaded draft's backbone and draft, distillation, validation replies, the benchmarks), so every decoder of a process
-runs the same layers (HF ``generate``, prompt lookup and ours: a speedup still divides by the best plain decoding); the
-layers a module applies to one input to one kernel call a set (``row_siblings.py``: bitwise the same outputs); and its
-family's Llama-style rotary embedding to the kernel's (``row_rotary.py``: bitwise transformers', every model of that
+runs the same layers (HF ``generate``, prompt lookup and ours: a speedup still divides by the best plain decoding); and
+its family's Llama-style rotary embedding to the kernel's (``row_rotary.py``: bitwise transformers', every model of that
 family in the process)."""
 
 from __future__ import annotations
@@ -18,14 +17,12 @@ from medusa_train.backbone.row_norms import is_row_norm, switch_norms
 from medusa_train.backbone.row_norms import switch_back as switch_norm_back
 from medusa_train.backbone.row_rotary import switch_back as switch_rotary_back
 from medusa_train.backbone.row_rotary import switch_rotary
-from medusa_train.backbone.row_siblings import group_siblings, ungroup
 from medusa_train.backbone.rows import PACKED, RowLinear, amx_possible, bf16_possible, row_dtypes, row_kernel
 
 
 def _switch_back(layer: torch.nn.Module) -> None:
-    """A ``RowLinear`` a plain ``nn.Linear`` again, its packed weights (and its set of siblings) let go."""
+    """A ``RowLinear`` a plain ``nn.Linear`` again, its packed weights let go."""
     layer.__dict__.pop(PACKED, None)
-    ungroup(layer)
     layer.__class__ = torch.nn.Linear
 
 
@@ -52,14 +49,12 @@ def use_row_kernel(model: torch.nn.Module) -> tuple[int, str]:
         return 0, "row kernel: not used (built without bfloat16 here)"
     for layer in layers:
         layer.__class__ = RowLinear
-    siblings = group_siblings(model)
     norms = switch_norms(model)
     rotary = switch_rotary(model)
     kinds = sorted({str(m.weight.dtype).removeprefix("torch.") for m in layers})
     bf16 = (", AVX512-BF16" + (", AMX tiles" if amx_possible() else "")) if torch.bfloat16 in row_dtypes() else ""
     pages = "2 MB pages" if huge_pages.possible() else f"4 KB pages: huge pages {huge_pages.transparent_huge_pages()}"
     return len(layers), (f"row kernel: {len(layers)} {' and '.join(kinds)} linear layers"
-                         + (f" ({siblings} in sets reading one input, a call a set)" if siblings else "")
                          + (f" and {norms} RMS norms" if norms else "") + (" and the rotary embedding" if rotary else "")
                          + f" ({cpu_isa()}{bf16}; weights in {pages})")
 

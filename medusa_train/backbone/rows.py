@@ -194,21 +194,6 @@ def _rows_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tens
 
 
 PACKED = "_row_kernel_packed"  #: where a holder keeps its packed weight: (the weight, its data pointer and version, packed)
-#: where a switched layer in a set of siblings holds ``(its Siblings, its index)`` (``row_siblings.py``)
-SIBLINGS = "_row_kernel_siblings"
-
-
-def rows_taken(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
-    """The rows of ``x`` (..., K) when the kernel takes ``F.linear(x, weight, bias)`` (no autograd, CPU tensors of a
-    dtype ``row_dtypes`` has, the rows ``row_range`` gives), else None."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    fewest, most = row_range(x.dtype)
-    if not (fewest <= rows <= most and x.dtype == weight.dtype and x.dtype in row_dtypes() and x.device.type == "cpu"
-            and weight.device.type == "cpu" and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))):
-        return None
-    return rows
 
 
 def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, held: dict) -> torch.Tensor | None:
@@ -216,8 +201,12 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     a dtype ``row_dtypes`` has, the rows ``row_range`` gives), else None. ``held``: the dict its packed weight is kept
     in (a layer's own ``__dict__``, a draft vocabulary's), packed again whenever the weight is not the one packed
     (another tensor, other data under it, or the same data written in place: its version counter)."""
-    rows = rows_taken(x, weight, bias)
-    if rows is None:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    fewest, most = row_range(x.dtype)
+    if not (fewest <= rows <= most and x.dtype == weight.dtype and x.dtype in row_dtypes() and x.device.type == "cpu"
+            and weight.device.type == "cpu" and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))):
         return None
     packed = held.get(PACKED)
     if packed is None or packed[0] is not weight or packed[1] != (weight.data_ptr(), weight._version):
@@ -237,10 +226,7 @@ class RowLinear(torch.nn.Linear):
     parameter or buffer: never in the state dict)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        siblings = self.__dict__.get(SIBLINGS)
-        y = None if siblings is None or siblings[0] is None else siblings[0].output(siblings[1], x)
-        if y is None:
-            y = step_linear(x, self.weight, self.bias, self.__dict__)
+        y = step_linear(x, self.weight, self.bias, self.__dict__)
         return F.linear(x, self.weight, self.bias) if y is None else y
 
 
