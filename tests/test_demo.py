@@ -213,6 +213,29 @@ def test_the_demo_stages_are_declared_with_what_they_read_and_write(tmp_path):
         assert written <= set(demo.stage_paths(cfg)), recipe
 
 
+def test_the_evaluation_drops_the_branches_alone_where_they_would_crowd_out_the_questions():
+    """``eval.branches`` null: the branches alone are decoded when ``eval.limit`` questions fit the evaluation's time
+    with them by the guard's measured rates (the AMX CPU's demo), not where they do not (the one-core stand-in's: 9 of
+    24 questions with them), and the log says why; set, it is what it says; a tree without a guard or a chain: on."""
+    from medusa_train.config.demo import branches_fit
+
+    def tree(generate_ms, hybrid, draft, lookup, lookup_nodes=6):
+        return {"chosen_lookup_nodes": lookup_nodes, "cost_curve": {"generate_ms": generate_ms},
+                "guard": {"measured": {"hybrid": {"tokens_per_s": hybrid}, "draft alone": {"tokens_per_s": draft},
+                                       "lookup chain alone": {"tokens_per_s": lookup}}}}
+
+    cfg = demo_config()
+    stand_in, amx = tree(53.9, 27.1, 20.7, 22.0), tree(22.7, 80.6, 64.2, 60.4)
+    off, why = branches_fit(cfg, stand_in, 5.38)
+    assert off is False and "of 24 in 5.4 min" in why and "eval.branches=true" in why
+    assert branches_fit(cfg, amx, 6.0) == (True, None)
+    assert branches_fit(demo_config("eval.branches=true"), stand_in, 5.38) == (True, None)
+    assert branches_fit(demo_config("eval.branches=false"), amx, 6.0) == (False, None)
+    assert branches_fit(cfg, stand_in, None) == (True, None)  # no time limit
+    assert branches_fit(cfg, tree(53.9, 27.1, 20.7, 22.0, lookup_nodes=0), 5.38) == (True, None)
+    assert branches_fit(cfg, {"chosen_lookup_nodes": 6}, 5.38) == (True, None)  # no guard measured
+
+
 def test_the_evaluation_gets_what_the_demos_time_leaves():
     """``max_minutes`` bounds the whole demo: the evaluation is given its own budget or what the stages before it
     left less the reserve, whichever is less, and never less than the floor."""

@@ -108,7 +108,8 @@ def run(cfg: EvalConfig) -> dict:
     served = served_runner(cfg, heads, model, tokenizer, output_dir) if cfg.engine == "vllm" else None
     report = evaluate(model, tokenizer, prompts, cfg.tree, turns=cfg.bench.turns, generation=cfg.generation,
                       baselines=cfg.baselines, warmup=cfg.warmup, output_dir=output_dir, progress=cfg.progress,
-                      settings=settings, extra=extra, served=served, max_minutes=cfg.bench.max_minutes)
+                      settings=settings, extra=extra, served=served, max_minutes=cfg.bench.max_minutes,
+                      branches=cfg.bench.branches)
     print_summary(report, cfg.bench.turns, cfg.tree)
     return report
 

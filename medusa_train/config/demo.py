@@ -84,6 +84,10 @@ class EvalStage:
     max_minutes: float | None = 6
     turns: int = 1
     max_new_tokens: int = 128
+    #: a lookup-chain tree's branches alone decoded beside it (evaluate's bench.branches). null: where the guard's
+    #: measured rates say every question fits the evaluation's time with them (``branches_fit``), else not: on a slow
+    #: machine two decodes a question fewer, so more questions (the guard compared the three already)
+    branches: bool | None = None
     dtype: str = "auto"  #: auto | float32 | bfloat16 (tree timing and decoding; auto as distill.dtype)
 
 
@@ -112,6 +116,32 @@ class DemoConfig:
 EVAL_RESERVE_MINUTES = 1.0
 #: the least the evaluation is given however late it starts: every decoder on a question or two
 EVAL_FLOOR_MINUTES = 1.0
+
+
+def branches_fit(c: DemoConfig, tree: dict, budget: float | None) -> tuple[bool, str | None]:
+    """Whether the evaluation decodes the tree's branches alone (``eval.branches``; null: decided here), and, where
+    it does not by this rule, why. ``tree``: the tree YAML's keys (its guard's measured tokens/s, its cost curve's HF
+    ``generate`` step). A question costs HF ``generate``, HF prompt lookup (counted at our lookup chain's rate) and the
+    tree, plus each branch alone: on when ``eval.limit`` questions fit ``budget`` minutes with them."""
+    if c.eval.branches is not None:
+        return c.eval.branches, None
+    measured = (tree.get("guard") or {}).get("measured") or {}
+    rates = [(measured.get(k) or {}).get("tokens_per_s") for k in ("hybrid", "draft alone", "lookup chain alone")]
+    generate_ms = (tree.get("cost_curve") or {}).get("generate_ms")
+    if budget is None or c.eval.limit is None or not tree.get("chosen_lookup_nodes") or not all(rates) \
+            or not generate_ms:
+        return True, None
+    hybrid, draft, lookup = rates
+    tokens = c.eval.max_new_tokens
+    without = tokens * (generate_ms / 1000 + 1 / hybrid + 1 / lookup)  # seconds a question
+    with_them = without + tokens * (1 / draft + 1 / lookup)
+    fit = budget * 60 / with_them
+    if fit >= c.eval.limit:
+        return True, None
+    return False, (f"the tree's branches alone not decoded: with them a question takes ~{with_them:.0f} s, "
+                   f"{fit:.0f} of {c.eval.limit} in {budget:.1f} min; without, ~{without:.0f} s (build-tree's guard "
+                   f"compared them: the hybrid {hybrid:.1f} tokens/s, the draft alone {draft:.1f}, the lookup chain "
+                   f"alone {lookup:.1f}; eval.branches=true decodes them)")
 
 
 def evaluation_minutes(c: DemoConfig, elapsed_s: float) -> float | None:

@@ -28,6 +28,10 @@ class BenchConfig:
     #: and the warm-up counted, loading the model not); the prompts decoded are the first of those picked, every
     #: method on each, and the report says how many (``prompts``). null: all
     max_minutes: float | None = None
+    #: a tree with a lookup chain also decoded by each branch alone (its draft's nodes; the chain), on every prompt:
+    #: what each buys. false: the tree alone, two decodes a prompt fewer (build-tree's guard compared the three on its
+    #: calibration prompts; ``medusa-train demo`` turns them off where they would crowd out the prompts)
+    branches: bool = True
 
 
 @dataclass

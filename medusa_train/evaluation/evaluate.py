@@ -85,10 +85,11 @@ def resolve_tree(spec, num_heads: int | None) -> TokenTree:
 
 
 def _generate_turn(model, tokenizer, messages: list[dict], tree: TokenTree, gen: DecodeConfig, eos: list[int],
-                   pad: int, lookup: tuple[int, int] | None,
-                   steps: StaticSteps | None = None) -> tuple[dict, list[int], torch.Tensor]:
+                   pad: int, lookup: tuple[int, int] | None, steps: StaticSteps | None = None,
+                   branches: bool = True) -> tuple[dict, list[int], torch.Tensor]:
     """Decode one turn with each method in turn (plain, prompt lookup, with ``steps``' graphs plain graphed, the
-    heads); returns the per-prompt record, the plain answer's ids and the input."""
+    heads; with ``branches`` a lookup-chain tree's branches alone too); returns the per-prompt record, the plain
+    answer's ids and the input."""
     device = model.lm_head.weight.device
     input_ids = encode_chat(tokenizer, messages).to(device)
     sampling = gen.temperature > 0
@@ -116,14 +117,14 @@ def _generate_turn(model, tokenizer, messages: list[dict], tree: TokenTree, gen:
         graphed, graphed_wall = ours(TokenTree([]))
 
     # a tree with a lookup chain is also decoded without it and by the chain alone: what each branch buys
-    parts = {name: ours(part) for name, part in split_tree(tree).items()}
+    parts = {name: ours(part) for name, part in split_tree(tree).items()} if branches else {}
     out, wall = ours(tree)
     drafted = out.sequences[0, input_ids.shape[1]:].tolist()
     record = {
         "prompt_tokens": input_ids.shape[1], "new_tokens": out.new_tokens, "steps": out.steps,
         "accepted_length": (out.new_tokens - 1) / max(out.steps, 1), "plain_new_tokens": len(plain),
         "accept_lengths": out.accept_lengths, "accepted_depths": out.accepted_depths,
-        "lookup_depths": out.lookup_depths,
+        "lookup_depths": out.lookup_depths, "lookup_nodes": tree.lookup_depth,
         "draft_s": {**out.timings, "wall_s": wall}, "plain_s": plain_time, "match": None, "mismatch": None,
         "prompt_lookup_new_tokens": None if looked_up is None else len(looked_up), "prompt_lookup_s": lookup_time,
         "prompt_lookup_match": None,
@@ -196,7 +197,8 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
              tree: TokenTree | str = "default", *, turns: int = 2, limit: int | None = None,
              generation: DecodeConfig | None = None, baselines: BaselinesConfig | None = None, warmup: bool = True,
              output_dir: str | os.PathLike | None = None, progress: bool = True, settings: dict | None = None,
-             extra: dict | None = None, served=None, max_minutes: float | None = None, **generation_kwargs) -> dict:
+             extra: dict | None = None, served=None, max_minutes: float | None = None, branches: bool = True,
+             **generation_kwargs) -> dict:
     """Run a benchmark with the heads, plain decoding and prompt lookup, and return the report.
 
     Args:
@@ -220,6 +222,8 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         max_minutes: No prompt starts after this many minutes of this call (the prompt-lookup sweep and the warm-up
             in them): the prompts decoded are the first of ``prompts``, every method on each, and the report's
             ``prompts`` says how many of how many (``None``: all).
+        branches: A tree with a lookup chain also decoded by each branch alone on every prompt (the report's
+            ``draft_only`` and ``lookup_chain`` rows); false: the tree alone.
 
     Returns:
         The report dict (keys described in ``evaluation.summary.summarise``).
@@ -250,7 +254,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
     if warmup:
         short = DecodeConfig(**{**asdict(gen), "max_new_tokens": min(gen.max_new_tokens, WARMUP_TOKENS)})
         _generate_turn(model, tokenizer, [{"role": "user", "content": prompts[0].turns[0]}], tree, short, eos, pad,
-                       lookup, replayed)
+                       lookup, replayed, branches)
 
     records: list[dict] = []
     inputs: list[torch.Tensor] = []
@@ -267,7 +271,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
                 messages.append({"role": "user", "content": text})
                 at = round(time.perf_counter() - started, 2)  # when its turn began: a disturbance's time shows
                 record, plain, input_ids = _generate_turn(model, tokenizer, messages, tree, gen, eos, pad, lookup,
-                                                          replayed)
+                                                          replayed, branches)
                 inputs.append(input_ids)
                 conversations.append(list(messages))
                 records.append({"id": prompt.id, "category": prompt.category, "turn": turn, "at_s": at, **record})

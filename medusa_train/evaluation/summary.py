@@ -72,7 +72,7 @@ def method_rows(records: list[dict], draft: str = "the heads") -> dict[str, dict
         c = _method_counts(records, method)
         if c is None:
             continue
-        if method == "draft" and any("draft_only" in r for r in records):
+        if method == "draft" and _has_lookup_chain(records):
             what = HYBRID
         rows[method] = {"decodes_with": what.format(draft=draft), "tokens_per_forward": per_forward(c["tokens"], n, c["forwards"]),
                         "tokens": c["tokens"], "forwards_after_prefill": c["forwards"],
@@ -198,10 +198,15 @@ def summarise(records: list[dict], num_heads: int, draft: str = "the heads") -> 
     }
 
 
+def _has_lookup_chain(records: list[dict]) -> bool:
+    """Whether the tree decoded had a lookup chain (its records say how many nodes; older ones: a branch row)."""
+    return any(r.get("lookup_nodes") or "draft_only" in r for r in records)
+
+
 def _lookup_acceptance(records: list[dict], steps: int) -> list[float] | None:
     """Per lookup chain index i, the fraction of verify steps that kept the chain's first i + 1 tokens (``None``:
     no lookup chain); these steps' tokens are the chain's, not the heads' (``per_head_acceptance``)."""
-    if not any("draft_only" in r for r in records):
+    if not _has_lookup_chain(records):
         return None
     depths = [d for r in records for d in r["lookup_depths"]]
     deepest = max(depths, default=0)

@@ -42,7 +42,13 @@ from pathlib import Path
 
 from medusa_train.config.check import ConfigError
 from medusa_train.config.compose import compose_training
-from medusa_train.config.demo import DemoConfig, build_demo_config, evaluation_minutes, resolve_dtypes
+from medusa_train.config.demo import (
+    DemoConfig,
+    branches_fit,
+    build_demo_config,
+    evaluation_minutes,
+    resolve_dtypes,
+)
 from medusa_train.config.methods import METHODS
 from medusa_train.evaluation.report import headline_lines, mismatch_summary, prompts_decoded
 from medusa_train.training.run_folder import RunFolder
@@ -275,9 +281,13 @@ def run(cfg: DemoConfig) -> None:
     if budget != e.max_minutes and not evaluated:
         print(f"\nevaluate: {budget:.1f} min of the demo's max_minutes={cfg.max_minutes:g} left to it (eval.max_minutes="
               f"{_null(e.max_minutes)}; its start-up and last question counted)", flush=True)
+    branches, why = branches_fit(cfg, tree_facts(tree) if tree.is_file() else {}, budget)
+    if why and not evaluated:
+        print(f"evaluate: {why}", flush=True)
     times["evaluate"] = stage("4/4 evaluate on MT-Bench", [
         *py, "evaluate", f"draft={export}", f"tree={tree}", f"bench.limit={e.limit}",
         f"bench.turns={e.turns}", f"bench.max_minutes={_null(None if budget is None else round(budget, 2))}",
+        f"bench.branches={str(branches).lower()}",
         f"generation.max_new_tokens={e.max_new_tokens}", f"model.dtype={e.dtype}",
         f"output_dir={report}", *(["drift.original=auto"] if method.adapts_backbone else [])], done=evaluated)
 

@@ -178,6 +178,18 @@ def install_oracle_heads(monkeypatch, model, tokenizer, prompts, max_new_tokens)
     monkeypatch.setattr(model, "head_logits", head_logits)
 
 
+def test_without_branches_a_lookup_chain_tree_is_decoded_alone_and_still_lossless(loaded):
+    """``branches=False``: the hybrid tree, plain decoding and prompt lookup on every prompt, neither branch alone; the
+    tree's output is still plain greedy and its lookup acceptance still counted."""
+    model, tokenizer = loaded
+    report = evaluate(model, tokenizer, PROMPTS[:2], {"choices": TREE, "lookup_depth": 3}, max_new_tokens=12,
+                      progress=False, warmup=False, branches=False)
+    assert list(report["methods"]) == ["plain", "prompt_lookup", "draft"]
+    assert all("draft_only" not in r and "lookup_chain" not in r for r in report["per_prompt"])
+    assert report["mismatches"] == 0 and report["lookup_acceptance"] is not None
+    assert "with the heads and the lookup chain in one tree" in report["methods"]["draft"]["decodes_with"]
+
+
 def test_long_accepted_paths_stay_lossless(loaded, monkeypatch):
     model, tokenizer = loaded
     install_oracle_heads(monkeypatch, model, tokenizer, PROMPTS, 16)
