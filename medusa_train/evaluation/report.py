@@ -98,6 +98,8 @@ def headline_lines(report: dict) -> list[str]:
         lookup_part = (f"; {_lookup_label(report)} {lookup['speedup']:.2f}x ({_num(lookup['tokens_per_forward'])} "
                        "tokens per forward)") if lookup else ""
         ours = draft = _draft(report)
+        if (report.get("settings") or {}).get("lookup_depth"):  # a tree with a lookup chain, its branches decoded or not
+            ours = f"{draft} and lookup chain in one tree"
         if "draft_only" in methods:  # a tree with a lookup chain: the hybrid, and each branch alone beside it
             hybrid = f"{draft} and lookup chain in one tree"
             ours = hybrid if best_key == "draft" else f"{draft} alone (faster here than {hybrid})"

@@ -188,6 +188,7 @@ def test_without_branches_a_lookup_chain_tree_is_decoded_alone_and_still_lossles
     assert all("draft_only" not in r and "lookup_chain" not in r for r in report["per_prompt"])
     assert report["mismatches"] == 0 and report["lookup_acceptance"] is not None
     assert "with the heads and the lookup chain in one tree" in report["methods"]["draft"]["decodes_with"]
+    assert "the heads and lookup chain in one tree" in headline_lines(report)[0]  # named as what it is, without branches
 
 
 def test_long_accepted_paths_stay_lossless(loaded, monkeypatch):
