@@ -79,18 +79,6 @@ static inline vec vload_first(const float* p, int n) {
 #endif
 #define PANEL (NR * VW)  // outputs a panel holds
 
-// Whether a layer taken in two or more passes per panel (more rows than MB) prefetches the next panel into L2 while
-// it computes, a share of it in each pass. The hardware prefetcher follows demand reads, and the later passes read
-// only the panel already in the caches, so without it memory sat idle while they ran, then the next panel's first
-// pass waited on memory. On AVX2 code paths (the backbone's 211 linears streamed, AMD EPYC Zen 4, 2 threads) 8 / 12 /
-// 16 rows took 21.0 / 25.8 / 30.2 ms without, 18.6 / 21.0 / 24.9 with (1-4 rows: one pass, the same). With AVX-512's
-// 12-row passes it bought nothing (float32 and bfloat16 within noise at 12-32 rows): off there.
-#if defined(__AVX512F__)
-#define PREFETCH_NEXT 0
-#else
-#define PREFETCH_NEXT 1
-#endif
-
 // The element kinds: float32 (FMA), and on CPUs with AVX512-BF16 bfloat16 (a pair of bf16 products summed into each
 // float32 lane by one instruction, the output rounded to bfloat16 to nearest even, as torch rounds). KS: the k a
 // step takes.
@@ -140,36 +128,37 @@ struct BF16 {
 #define HAS_BF16 0
 #endif
 
-// What a pass does beside its sums at each step s: nothing, or (NextPanel) prefetch into L2 the cache lines that step s
-// of the next panel spans, for s = phase, phase + every, ... A policy type, so a pass without it is the loop alone (a
-// run-time test, or both kinds instantiated side by side, cost a 1-row step 3-4% on AVX-512 in bf16).
-struct NoAhead {
-  inline void at(int64_t) {}
-};
-struct NextPanel {
-  const float* next;
-  int every, countdown;
-  inline void at(int64_t s) {
-    if (countdown == 0) {  // the step's first and last byte
-      const char* p = reinterpret_cast<const char*>(next + s * NR * VW);
-      _mm_prefetch(p, _MM_HINT_T1);
-      _mm_prefetch(p + NR * VW * 4 - 1, _MM_HINT_T1);
-      countdown = every;
-    }
-    --countdown;
-  }
-};
+// How a panel is read: once, in blocks of BLOCK_STEPS steps (12 KB on AVX2, 16 KB on AVX-512: both blocks in flight
+// fit the 32-48 KB L1), every group of MB rows taking a block from L1 before the next block, each row's sums parked in
+// memory between blocks (a lane's sum still adds its k in order from zero: the same floats as one pass). Meanwhile
+// each group prefetches into L1 its share of the next block's cache lines, spread evenly over its steps. Why: a core
+// has a few (~16) line fill buffers for its misses, and an L2 hit takes one too. Before, a panel was read in full by
+// each group in turn (its 55-196 KB from L2 after the first), and the prefetches came in bursts: memory sat idle while
+// the rows' multiply-adds ran, so a 12-row pass cost about a 1-row pass plus its arithmetic. The AMX CPU, the
+// backbone's 210 float32 linears, old and new in turns (docs/log/2026-12-01-one-read-per-panel.md): AVX2 code, one
+// thread, 1 / 4 / 12 / 16 rows 28.6 / 35.6 / 42.2 / 47.1 -> 27.5 / 31.2 / 35.2 / 41.1 ms; AVX-512, two threads,
+// 17.7 / 19.8 / 27.2 / 29.8 -> 15.2 / 15.4 / 18.2 / 18.8; bitwise the same outputs.
+#define BLOCK_STEPS 128
+#define SWEEP_ROWS 64  // rows a sweep holds sums for (more: the panel swept once per 64)
 
-// rows m0 .. m0 + R - 1 against one panel (its first output n0): R x NR accumulators, the panel read once
-template <class E, int R, class Ahead>
-static inline void pass(const typename E::T* X, const float* panel, const typename E::T* B, typename E::T* Y,
-                        int64_t m0, int64_t n0, int64_t K, int64_t N, Ahead ahead) {
+// steps [s0, s1) of rows m0 .. m0 + R - 1 against one panel, the sums taken from and left in ``park``; this group
+// (``group`` of ``groups``) prefetches its share of the lines from ``next`` on
+template <class E, int R>
+static inline void block_pass(const typename E::T* X, const float* panel, vec* park, int64_t m0, int64_t K, int64_t s0,
+                              int64_t s1, const char* next, int group, int groups) {
   vec acc[R][NR];
   for (int i = 0; i < R; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = vzero();
+    for (int r = 0; r < NR; ++r) acc[i][r] = s0 == 0 ? vzero() : park[(m0 + i) * NR + r];
   const typename E::T* x = X + m0 * K;
-  for (int64_t s = 0, steps = K / E::KS; s < steps; ++s) {
-    ahead.at(s);
+  const int64_t span = s1 - s0, lines = (span * NR * VW * 4 + 63) / 64, share = (lines + groups - 1) / groups;
+  const char* ahead = next + group * share * 64;
+  int64_t credit = span - share;  // the first step prefetches, then one line per span / share steps
+  for (int64_t s = s0; s < s1; ++s) {
+    if ((credit += share) >= span) {
+      credit -= span;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      ahead += 64;
+    }
     vec w[NR];
     for (int r = 0; r < NR; ++r) w[r] = vload(panel + (s * NR + r) * VW);
     for (int i = 0; i < R; ++i) {
@@ -177,24 +166,39 @@ static inline void pass(const typename E::T* X, const float* panel, const typena
       for (int r = 0; r < NR; ++r) acc[i][r] = E::madd(w[r], xv, acc[i][r]);
     }
   }
+  for (int i = 0; i < R; ++i)
+    for (int r = 0; r < NR; ++r) park[(m0 + i) * NR + r] = acc[i][r];
+}
+
+template <class E, int R>
+static inline void block_pass_of(const typename E::T* X, const float* panel, vec* park, int64_t m0, int64_t K,
+                                 int64_t s0, int64_t s1, const char* next, int group, int groups, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return block_pass<E, R>(X, panel, park, m0, K, s0, s1, next, group, groups);
+    block_pass_of<E, R - 1>(X, panel, park, m0, K, s0, s1, next, group, groups, rows);
+  }
+}
+
+// rows 0 .. M - 1 (at most SWEEP_ROWS) of X against one panel (its first output n0), read once; Y's outputs written
+template <class E>
+static inline void sweep(const typename E::T* X, const float* panel, const typename E::T* B, typename E::T* Y,
+                         int64_t n0, int64_t K, int64_t N, int64_t M) {
+  alignas(64) vec park[SWEEP_ROWS * NR];
+  const int64_t steps = K / E::KS;
+  const int groups = int((M + MB - 1) / MB);
+  for (int64_t s0 = 0; s0 < steps; s0 += BLOCK_STEPS) {
+    const int64_t s1 = std::min<int64_t>(steps, s0 + BLOCK_STEPS);
+    // one block ahead: the rest of this panel, then the next panel's start (the panels lie end to end)
+    const char* next = reinterpret_cast<const char*>(panel + (s0 + BLOCK_STEPS) * NR * VW);
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      block_pass_of<E, MB>(X, panel, park, m0, K, s0, s1, next, int(m0 / MB), groups, std::min<int64_t>(MB, M - m0));
+  }
   for (int r = 0; r < NR; ++r) {  // the sums, plus the bias if any (in float32), rounded once to the output type
     const int64_t left = N - n0 - r * VW;
     if (left <= 0) break;
     const int n = int(std::min<int64_t>(left, VW));
-    if (B) {
-      const vec b = E::bias(B + n0 + r * VW, n);
-      for (int i = 0; i < R; ++i) acc[i][r] = vadd(acc[i][r], b);
-    }
-    for (int i = 0; i < R; ++i) E::store(Y + (m0 + i) * N + n0 + r * VW, acc[i][r], n);
-  }
-}
-
-template <class E, int R, class Ahead>
-static inline void pass_of(const typename E::T* X, const float* panel, const typename E::T* B, typename E::T* Y,
-                           int64_t m0, int64_t n0, int64_t K, int64_t N, int64_t rows, Ahead ahead) {
-  if constexpr (R > 0) {
-    if (rows == R) return pass<E, R>(X, panel, B, Y, m0, n0, K, N, ahead);
-    pass_of<E, R - 1>(X, panel, B, Y, m0, n0, K, N, rows, ahead);
+    const vec b = B ? E::bias(B + n0 + r * VW, n) : vzero();
+    for (int64_t i = 0; i < M; ++i) E::store(Y + i * N + n0 + r * VW, B ? vadd(park[i * NR + r], b) : park[i * NR + r], n);
   }
 }
 
@@ -210,20 +214,10 @@ static void rows_linear_of(int64_t x_ptr, int64_t packed_ptr, int64_t bias_ptr, 
   T* Y = reinterpret_cast<T*>(y_ptr);
   const int64_t panels = (N + PANEL - 1) / PANEL, lanes = (K / E::KS) * PANEL;
   pybind11::gil_scoped_release unlocked;
-  const int passes = int((M + MB - 1) / MB);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      if constexpr (PREFETCH_NEXT) {
-        if (passes > 1 && p + 1 < end) {  // pass j prefetches steps j, j + passes, ... of the next panel
-          for (int j = 0; j < passes; ++j)
-            pass_of<E, MB>(X, packed + p * lanes, B, Y, int64_t(j) * MB, p * PANEL, K, N,
-                           std::min<int64_t>(MB, M - int64_t(j) * MB), NextPanel{packed + (p + 1) * lanes, passes, j});
-          continue;
-        }
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += MB)  // the later passes read the panel from the caches
-        pass_of<E, MB>(X, packed + p * lanes, B, Y, m0, p * PANEL, K, N, std::min<int64_t>(MB, M - m0), NoAhead{});
-    }
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t m0 = 0; m0 < M; m0 += SWEEP_ROWS)
+        sweep<E>(X + m0 * K, packed + p * lanes, B, Y + m0 * N, p * PANEL, K, N, std::min<int64_t>(SWEEP_ROWS, M - m0));
   });
 }
 

@@ -7,10 +7,11 @@ cost"). ``rows.cpp`` packs each layer's weights once (``pack_weight``: panels of
 AVX2, k-major, so a vector load brings one k for every output of the panel) and streams them once a step, used
 by every row; each output is one vector lane summing its k in order, so a row's output is bitwise the same in any
 verify it is part of, and no lanes are summed across at the end (the kernel before this one read ``nn.Linear``'s
-own layout and summed each output's lanes: as long as the products themselves at K = 576). On an Intel CPU a
-float32 1-token step stays on torch's GEMV (MKL's) and 2-16 rows take the kernel, a bfloat16 step of 1-16 rows
-takes it (1-64 on AMX's tiles, below); on other vendors' CPUs MKL's small-row paths are slow and the kernel takes
-every step from one row to 64 (``row_range``).
+own layout and summed each output's lanes: as long as the products themselves at K = 576). A panel is read once, in
+L1-sized blocks that every group of rows takes in turn while the next block is prefetched (so memory keeps reading
+while the rows multiply). A float32 step of 1-64 rows takes the kernel (on an Intel CPU whose packed weights are not
+in 2 MB pages a 1-token step stays on MKL's GEMV, and 2-3 rows on AVX-512), a bfloat16 step of 1-16 rows on an Intel
+CPU (1-64 on AMX's tiles, below, and on other vendors' CPUs, where MKL's small-row paths are slow: ``row_range``).
 
 ``use_row_kernel(model)`` (``row_layers.py``) switches every plain ``nn.Linear`` of a model to it (and its Llama-style
 RMS norms to the kernel's norm: ``row_norms.py``). A switched layer uses the kernel
@@ -34,7 +35,7 @@ AMX: where the CPU also has AMX's tiles (Intel's from Sapphire Rapids; ``amx_pos
 from the same packed panels (one tile instruction multiplies 16 rows by 32 k of 16 outputs): the backbone's linears
 over 1 / 16 / 32 / 64 rows take 14.0 / 16.2 / 18.9 / 26.5 ms on the AMX CPU, at its measured read rate, where the
 AVX512-BF16 path takes 15.9 / 37.1 / 59.0 / 109.5 and torch's AMX GEMM (packing the weights each call) ~30-40: so
-bfloat16 steps of 1-64 rows take it there (``MAX_ROWS_AMX``). Its sums are each row's alone, in the same order at any
+bfloat16 steps of 1-64 rows take it there (``MAX_ROWS``). Its sums are each row's alone, in the same order at any
 number of rows, so tree decoding there is plain greedy too; they are not the AVX512-BF16 path's (~1 output in 8,000
 rounds otherwise), so a cached reply names which it was made on (``linears_for``).
 """
@@ -59,25 +60,27 @@ MIN_ROWS = {"AVX512": 4, "AVX2": 2}
 #: float32, the backbone's 211 linears at 1 / 2 rows: torch's 30.2 / 30.6 ms, the kernel's panels 27.9 / 26.9; on the
 #: AVX2 code paths 34.6 / 59.8 against 26.0 / 28.5; in 4 KB pages the kernel took 51.1 at one row; 2026-12-01)
 MIN_ROWS_HUGE_PAGES = 1
-#: the most rows it takes on an Intel CPU: more go to torch's GEMM (faster from 32 rows on both instruction sets:
-#: docs/results.md, "Step cost against the machine's limit")
-MAX_ROWS = 16
+#: the most rows it takes (a verify over the largest tree), float32 on every CPU: since the kernel reads each panel
+#: once in L1-sized blocks it is faster than torch's GEMM to 64 rows on Intel too (the AMX CPU, the backbone's 210
+#: float32 linears, two threads, 16 / 32 / 64 rows: torch's 37.8 / 42.8 / 61.9 ms, the kernel 22.5 / 27.3 / 44.1; on
+#: the AVX2 code paths 46.7 / 60.9 / 79.3 against 23.0 / 36.7 / 64.6; 2026-12-01); on other vendors' CPUs (AMD EPYC,
+#: float32, 32 / 64 tokens: 127 / 175 ms on torch's GEMM, 80 / 135 on the kernel before it, the same on the AVX2 code
+#: paths) and on AMX's tiles (1 / 16 / 64 rows: 14.0 / 16.2 / 26.5 ms, torch's AMX GEMM ~30 / 30 / 37) in bfloat16 too
+MAX_ROWS = 64
 #: the fewest bfloat16 rows it takes on an Intel CPU: from one (the AMX CPU, the backbone's bf16 pass over 1 / 2 / 4 /
 #: 8 / 16 / 32 rows: torch's AMX GEMM 54.3 / 55.7 / 53.7 / 59.5 / 62.4 / 72.4 ms, the kernel 36.8 / 40.8 / 44.7 /
 #: 55.3 / 64.9 / 88.2; twentieth session, docs/results.md): a plain step and a verify over up to 16 nodes then sum
-#: alike, so bf16 tree decoding there is plain greedy for trees of up to ``MAX_ROWS`` nodes (an Intel CPU without
-#: AMX's tiles: with them, ``MAX_ROWS_AMX``)
+#: alike, so bf16 tree decoding there is plain greedy for trees of up to ``MAX_ROWS_BF16`` nodes (an Intel CPU
+#: without AMX's tiles: with them, ``MAX_ROWS``)
 MIN_ROWS_BF16 = 1
+#: ... and to 16: more bfloat16 rows go to torch's GEMM on an Intel CPU without AMX's tiles in use (on the AMX CPU
+#: with the tiles switched off, the backbone's bf16 linears over 16 / 24 / 64 rows: torch's AMX GEMM 20.7 / 21.3 /
+#: 26.4 ms, the AVX512-BF16 path 18.6 / 25.8 / 62.1; 2026-12-01)
+MAX_ROWS_BF16 = 16
 #: on any other CPU, from one row: MKL gives other vendors' CPUs slower small-row paths (AMD EPYC, AVX-512, float32:
 #: the backbone's 1-token pass 48.6 ms on MKL's GEMV, 31.1 ms on the kernel; a 2-token pass 74.4 against 36.9).
 #: A plain step, HF ``generate``'s included, then runs the kernel too: every speedup still divides by it
 MIN_ROWS_ELSEWHERE = 1
-#: ... and to 64 rows, a verify over the largest tree (AMD EPYC, float32, the backbone's pass over 32 / 64 tokens:
-#: 127 / 175 ms on torch's GEMM, 80 / 135 on the kernel; the same on the AVX2 code paths)
-MAX_ROWS_ELSEWHERE = 64
-#: bfloat16 rows on AMX's tiles (``amx_possible``): from one to 64, a verify over the largest tree (the AMX CPU, the
-#: backbone's linears over 1 / 16 / 64 rows: 14.0 / 16.2 / 26.5 ms on the tiles, ~30 / 30 / 37 on torch's AMX GEMM)
-MAX_ROWS_AMX = 64
 ENV_SWITCH = "MEDUSA_TRAIN_ROW_KERNEL"  #: ``0`` / ``off``: never switch layers
 #: ``0`` / ``off``: bfloat16 stays on the AVX512-BF16 path where the CPU has AMX (a benchmark's "before", or a machine
 #: whose tiles misbehave)
@@ -108,12 +111,12 @@ def row_range(dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     if isa is None:
         return 1, 0
     if dtype == torch.bfloat16 and amx_possible():
-        return 1, MAX_ROWS_AMX
+        return 1, MAX_ROWS
     if cpu_vendor() in ("GenuineIntel", None):
         if dtype == torch.bfloat16:
-            return MIN_ROWS_BF16, MAX_ROWS
+            return MIN_ROWS_BF16, MAX_ROWS_BF16
         return (MIN_ROWS_HUGE_PAGES if huge_pages.possible() else MIN_ROWS[isa]), MAX_ROWS
-    return MIN_ROWS_ELSEWHERE, MAX_ROWS_ELSEWHERE
+    return MIN_ROWS_ELSEWHERE, MAX_ROWS
 
 
 def bf16_possible() -> bool:

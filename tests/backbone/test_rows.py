@@ -27,8 +27,7 @@ from medusa_train.backbone.row_layers import (
 )
 from medusa_train.backbone.rows import (
     MAX_ROWS,
-    MAX_ROWS_AMX,
-    MAX_ROWS_ELSEWHERE,
+    MAX_ROWS_BF16,
     MIN_ROWS,
     MIN_ROWS_BF16,
     MIN_ROWS_HUGE_PAGES,
@@ -86,6 +85,19 @@ def test_a_rows_output_is_bitwise_the_same_beside_any_other_rows(kernel, n, k):
         torch.set_num_threads(1)
 
 
+@pytest.mark.parametrize("n, k", [(100, 300), (24, 1536)])
+def test_rows_past_one_sweep_and_k_past_several_blocks(kernel, n, k):
+    """The kernel reads a panel in blocks of 128 steps along K, parking each row's sums between blocks, 64 rows a
+    sweep: 130 rows take three sweeps, K = 300 and 1,536 three and twelve blocks (a tail in the first). Each row as
+    alone, and the product to float32 accuracy."""
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(130, k, generator=g)
+    together = rows_linear(x, w)
+    torch.testing.assert_close(together.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    for start, rows in [(0, 1), (64, 1), (129, 1), (60, 8), (0, 64), (1, 128)]:
+        assert torch.equal(rows_linear(x[start:start + rows], w), together[start:start + rows]), (start, rows)
+
+
 def test_other_calls_are_exactly_torchs(kernel):
     g = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(24, 40, bias=True)
@@ -93,8 +105,8 @@ def test_other_calls_are_exactly_torchs(kernel):
     reference.load_state_dict(layer.state_dict())
     layer.__class__ = RowLinear
     fewest, most = row_range()
-    assert (fewest, most) in [(MIN_ROWS[cpu_isa()], MAX_ROWS), (MIN_ROWS_HUGE_PAGES, MAX_ROWS), (1, MAX_ROWS_ELSEWHERE)]
-    assert row_range(torch.bfloat16) in [(MIN_ROWS_BF16, MAX_ROWS), (1, MAX_ROWS_ELSEWHERE), (1, MAX_ROWS_AMX)]
+    assert (fewest, most) in [(MIN_ROWS[cpu_isa()], MAX_ROWS), (MIN_ROWS_HUGE_PAGES, MAX_ROWS)]
+    assert row_range(torch.bfloat16) in [(MIN_ROWS_BF16, MAX_ROWS_BF16), (1, MAX_ROWS)]
     many = torch.randn(most + 1, 24, generator=g)  # a prefill's rows
     with torch.no_grad():
         assert torch.equal(layer(many), reference(many))
@@ -225,13 +237,13 @@ def test_bfloat16_rows_on_amx_tiles_sum_alike_at_any_number_of_rows(kernel, n, k
     """Each row's outputs bitwise the same at 1-64 rows, bias or none, the float32 sums rounded once as the AVX512-BF16
     path's are, but not summed alike (~1 output in 8,000 rounds otherwise), so replies made on one are named apart
     from the other's (``linears_for``); a K that is not a multiple of 32 takes the AVX512-BF16 path itself."""
-    assert row_range(torch.bfloat16) == (1, MAX_ROWS_AMX)
+    assert row_range(torch.bfloat16) == (1, MAX_ROWS)
     assert linears_for("cpu", torch.bfloat16) == "row kernel, AMX tiles" != linears_for("cpu", torch.float32)
     layers = torch.nn.Sequential(torch.nn.Linear(k, n).bfloat16())
     assert use_row_kernel(layers)[0] == 1 and linear_path(layers).startswith("row kernel (AVX512, AMX tiles, 1 layers, packed in ")
     g = torch.Generator().manual_seed(n * 7 + k)
     w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
-    x = torch.randn(MAX_ROWS_AMX, k, generator=g).bfloat16()
+    x = torch.randn(MAX_ROWS, k, generator=g).bfloat16()
     packed, built = pack_weight(w), row_kernel()
     xp = x if k % 2 == 0 else torch.nn.functional.pad(x, (0, 1))
 
@@ -243,12 +255,12 @@ def test_bfloat16_rows_on_amx_tiles_sum_alike_at_any_number_of_rows(kernel, n, k
         return y
 
     for bias in (None, b):
-        tiles = run(built.rows_linear_amx, 0, MAX_ROWS_AMX, bias)
+        tiles = run(built.rows_linear_amx, 0, MAX_ROWS, bias)
         for first, rows in [(0, 1), (7, 1), (0, 2), (3, 15), (0, 16), (5, 17), (30, 33)]:
             assert torch.equal(run(built.rows_linear_amx, first, rows, bias), tiles[first:first + rows]), (first, rows)
         exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
         torch.testing.assert_close(tiles.double(), exact, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
-        avx512 = run(built.rows_linear_bf16, 0, MAX_ROWS_AMX, bias)
+        avx512 = run(built.rows_linear_bf16, 0, MAX_ROWS, bias)
         differ = float((tiles != avx512).float().mean())
         assert differ == 0 if k % 32 else differ < 1e-3, differ
 
@@ -335,11 +347,11 @@ def test_a_compiler_without_amxs_flags_still_builds_the_bf16_kernel(kernel, monk
         assert not isinstance(built, str), built
         assert not hasattr(built, "rows_linear_amx") and not rows.amx_possible()
         assert rows.row_dtypes() == frozenset({torch.float32, torch.bfloat16})
-        assert rows.row_range(torch.bfloat16) == (MIN_ROWS_BF16, MAX_ROWS)  # Intel's without AMX
+        assert rows.row_range(torch.bfloat16) == (MIN_ROWS_BF16, MAX_ROWS_BF16)  # Intel's without AMX
     finally:
         monkeypatch.undo()
         [c.cache_clear() for c in caches]
-    assert rows.amx_possible() and rows.row_range(torch.bfloat16) == (1, MAX_ROWS_AMX)  # each cached from the build
+    assert rows.amx_possible() and rows.row_range(torch.bfloat16) == (1, MAX_ROWS)  # each cached from the build
     assert torch.bfloat16 in rows.row_dtypes()
 
 
@@ -359,8 +371,8 @@ def test_the_tiles_switched_off_leave_bf16_on_the_avx512_bf16_path(kernel, monke
     caches = (rows.amx_possible, rows.row_range)
     [c.cache_clear() for c in caches]
     try:
-        assert not rows.amx_possible() and rows.row_range(torch.bfloat16) == (MIN_ROWS_BF16, MAX_ROWS)
-        assert linears_for("cpu", torch.bfloat16) == f"row kernel, panels (AVX512), rows {MIN_ROWS_BF16}-{MAX_ROWS}"
+        assert not rows.amx_possible() and rows.row_range(torch.bfloat16) == (MIN_ROWS_BF16, MAX_ROWS_BF16)
+        assert linears_for("cpu", torch.bfloat16) == f"row kernel, panels (AVX512), rows {MIN_ROWS_BF16}-{MAX_ROWS_BF16}"
         assert torch.equal(rows_linear(x, w, packed), y)  # the AVX512-BF16 path's own sums
     finally:
         monkeypatch.undo()
@@ -370,8 +382,7 @@ def test_the_tiles_switched_off_leave_bf16_on_the_avx512_bf16_path(kernel, monke
 
 @pytest.mark.skipif(cpu_isa() != "AVX512", reason="on an AVX2 CPU the tests above run the AVX2 build itself")
 def test_the_avx2_build_holds_the_same_on_an_avx512_cpu(kernel, monkeypatch):
-    """The AVX2 build has code of its own (24-output panels, 4 rows a pass, the next panel prefetched over a layer's
-    passes): the product and each row's bitwise invariance, built and run here, where the tests above run AVX-512's."""
+    """The AVX2 build has code of its own (24-output panels, 4 rows a group, 12 KB blocks): the product and each row's bitwise invariance, built and run here, where the tests above run AVX-512's."""
     from medusa_train.backbone import rows
     from medusa_train.backbone.native import ISA_FLAGS
 
@@ -381,11 +392,11 @@ def test_the_avx2_build_holds_the_same_on_an_avx512_cpu(kernel, monkeypatch):
     monkeypatch.setattr(rows, "row_kernel", lambda: avx2)
     for n, k in [(1536, 576), (49, 64), (33, 100)]:  # several panels a thread, and tails of N and K
         g = torch.Generator().manual_seed(n + k)
-        w, x = torch.randn(n, k, generator=g), torch.randn(64, k, generator=g)
+        w, x = torch.randn(n, k, generator=g), torch.randn(130, k, generator=g)  # two sweeps and a row
         exact = x.double() @ w.double().T
         together = rows_linear(x, w)
         torch.testing.assert_close(together.double(), exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
-        for start, rows_ in [(0, 1), (5, 1), (0, 2), (3, 4), (9, 7), (0, 8), (16, 16), (1, 63)]:
+        for start, rows_ in [(0, 1), (5, 1), (0, 2), (3, 4), (9, 7), (0, 8), (16, 16), (1, 63), (60, 70)]:
             assert torch.equal(rows_linear(x[start:start + rows_], w), together[start:start + rows_]), (n, k, start)
         torch.set_num_threads(2)
         try:
