@@ -186,6 +186,8 @@ static inline void sweep(const typename E::T* X, const float* panel, const typen
   alignas(64) vec park[SWEEP_ROWS * NR];
   const int64_t steps = K / E::KS;
   const int groups = int((M + MB - 1) / MB);
+  if (steps == 0)  // no k: the sums are zeros
+    for (int64_t i = 0; i < M * NR; ++i) park[i] = vzero();
   for (int64_t s0 = 0; s0 < steps; s0 += BLOCK_STEPS) {
     const int64_t s1 = std::min<int64_t>(steps, s0 + BLOCK_STEPS);
     // one block ahead: the rest of this panel, then the next panel's start (the panels lie end to end)

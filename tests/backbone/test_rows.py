@@ -98,6 +98,13 @@ def test_rows_past_one_sweep_and_k_past_several_blocks(kernel, n, k):
         assert torch.equal(rows_linear(x[start:start + rows], w), together[start:start + rows]), (start, rows)
 
 
+def test_no_inputs_give_the_bias(kernel):
+    """K = 0: no block to sum, so each output is its bias (zeros without one), as ``F.linear`` gives."""
+    w, x, bias = torch.empty(40, 0), torch.empty(3, 0), torch.arange(40.0)
+    assert torch.equal(rows_linear(x, w), torch.zeros(3, 40))
+    assert torch.equal(rows_linear(x, w, bias=bias), bias.expand(3, 40))
+
+
 def test_other_calls_are_exactly_torchs(kernel):
     g = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(24, 40, bias=True)
