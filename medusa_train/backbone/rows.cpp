@@ -136,8 +136,8 @@ struct BF16 {
 // each group in turn (its 55-196 KB from L2 after the first), and the prefetches came in bursts: memory sat idle while
 // the rows' multiply-adds ran, so a 12-row pass cost about a 1-row pass plus its arithmetic. The AMX CPU, the
 // backbone's 210 float32 linears, old and new in turns (docs/log/2026-12-01-one-read-per-panel.md): AVX2 code, one
-// thread, 1 / 4 / 12 / 16 rows 28.6 / 35.6 / 42.2 / 47.1 -> 27.5 / 31.2 / 35.2 / 41.1 ms; AVX-512, two threads,
-// 17.7 / 19.8 / 27.2 / 29.8 -> 15.2 / 15.4 / 18.2 / 18.8; bitwise the same outputs.
+// thread, 1 / 4 / 12 / 16 rows 29.6 / 35.7 / 42.6 / 47.4 -> 28.1 / 31.3 / 36.1 / 41.0 ms; AVX-512, two threads,
+// 17.6 / 21.0 / 28.2 / 31.4 -> 14.8 / 16.1 / 19.2 / 20.1; bitwise the same outputs.
 #define BLOCK_STEPS 128
 #define SWEEP_ROWS 64  // rows a sweep holds sums for (more: the panel swept once per 64)
 
@@ -152,7 +152,9 @@ static inline void block_pass(const typename E::T* X, const float* panel, vec* p
   const typename E::T* x = X + m0 * K;
   const int64_t span = s1 - s0, lines = (span * NR * VW * 4 + 63) / 64, share = (lines + groups - 1) / groups;
   const char* ahead = next + group * share * 64;
-  int64_t credit = span - share;  // the first step prefetches, then one line per span / share steps
+  // the first step prefetches, then one line every span / share steps, at most one a step (a block with more lines
+  // than steps, one group's: the rest on demand; two a step where needed measured 1-10% slower at 1-8 rows)
+  int64_t credit = span - share;
   for (int64_t s = s0; s < s1; ++s) {
     if ((credit += share) >= span) {
       credit -= span;
