@@ -141,14 +141,14 @@ struct BF16 {
 #define BLOCK_STEPS 128
 #define SWEEP_ROWS 64  // rows a sweep holds sums for (more: the panel swept once per 64)
 
-// steps [s0, s1) of rows m0 .. m0 + R - 1 against one panel, the sums taken from and left in ``park``; this group
-// (``group`` of ``groups``) prefetches its share of the lines from ``next`` on
+// steps [s0, s1) of rows m0 .. m0 + R - 1 against one panel, the sums taken from and left in ``park`` (zeros before
+// the first block); this group (``group`` of ``groups``) prefetches its share of the lines from ``next`` on
 template <class E, int R>
 static inline void block_pass(const typename E::T* X, const float* panel, vec* park, int64_t m0, int64_t K, int64_t s0,
                               int64_t s1, const char* next, int group, int groups) {
   vec acc[R][NR];
   for (int i = 0; i < R; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = s0 == 0 ? vzero() : park[(m0 + i) * NR + r];
+    for (int r = 0; r < NR; ++r) acc[i][r] = park[(m0 + i) * NR + r];
   const typename E::T* x = X + m0 * K;
   const int64_t span = s1 - s0, lines = (span * NR * VW * 4 + 63) / 64, share = (lines + groups - 1) / groups;
   const char* ahead = next + group * share * 64;
@@ -188,8 +188,7 @@ static inline void sweep(const typename E::T* X, const float* panel, const typen
   alignas(64) vec park[SWEEP_ROWS * NR];
   const int64_t steps = K / E::KS;
   const int groups = int((M + MB - 1) / MB);
-  if (steps == 0)  // no k: the sums are zeros
-    for (int64_t i = 0; i < M * NR; ++i) park[i] = vzero();
+  for (int64_t i = 0; i < M * NR; ++i) park[i] = vzero();  // every sum starts from zero (K = 0: the bias alone)
   for (int64_t s0 = 0; s0 < steps; s0 += BLOCK_STEPS) {
     const int64_t s1 = std::min<int64_t>(steps, s0 + BLOCK_STEPS);
     // one block ahead: the rest of this panel, then the next panel's start (the panels lie end to end)
