@@ -184,8 +184,10 @@ def render_markdown(report: dict) -> str:
     s = report.get("settings", {})
     tps, dtps = report["tokens_per_s"], report["decode_tokens_per_s"]
     mism = report["mismatches"]
+    draft = s.get("draft", "the draft")
+    folder = f" `{s['draft_folder']}`" if s.get("draft_folder") else ""  # the command's draft=; absent in-process
     lines = ["# Medusa evaluation", "", *[f"**{line}**" + "\n" for line in headline_lines(report)],
-        f"Heads `{s.get('heads', '?')}` on `{s.get('model', '?')}` ({s.get('dtype', '?')}, {s.get('device', '?')}, "
+        f"{draft[:1].upper()}{draft[1:]}{folder} on `{s.get('model', '?')}` ({s.get('dtype', '?')}, {s.get('device', '?')}, "
         f"{s.get('torch_threads', '?')} threads); tree `{s.get('tree', '?')}` ({s.get('tree_nodes', '?')} nodes"
         + (f", {s['lookup_depth']} of them a lookup chain matching {s['lookup_ngram'][1]}- down to "
            f"{s['lookup_ngram'][0]}-token suffixes" if s.get("lookup_depth") else "") + "); "

@@ -115,6 +115,9 @@ def test_a_head_the_tree_never_reaches_is_reported_as_untried_not_as_never_right
     assert report["per_head_acceptance"] == pytest.approx([sum(d > k for d in depths) / steps for k in range(2)])
     markdown = render_markdown(report)
     assert "| head | 1 | 2 |" in markdown
+    assert "\nThe heads on `" in markdown  # what decoded, named (was "Heads `?`")
+    report["settings"]["draft_folder"] = "runs/x/export"  # as `medusa-train evaluate draft=runs/x/export` records it
+    assert "\nThe heads `runs/x/export` on `" in render_markdown(report)
     assert "Heads 3 of 3: not in the tree (its depth is 2), never tried." in markdown
 
 def test_a_tree_with_a_lookup_chain_is_reported_with_each_branch_alone(loaded):
