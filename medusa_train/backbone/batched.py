@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers.cache_utils import DynamicLayer
+
+from medusa_train.backbone.appending_cache import AppendingLayer, plain_layers
 
 #: prompts a batched step takes at most (the packaged model, float32, 32 validation prompts of 64 tokens: 8 rows
 #: 16.8 s, 16 rows 13.5, 32 rows 12.5; one at a time ~5x as long)
@@ -31,7 +32,7 @@ DEFAULT_ROWS = 32
 def batch_rows(backbone, wanted: int = DEFAULT_ROWS) -> tuple[int, str]:
     """``(rows, why)``: how many prompts one greedy step may take on ``backbone`` as it is now with every reply
     bitwise its one-prompt reply (1: one at a time), and what says so."""
-    from transformers import AttentionInterface, DynamicCache
+    from transformers import AttentionInterface
 
     from medusa_train.backbone.attention import grouped_sdpa_forward, step_sdpa_forward
     from medusa_train.backbone.rows import RowLinear, row_range
@@ -49,7 +50,7 @@ def batch_rows(backbone, wanted: int = DEFAULT_ROWS) -> tuple[int, str]:
     if (getattr(backbone.config, "_attn_implementation", None) != "sdpa"
             or AttentionInterface._global_mapping.get("sdpa") not in (step_sdpa_forward, grouped_sdpa_forward)):
         return 1, "one prompt at a time: the attention is not the decoders' grouped sdpa"
-    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=backbone.config).layers):
+    if not plain_layers(backbone):
         return 1, "one prompt at a time: a cache layer that is not a plain dynamic one (a sliding window)"
     rows = min(wanted, most)
     return rows, f"{rows} prompts a step (the row kernel from one row, each row attending alone)"
@@ -64,32 +65,6 @@ def _prefill(backbone, ids: torch.Tensor):
     out = backbone(ids, attention_mask=torch.ones_like(ids), position_ids=positions, past_key_values=cache,
                    use_cache=True, logits_to_keep=1)
     return cache, int(out.logits[0, -1].argmax())
-
-
-class AppendingLayer(DynamicLayer):
-    """A dynamic cache layer that appends into room kept after its keys: ``DynamicLayer`` copies the whole cache
-    on every step (``torch.cat``), which for a batch of 32 rows took half a step's time."""
-
-    def hold(self, key_room: torch.Tensor, value_room: torch.Tensor, length: int) -> None:
-        """Take ``key_room`` and ``value_room`` (batch, heads, room, dim), their first ``length`` positions filled."""
-        self.lazy_initialization(key_room, value_room)
-        self.key_room, self.value_room = key_room, value_room
-        self._view(length)
-
-    def _view(self, length: int) -> None:
-        self.keys, self.values = self.key_room[:, :, :length], self.value_room[:, :, :length]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        length, more = self.keys.shape[2], key_states.shape[2]
-        if length + more > self.key_room.shape[2]:  # _left_padded keeps room for every step a reply can take
-            raise RuntimeError(f"AppendingLayer: {length} + {more} positions, room for {self.key_room.shape[2]}")
-        self.key_room[:, :, length:length + more] = key_states
-        self.value_room[:, :, length:length + more] = value_states
-        self._view(length + more)
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.hold(self.key_room[indices], self.value_room[indices], self.keys.shape[2])
 
 
 def _left_padded(backbone, caches: list, lengths: list[int], room: int):

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from medusa_train.backbone.appending_cache import AppendingCache, plain_layers
+
 
 def encode_chat(tokenizer, messages: list[dict]) -> torch.Tensor:
     """(1, len) ids of ``messages`` through the chat template, ready for the assistant's reply."""
@@ -95,7 +97,9 @@ def plain_generate(backbone, input_ids: torch.Tensor, max_new_tokens: int, eos: 
     """Plain decoding with ``backbone.generate``: greedy argmax (or sampling at ``temperature > 0``).
 
     The model's own generation defaults (penalties, beams, top-k) are overridden so that the
-    output is exactly what Medusa must reproduce.
+    output is exactly what Medusa must reproduce. A backbone of plain full-attention layers decodes over the cache
+    our decoder steps over (``AppendingCache``: each step's keys written in place, not the cache copied); others
+    over the one transformers makes for them.
 
     Args:
         prompt_lookup: ``(num_tokens, max_matching_ngram_size)``: Hugging Face's prompt-lookup decoding
@@ -117,6 +121,9 @@ def plain_generate(backbone, input_ids: torch.Tensor, max_new_tokens: int, eos: 
         top_k=0 if sampling else 50, typical_p=1.0, eos_token_id=eos or None, pad_token_id=pad_token_id, **lookup)
     device = input_ids.device
     clock = _FirstTokenClock(device)
+    # the cache our decoder steps over (appending in place), with room for the reply and a lookup's guesses
+    cache = {"past_key_values": AppendingCache(room=input_ids.shape[1] + max_new_tokens + 1 + (
+        prompt_lookup[0] if prompt_lookup else 0))} if plain_layers(backbone) else {}
     forwards = [0]
     # the LM head runs once per forward, whatever wraps the model (a peft model's generate calls the one inside)
     hook = backbone.get_output_embeddings().register_forward_pre_hook(
@@ -124,7 +131,7 @@ def plain_generate(backbone, input_ids: torch.Tensor, max_new_tokens: int, eos: 
     try:
         start = now(device)
         out = backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
-                                streamer=clock)
+                                streamer=clock, **cache)
         wall = now(device) - start
     finally:
         hook.remove()

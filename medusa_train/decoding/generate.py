@@ -3,7 +3,8 @@
 Works with any Hugging Face causal LM whose decoder takes a 4D additive attention mask, explicit
 ``position_ids`` and a ``DynamicCache`` (checked: Llama, Qwen2, GPT-NeoX; "sdpa" and "eager").
 
-Limits: batch size 1. The cache is a ``DynamicCache`` of full-attention layers (``kv_cache="dynamic"``) or a
+Limits: batch size 1. The cache is a ``DynamicCache`` of full-attention layers that appends each step in place
+(``kv_cache="dynamic"``, ``backbone/appending_cache.py``: the cache HF ``generate`` steps over here too) or a
 ``StaticCache`` sized once for the whole generation (``kv_cache="static"``: every step reads and writes the same
 buffers, what CUDA graphs need; accepted nodes are compacted into place as in the dynamic one, stale slots past
 the text are masked), and the tree mask is fully causal, so models with sliding-window layers are refused once
@@ -122,7 +123,7 @@ def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new
         wrap_phase: A measurement's hook (e.g. ``python -m benchmarks loop`` timing each phase): called once
             with each phase's name (``PHASES``) and function, it returns what the loop calls instead. None
             (the default): the phases run as they are, at no cost.
-        kv_cache: ``dynamic`` (grows each step) or ``static`` (``KV_CACHES``): the same tokens either way.
+        kv_cache: ``dynamic`` (grows each step, in place) or ``static`` (``KV_CACHES``): the same tokens either way.
         cuda_graphs: On CUDA with ``kv_cache="static"``: capture the backbone's pass once per tree size and replay
             it (``decoding/graphs.py``), for this generation only.
         steps: A ``StaticSteps`` kept across generations (its static cache, and its graphs when it has them,

@@ -35,13 +35,17 @@ def generate_replies(model, tokenizer, contexts: list[list[Message]], settings: 
     """
     from transformers import DynamicCache
 
+    from medusa_train.backbone.appending_cache import AppendingCache, plain_layers
+
     filters = filters or FilterConfig()
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in contexts]
     # generation continues from the last column, so pad on the left (the tokenizer's own setting is left alone)
     batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
                       add_special_tokens=False).to(model.device)
     mask = batch["attention_mask"]
-    cache = DynamicCache(config=model.config)
+    # each step's keys written in place (room for every reply's end), not the whole cache copied per step
+    room = batch["input_ids"].shape[1] + settings.max_new_tokens
+    cache = AppendingCache(room=room) if plain_layers(model) else DynamicCache(config=model.config)
     logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                    past_key_values=cache, use_cache=True).logits[:, -1]
     window = filters.loop_window or settings.max_new_tokens + 1  # (no loop can last longer: never stops)
