@@ -18,6 +18,7 @@ PROMPTS = 3  # MT-Bench first turns, spread over the categories
 MAX_TOKENS = 32
 K = 3
 FIT_STEPS = 40
+K1_PROMPTS, K1_TOKENS = 6, 48  # the K=1 test's: the 3 fitted prompts and 3 the draft never saw
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +90,10 @@ def test_the_engine_serves_the_draft_and_accepts_what_our_chain_accepts(fitted, 
 
 def test_the_logged_one_token_figure_is_what_the_engine_serves_at_k1(fitted, packaged_backbone, free_servers,
                                                                       tmp_path):
-    """``served.num_speculative_tokens=1`` on 8 MT-Bench first turns, 64 tokens (the draft fitted on 3 of them: it
-    accepts on all, less on the 5 it never saw): vLLM serves the draft one token a step and accepts what the walk
-    (the training log's validation/K1 figure) says it will, within 0.03 tokens per step (float32), as does our
-    decoder's 1-chain (the same text: equal)."""
+    """``served.num_speculative_tokens=1`` on 6 MT-Bench first turns, 48 tokens (the draft fitted on 3 of them: it
+    accepts on all, less on the 3 it never saw; 8 prompts of 64 tokens took 264 s of the suite's 24 minutes): vLLM
+    serves the draft one token a step and accepts what the walk (the training log's validation/K1 figure) says it
+    will, within 0.03 tokens per step (float32), as does our decoder's 1-chain (the same text: equal)."""
     from benchmarks.bench_eagle3_served import chain_figures
     from medusa_train.cli.evaluate import build_eval_config, run
     from medusa_train.data.benchmarks import load_benchmark
@@ -102,12 +103,12 @@ def test_the_logged_one_token_figure_is_what_the_engine_serves_at_k1(fitted, pac
     backbone, tokenizer = packaged_backbone
     model = Eagle3Model.from_pretrained(export, backbone=backbone)
     model.config.ttt_steps = 1  # the 1-chain
-    prompts = [[{"role": "user", "content": p.turns[0]}] for p in load_benchmark(limit=8, pick="spread")]
-    replies, ours = chain_figures(model, tokenizer, prompts, 64, eos)
+    prompts = [[{"role": "user", "content": p.turns[0]}] for p in load_benchmark(limit=K1_PROMPTS, pick="spread")]
+    replies, ours = chain_figures(model, tokenizer, prompts, K1_TOKENS, eos)
     walk = walked(model, tokenizer, prompts, replies)["chain1"]
     report = run(build_eval_config({
         "heads": str(export), "engine": "vllm", "tree": "chain", "model": {"dtype": "float32"},
-        "bench": {"limit": 8, "turns": 1}, "generation": {"max_new_tokens": 64}, "warmup": False,
+        "bench": {"limit": K1_PROMPTS, "turns": 1}, "generation": {"max_new_tokens": K1_TOKENS}, "warmup": False,
         "progress": False, "output_dir": str(tmp_path / "report"), "baselines": {"prompt_lookup": False},
         "served": {"concurrency": 1, "sampled_temperature": 0, "ngram": False, "suffix": False, "num_speculative_tokens": 1,
                    "plain_url": free_servers["plain"]}}))
