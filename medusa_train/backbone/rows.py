@@ -43,6 +43,7 @@ rounds otherwise), so a cached reply names which it was made on (``linears_for``
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -184,15 +185,16 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = 
 
 def _rows_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` from ``w`` packed (``pack_weight``) with ``n`` outputs, once the arguments are known to
-    fit (bf16 rows of an odd K get the zero input their last pair's weight is padded against); the bias is added to
-    the float32 sums before their one rounding."""
-    x = x.contiguous() if x.dtype == torch.float32 or x.shape[1] % 2 == 0 else F.pad(x, (0, 1))
-    bias = None if bias is None else bias.detach().to(x.dtype).contiguous()
-    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    fit: x (..., K), every leading dimension a row; (..., n). bf16 rows of an odd K get the zero input their last
+    pair's weight is padded against; the bias, in x's dtype, is added to the float32 sums before their one rounding.
+    Lean on purpose: a decoding step makes ~200 of these calls (~4 us of Python each, the kernel's own call ~1)."""
+    x = x.contiguous() if x.dtype == torch.float32 or x.shape[-1] % 2 == 0 else F.pad(x, (0, 1))
+    y = x.new_empty((*x.shape[:-1], n))
     kernel = row_kernel()
     run = (kernel.rows_linear if x.dtype == torch.float32
            else kernel.rows_linear_amx if amx_possible() else kernel.rows_linear_bf16)
-    run(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], n)
+    run(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.contiguous().data_ptr(), y.data_ptr(),
+        math.prod(x.shape[:-1]), x.shape[-1], n)
     return y
 
 
@@ -206,8 +208,9 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (another tensor, other data under it, or the same data written in place: its version counter)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     fewest, most = row_range(x.dtype)
-    if not (fewest <= rows <= most and x.dtype == weight.dtype and x.dtype in row_dtypes() and x.device.type == "cpu"
-            and weight.device.type == "cpu" and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
+    # ``is_cpu``, not ``device.type``: ~0.1 us against ~0.9, in a check made ~200 times a step
+    if not (fewest <= rows <= most and x.dtype == weight.dtype and x.dtype in row_dtypes() and x.is_cpu
+            and weight.is_cpu and (bias is None or (bias.dtype == x.dtype and bias.is_cpu))
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
         return None
@@ -216,8 +219,7 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         with torch.no_grad():
             packed = (weight, (weight.data_ptr(), weight._version), pack_weight(weight.detach().contiguous()))
         held[PACKED] = packed
-    y = _rows_linear(x.reshape(rows, x.shape[-1]), packed[2], weight.shape[0], bias)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return _rows_linear(x, packed[2], weight.shape[0], bias)
 
 
 class RowLinear(torch.nn.Linear):
