@@ -290,6 +290,8 @@ def test_a_bias_is_added_to_the_float32_sums_before_their_one_rounding(kernel, d
             torch.testing.assert_close(got.double(), exact, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
         for start, rows in [(0, 1), (3, 4), (5, 15)]:
             assert torch.equal(rows_linear(x[start:start + rows], w, bias=b), got[start:start + rows])
+        strided = torch.stack([b, torch.full_like(b, float("nan"))], dim=1)[:, 0]  # every other element: a copy is read
+        assert not strided.is_contiguous() and torch.equal(rows_linear(x, w, bias=strided), got)
     layer = torch.nn.Linear(24, 40, bias=True).to(dtype)
     assert use_row_kernel(torch.nn.Sequential(layer))[0] == 1 and type(layer) is RowLinear
     x = torch.randn(3, 24, generator=g).to(dtype)
