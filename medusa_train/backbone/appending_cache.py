@@ -83,6 +83,13 @@ class AppendingCache(DynamicCache):
         Cache.__init__(self, layer_class_to_replicate=lambda: AppendingLayer(room))
 
 
+def appending_cache_for(backbone, room: int) -> AppendingCache | None:
+    """The cache a plain decoding of ``backbone`` steps over (HF ``generate``, prompt lookup, distillation), with room
+    for ``room`` positions: an ``AppendingCache`` where the backbone's own would be plain full-attention layers
+    (``plain_layers``), else None (the caller keeps the cache transformers makes: a sliding window, a running state)."""
+    return AppendingCache(room=room) if plain_layers(backbone) else None
+
+
 def plain_layers(backbone) -> bool:
     """Whether the cache transformers makes for ``backbone`` is plain full-attention layers alone (exact type
     ``DynamicLayer``): then an ``AppendingCache`` holds what it would, for ``generate`` as for our decoder."""

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from medusa_train.backbone.appending_cache import AppendingCache, plain_layers
+from medusa_train.backbone.appending_cache import appending_cache_for
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> torch.Tensor:
@@ -122,8 +122,8 @@ def plain_generate(backbone, input_ids: torch.Tensor, max_new_tokens: int, eos: 
     device = input_ids.device
     clock = _FirstTokenClock(device)
     # the cache our decoder steps over (appending in place), with room for the reply and a lookup's guesses
-    cache = {"past_key_values": AppendingCache(room=input_ids.shape[1] + max_new_tokens + 1 + (
-        prompt_lookup[0] if prompt_lookup else 0))} if plain_layers(backbone) else {}
+    cache = appending_cache_for(backbone, input_ids.shape[1] + max_new_tokens + 1 + (
+        prompt_lookup[0] if prompt_lookup else 0))
     forwards = [0]
     # the LM head runs once per forward, whatever wraps the model (a peft model's generate calls the one inside)
     hook = backbone.get_output_embeddings().register_forward_pre_hook(
@@ -131,7 +131,7 @@ def plain_generate(backbone, input_ids: torch.Tensor, max_new_tokens: int, eos: 
     try:
         start = now(device)
         out = backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
-                                streamer=clock, **cache)
+                                streamer=clock, **({} if cache is None else {"past_key_values": cache}))
         wall = now(device) - start
     finally:
         hook.remove()

@@ -35,7 +35,7 @@ def generate_replies(model, tokenizer, contexts: list[list[Message]], settings: 
     """
     from transformers import DynamicCache
 
-    from medusa_train.backbone.appending_cache import AppendingCache, plain_layers
+    from medusa_train.backbone.appending_cache import appending_cache_for
 
     filters = filters or FilterConfig()
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in contexts]
@@ -44,8 +44,8 @@ def generate_replies(model, tokenizer, contexts: list[list[Message]], settings: 
                       add_special_tokens=False).to(model.device)
     mask = batch["attention_mask"]
     # each step's keys written in place (room for every reply's end), not the whole cache copied per step
-    room = batch["input_ids"].shape[1] + settings.max_new_tokens
-    cache = AppendingCache(room=room) if plain_layers(model) else DynamicCache(config=model.config)
+    cache = appending_cache_for(model, batch["input_ids"].shape[1] + settings.max_new_tokens)
+    cache = DynamicCache(config=model.config) if cache is None else cache
     logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                    past_key_values=cache, use_cache=True).logits[:, -1]
     window = filters.loop_window or settings.max_new_tokens + 1  # (no loop can last longer: never stops)

@@ -221,7 +221,14 @@ def test_greedy_replies_equal_model_generate_although_finished_rows_leave_the_ba
     free = generate_replies(model, tokenizer, contexts, settings, [], FilterConfig(loop_window=None))
     # an end-of-turn id some rows generate and others never do: rows leave the batch at different steps
     eos = [next(t for t in free[0].tokens[5:] if any(t not in r.tokens for r in free))]
-    replies = generate_replies(model, tokenizer, contexts, settings, eos, FilterConfig(loop_window=None))
+    caches = []  # every pass steps over the cache that appends in place (rows leaving it: batch_select_indices)
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: caches.append(type(kwargs.get("past_key_values")).__name__), with_kwargs=True)
+    try:
+        replies = generate_replies(model, tokenizer, contexts, settings, eos, FilterConfig(loop_window=None))
+    finally:
+        hook.remove()
+    assert caches and set(caches) == {"AppendingCache"}, caches
     assert len({r.generated for r in replies}) >= 2 and any(not r.finished for r in replies)
     for context, reply in zip(contexts, replies):  # one at a time: no padding, no batch
         ids = tokenizer.apply_chat_template(context, add_generation_prompt=True, return_tensors="pt",
