@@ -199,14 +199,19 @@ def _rows_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tens
     return y
 
 
-PACKED = "_row_kernel_packed"  #: where a holder keeps its packed weight: (the weight, its data pointer and version, packed)
+#: where a holder keeps its packed weight: (the weight, its data pointer and version, packed, the data packed from).
+#: The last keeps that data alive, so no other data can land at its address while the pack is held: a dtype round
+#: trip (``layer.bfloat16().float()``) once put new weights where the old were freed, at the same version, and the
+#: stale pack ran (CI, 2026-12-07; the old data is held until the next call packs again)
+PACKED = "_row_kernel_packed"
 
 
 def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, held: dict) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` through the row kernel where it applies to this call (no autograd, CPU tensors of
     a dtype ``row_dtypes`` has, the rows ``row_range`` gives), else None. ``held``: the dict its packed weight is kept
     in (a layer's own ``__dict__``, a draft vocabulary's), packed again whenever the weight is not the one packed
-    (another tensor, other data under it, or the same data written in place: its version counter)."""
+    (another tensor, other data under it, or the same data written in place: its version counter; the data packed
+    from is held with the pack, so other data under the same parameter can never share its address)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     fewest, most = row_range(x.dtype)
     # ``is_cpu``, not ``device.type``: ~0.1 us against ~0.9, in a check made ~200 times a step
@@ -218,7 +223,8 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     packed = held.get(PACKED)
     if packed is None or packed[0] is not weight or packed[1] != (weight.data_ptr(), weight._version):
         with torch.no_grad():
-            packed = (weight, (weight.data_ptr(), weight._version), pack_weight(weight.detach().contiguous()))
+            data = weight.detach()
+            packed = (weight, (data.data_ptr(), data._version), pack_weight(data.contiguous()), data)
         held[PACKED] = packed
     return _rows_linear(x, packed[2], weight.shape[0], bias)
 
