@@ -1,5 +1,6 @@
 """A KV cache that appends in place: every decoder's cache on a step (ours, HF ``generate``, HF prompt lookup, the cost
-curve, the batched replies), so a step pays for its own keys and values, not for copying the whole context again.
+curve, the batched replies) and every draft's own (the heads' prefix attention, EAGLE-3's and P-EAGLE's layer), so a
+step pays for its own keys and values, not for copying the whole context again.
 
 transformers' ``DynamicLayer`` grows by ``torch.cat``: each step copies every layer's whole cache, a cost growing with
 the context that no server pays (vLLM writes each step's keys into its blocks). On the AVX-512 CPU (float32, the
@@ -55,6 +56,11 @@ class AppendingLayer(DynamicLayer):
         value_room = values.new_empty(batch, heads, room, values.shape[3])
         key_room[:, :, :length], value_room[:, :, :length] = keys, values
         self.hold(key_room, value_room, length)
+
+    def keep(self, length: int) -> None:
+        """Keep the first ``length`` positions (a draft dropping its guesses' slots, a rewind), the room kept."""
+        if self.get_seq_length() > length:
+            self.keys, self.values = self.keys.narrow(2, 0, length), self.values.narrow(2, 0, length)
 
     def reset(self) -> None:
         self.key_room = self.value_room = None

@@ -119,6 +119,38 @@ def test_a_trees_rank_zero_path_is_the_chain_and_siblings_never_see_each_other()
     assert all(int(t) % 2 == 0 for t in in_tree[1:])  # guesses come from the draft vocabulary (even tokens)
 
 
+def test_the_drafts_cache_is_written_in_place_and_a_tree_leaves_only_the_verified_positions():
+    """Each step writes its verified positions after those the cache holds, in its room (moved only when outgrown, as
+    ``AppendingLayer`` doubles), and the tree's drafted nodes after them for the step alone: afterwards the cache holds
+    exactly the verified positions, the earlier ones bitwise as they were, and the proposal equals that of a state that
+    never drafted a tree (a chain of depth 0 at every step before)."""
+    bb = backbone()
+    model = draft_for(bb, seed=4)
+    tree = TokenTree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]])
+    root_only = TokenTree([])
+    ids = torch.randint(3, 256, (1, 41), generator=torch.Generator().manual_seed(5))
+    chunks = [16, 1, 2, 1, 3, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1]
+    drafted, plain = model.new_decode_state(), model.new_decode_state()
+    rooms, start = set(), 0
+    with torch.no_grad():
+        inputs = model(ids).draft_inputs[0]
+        for n in chunks:
+            held = drafted.cache.keys.clone() if start else None
+            root = int(ids[0, start + n])
+            got = model.propose(tree, inputs[start:start + n], ids[0, start:start + n], root, drafted)
+            model.propose(root_only, inputs[start:start + n], ids[0, start:start + n], root, plain)
+            start += n
+            assert drafted.length == plain.length == start  # the drafted nodes' slots dropped
+            assert torch.equal(drafted.cache.keys, plain.cache.keys) and torch.equal(drafted.cache.values,
+                                                                                   plain.cache.values)
+            if held is not None:
+                assert torch.equal(drafted.cache.keys[..., :held.shape[-2], :], held)
+            rooms.add(drafted.cache.key_room.data_ptr())
+            assert got[0] == root and len(got) == tree.num_nodes
+    # 16 positions, then 24 more with up to 8 drafted nodes after them: rooms of 16, 32, 64 (each move a doubling)
+    assert len(rooms) <= 3
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_with_a_fitted_draft_is_token_identical_to_plain_greedy(arch):
     bb = backbone(arch)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from medusa_train.backbone.appending_cache import AppendingLayer
 from medusa_train.backbone.load import backbone_reference
 from medusa_train.config.check import FileProblem
 from medusa_train.families.eagle3.config import D2T_KEY, Eagle3Config
@@ -47,19 +48,19 @@ class Eagle3Output:
 
 @dataclass
 class Eagle3DecodeState:
-    """The draft's keys and values at the verified positions of one sequence (opaque to callers)."""
+    """The draft's keys and values at the verified positions of one sequence (opaque to callers), written in place
+    (``AppendingLayer``): a step copies its own positions, never the ones before; a tree's drafted nodes are written
+    after them for the step and dropped at its end."""
 
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
+    cache: AppendingLayer = field(default_factory=AppendingLayer)
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return self.cache.get_seq_length()
 
     def rewind(self, length: int) -> None:
         """Forget every position after the first ``length`` (a benchmark repeating one step)."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+        self.cache.keep(length)
 
 
 class Eagle3Model(nn.Module):
@@ -171,18 +172,28 @@ class Eagle3Model(nn.Module):
         start = state.length
         positions = torch.arange(start, start + len(after), device=device)[None]
         q, k, v, residual = draft.qkv(self._embed(after)[None], draft.features(accepted_inputs)[None], positions)
-        keys = k if state.keys is None else torch.cat([state.keys, k], dim=-2)
-        values = v if state.values is None else torch.cat([state.values, v], dim=-2)
-        state.keys, state.values = keys, values
-        causal = torch.ones(len(after), keys.shape[-2], dtype=torch.bool, device=device).tril(start)
+        keys, values = state.cache.update(k, v)
+        verified = keys.shape[-2]
+        causal = torch.ones(len(after), verified, dtype=torch.bool, device=device).tril(start)
         normed, prenorm = draft.finish(self._attend(q, keys, values, causal), residual)
         if tree.depth == 0:
             return tokens
-        ancestors, levels = tree.path_buffers(device)
+        try:
+            return self._draft_tree(tree, tokens, normed, prenorm, state.cache, start + len(after) - 1)
+        finally:
+            state.cache.keep(verified)  # the drafted nodes' slots: written again by the next step
+
+    def _draft_tree(self, tree, tokens: torch.Tensor, normed: torch.Tensor, prenorm: torch.Tensor,
+                    cache: AppendingLayer, root_position: int) -> torch.Tensor:
+        """``propose``'s tree below the root, depth by depth: each depth's nodes with children drafted at once, their
+        keys and values written after those in ``cache`` (the verified positions', then the shallower nodes'), each
+        node seeing the verified positions and its own drafted ancestors."""
+        draft, device = self.draft, tokens.device
+        verified = cache.get_seq_length()
+        _, levels = tree.path_buffers(device)
         logits = {0: draft.logits(normed[0, -1:])}  # node -> its draft scores (1, draft vocab)
         feature = {0: prenorm[0, -1:]}  # node -> the pre-norm output its children read
         spec_nodes: list[int] = []
-        spec_k = spec_v = None
         visibility = tree.visibility.to(device)
         for d, (parents, children, rows, ranks) in enumerate(levels):
             if d > 0:  # run the draft on the depth-d nodes that have children
@@ -190,14 +201,12 @@ class Eagle3Model(nn.Module):
                 q, k, v, residual = draft.qkv(
                     self._embed(tokens[parents])[None],
                     torch.cat([feature[int(tree.parents[n])] for n in nodes])[None],
-                    torch.full((1, len(nodes)), start + len(after) - 1 + d, device=device))
+                    torch.full((1, len(nodes)), root_position + d, device=device))
                 spec_nodes += nodes
-                spec_k = k if spec_k is None else torch.cat([spec_k, k], dim=-2)
-                spec_v = v if spec_v is None else torch.cat([spec_v, v], dim=-2)
+                keys, values = cache.update(k, v)  # the verified positions, then every node drafted so far
                 sees = visibility[parents][:, spec_nodes]  # ancestors-or-self among the drafted
-                mask = torch.cat([torch.ones(len(nodes), keys.shape[-2], dtype=torch.bool, device=device), sees], 1)
-                normed, prenorm = draft.finish(self._attend(q, torch.cat([keys, spec_k], -2),
-                                                            torch.cat([values, spec_v], -2), mask), residual)
+                mask = torch.cat([torch.ones(len(nodes), verified, dtype=torch.bool, device=device), sees], 1)
+                normed, prenorm = draft.finish(self._attend(q, keys, values, mask), residual)
                 scores = draft.logits(normed[0])
                 for i, n in enumerate(nodes):
                     logits[n], feature[n] = scores[i:i + 1], prenorm[0, i:i + 1]

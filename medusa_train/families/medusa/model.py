@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from medusa_train.backbone.appending_cache import AppendingLayer
 from medusa_train.backbone.load import backbone_reference
 from medusa_train.families.medusa.config import check_fits
 from medusa_train.families.medusa.heads import MedusaHead, path_tokens
@@ -21,7 +22,7 @@ from medusa_train.families.medusa.layouts import (
     check_shared_lm_head,
     read_heads,
 )
-from medusa_train.families.medusa.prefix_attention import PrefixAttention, PrefixCache
+from medusa_train.families.medusa.prefix_attention import PrefixAttention
 from medusa_train.families.medusa.propose import heads_calibration_scores, heads_candidates
 from medusa_train.model.draft_vocab import DraftVocab
 from medusa_train.model.files import WEIGHTS_NAME, check_tensors, resolve_base_model
@@ -35,16 +36,16 @@ class DecodeState:
     """What the heads keep between decode steps of one sequence (opaque to callers).
 
     Attributes:
-        prefix_cache: Keys and values of the prefix attention layer over the accepted positions.
+        prefix_cache: Keys and values of the prefix attention layer over the accepted positions (appended in place).
         last: (1, hidden) what the heads read at the last accepted position.
     """
 
-    prefix_cache: PrefixCache
+    prefix_cache: AppendingLayer
     last: torch.Tensor | None = None
 
     def rewind(self, length: int) -> None:
         """Forget every position after the first ``length`` (a benchmark repeating one step)."""
-        self.prefix_cache.crop(length)
+        self.prefix_cache.keep(length)
 
 
 @dataclass
@@ -195,7 +196,7 @@ class MedusaModel(nn.Module):
 
     def new_decode_state(self) -> DecodeState:
         """Fresh decode-time state for one sequence (pass it to every ``head_features`` call of that decode)."""
-        return DecodeState(PrefixCache())
+        return DecodeState(AppendingLayer())
 
     def head_features(self, hidden: torch.Tensor | None, tokens: TokenSource = None,
                       state: DecodeState | None = None) -> torch.Tensor:
@@ -237,7 +238,7 @@ class MedusaModel(nn.Module):
         """Each head's scores along a text and its targets (``medusa_propose.heads_calibration_scores``)."""
         return heads_calibration_scores(self, ids, start, states)
 
-    def _context(self, hidden: torch.Tensor, cache: PrefixCache | None = None) -> torch.Tensor:
+    def _context(self, hidden: torch.Tensor, cache: AppendingLayer | None = None) -> torch.Tensor:
         """``hidden`` itself, or through the prefix attention layer (consecutive positions; ``cache`` holds
         the positions before them, decoding only); ``hidden`` is (seq, hidden) or (batch, seq, hidden)."""
         if self.prefix is None:

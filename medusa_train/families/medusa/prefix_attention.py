@@ -5,8 +5,8 @@ next token, not the ones after it, and a small head cannot look back at the cont
 lacks. With ``heads.prefix_attention`` (Hydra++'s prefix attention) a decoder layer of our own,
 ``x + Attn(norm x)`` then ``+ MLP(norm ·)``, mixes the hidden states of the whole prefix first; the
 heads read its output. It is causal and sees only hidden states of tokens already accepted, so at
-decode time it keeps its own small key/value cache (``PrefixCache``) and runs once per step over the
-tokens just accepted.
+decode time it keeps its own key/value cache (an ``AppendingLayer``, written in place: a step copies only its own
+positions) and runs once per step over the tokens just accepted.
 
 The layer has no positional encoding: its queries see a causal prefix of hidden states that already
 carry their positions. Its output projections start at zero, so fresh heads still reproduce the LM
@@ -15,29 +15,12 @@ head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medusa_train.backbone.appending_cache import AppendingLayer
 from medusa_train.backbone.step_attention import step_attention
-
-
-@dataclass
-class PrefixCache:
-    """Keys and values (batch, attention heads, tokens, head dim) of every position the layer has seen."""
-
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
-
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` positions only."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
 
 
 class PrefixAttention(nn.Module):
@@ -64,7 +47,7 @@ class PrefixAttention(nn.Module):
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.down.weight)
 
-    def forward(self, hidden: torch.Tensor, cache: PrefixCache | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: AppendingLayer | None = None) -> torch.Tensor:
         """``hidden`` (batch, seq, hidden) -> the same shape; position t sees positions <= t only.
 
         With ``cache`` the sequence continues the positions it holds (their keys and values are
@@ -76,11 +59,11 @@ class PrefixAttention(nn.Module):
         x = hidden.to(dtype)
         q, k, v = self.qkv(self.attn_norm(x)).view(batch, seq, 3, self.num_attention_heads, -1).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head dim)
-        past = 0 if cache is None else len(cache)
+        past = 0 if cache is None else cache.get_seq_length()
         if cache is not None:
+            keys, values = cache.update(k, v)  # written after the positions it holds, in place
             if past:
-                k, v = torch.cat([cache.keys, k], dim=-2), torch.cat([cache.values, v], dim=-2)
-            cache.keys, cache.values = k, v
+                k, v = keys, values
         if past:
             allowed = torch.ones(1, 1, seq, past + seq, dtype=torch.bool, device=x.device).tril(past)
             # a decoding step on a CPU: the step attention (None where it does not apply, as in training)

@@ -52,11 +52,12 @@ class PEagleModel(Eagle3Model):
         features = torch.cat([features, draft.mask_feature().to(features.dtype).expand(masked, -1)])
         positions = torch.arange(start, start + verified + masked, device=device)[None]
         q, k, v, residual = draft.qkv(self._embed(inputs)[None], features[None], positions)
-        keys = k if state.keys is None else torch.cat([state.keys, k], dim=-2)
-        values = v if state.values is None else torch.cat([state.values, v], dim=-2)
+        keys, values = state.cache.update(k, v)  # in place, after the verified positions
         causal = torch.ones(len(inputs), keys.shape[-2], dtype=torch.bool, device=device).tril(start)
-        normed, _ = draft.finish(self._attend(q, keys, values, causal), residual)
-        state.keys, state.values = keys[..., :start + verified, :], values[..., :start + verified, :]  # slots dropped
+        try:
+            normed, _ = draft.finish(self._attend(q, keys, values, causal), residual)
+        finally:
+            state.cache.keep(start + verified)  # the masked slots dropped: written again by the next step
         if tree.depth == 0:
             return tokens
         slots = draft.logits(normed[0, verified - 1:])  # (depth, draft vocab): the root's row, then each masked slot
