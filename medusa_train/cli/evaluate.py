@@ -97,6 +97,7 @@ def run(cfg: EvalConfig) -> dict:
     if model.lm_head.weight.device.type == "cpu":
         busy_cpu_note()
     output_dir = cfg.output_dir or default_output_dir(cfg.draft)
+    Path(output_dir).mkdir(parents=True, exist_ok=True)  # after the checks: a refused command creates nothing
     settings = {"draft_folder": str(cfg.draft), "model": model.backbone.name_or_path, "bench": asdict(cfg.bench),
                 "attn_implementation": cfg.model.attn_implementation}
     extra = {}

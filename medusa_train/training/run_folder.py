@@ -5,7 +5,6 @@
       metrics.jsonl               one JSON line per train and eval record (``loop.MetricsLog``)
       export/                     the trained draft in its family's native layout, its chat template and
                                   training_config.json (written by ``export/run.py`` at the end)
-      .hydra/                     Hydra's own record of the composed command line
       .lock                       held (``flock``) by the run writing the folder: one run per folder at a time
       metrics.N.jsonl             an earlier run's metrics, set aside when a run starts afresh here
 

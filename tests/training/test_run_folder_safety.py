@@ -146,6 +146,29 @@ def test_the_folder_lock_refuses_a_second_run_and_a_killed_holder_leaves_it_free
         pass
 
 
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("command", [["train.py", "+recipe=medusa1", "heads.num_heads=0", "trainer.output_dir={}"],
+                                     ["-m", "medusa_train", "evaluate", "draft={}/absent-draft", "output_dir={}"]])
+def test_a_refused_command_writes_nothing_into_the_folder_it_names(tmp_path, command):
+    """Hydra writes no record (``.hydra/``) or log of its own: a command refused by its checks changes nothing in an
+    earlier run's folder, and creates no folder where none was."""
+    earlier = tmp_path / "earlier"
+    (earlier / ".hydra").mkdir(parents=True)
+    (earlier / ".hydra" / "config.yaml").write_text("mine: true\n")
+    (earlier / "notes.txt").write_text("an earlier run's\n")
+    before = _files(earlier)
+    for folder in (earlier, tmp_path / "absent"):
+        done = subprocess.run([sys.executable, *(arg.replace("{}", str(folder)) for arg in command)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr
+    assert _files(earlier) == before and sorted(p.name for p in earlier.iterdir()) == [".hydra", "notes.txt"]
+    assert not (tmp_path / "absent").exists()
+
+
 def test_resume_never_into_a_folder_of_checkpoints_is_refused(tmp_path):
     _saved(tmp_path)
     [problem] = resume_problems(compose_config([f"trainer.output_dir={tmp_path}", "trainer.resume=never"]))
@@ -232,9 +255,10 @@ def test_a_second_training_into_a_folder_in_use_is_refused(tmp_path):
     with RunFolder(out).lock():
         second = _train(model_dir, data, out)
     assert second.returncode == 2 and "another training run is writing it" in second.stderr
-    assert "Traceback" not in second.stderr and not (out / "checkpoints").exists()
+    assert "Traceback" not in second.stderr and sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing else
     again = _train(model_dir, data, out)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoints", "export", "metrics.jsonl"]
 
     # a corrupt checkpoint is named in one line before anything loads
     weights = out / "checkpoints" / "step-0000004" / "trainable.safetensors"
