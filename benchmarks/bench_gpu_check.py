@@ -81,6 +81,7 @@ def decode(heads: str, tree: str, folder: Path, device: str, limit: int, new_tok
                                    for k, m in report["methods"].items()},
             "expected": report.get("expected"), "mismatches": report["mismatches"],
             "plain_reference": report["plain_reference"], "graph_captures": report["settings"]["graph_captures"],
+            "draft_graph_captures": report["settings"]["draft_graph_captures"],
             "garbage_collections": report["settings"]["garbage_collections"]}
 
 
@@ -119,7 +120,7 @@ def main(heads: str, trees: str, draft: str | None = None, draft_tree: str = "ch
              f"{new_tokens} tokens, bfloat16", ""]
     for name, run in summary["runs"].items():
         lines.append(f"## {name} ({run['tree']}): mismatches {run['mismatches']}, expected {run['expected']}, "
-                     f"CUDA graphs captured {run['graph_captures']}")
+                     f"CUDA graphs captured {run['graph_captures']} (the draft's: {run['draft_graph_captures']})")
         lines += [f"- {k}: {r['tokens_per_forward']} tokens per forward, {r['tokens_per_s']} tokens/s, "
                   f"{r['speedup']}x over {run['plain_reference']} (the faster plain)" for k, r in run["rows"].items()]
         steady = run["plain_steadiness"]

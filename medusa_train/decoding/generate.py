@@ -123,7 +123,8 @@ def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new
         wrap_phase: A measurement's hook (e.g. ``python -m benchmarks loop`` timing each phase): called once
             with each phase's name (``PHASES``) and function, it returns what the loop calls instead. None
             (the default): the phases run as they are, at no cost.
-        kv_cache: ``dynamic`` (grows each step, in place) or ``static`` (``KV_CACHES``): the same tokens either way.
+        kv_cache: ``dynamic`` (grows each step, in place) or ``static`` (``KV_CACHES``; the draft's state then keeps
+            fixed buffers of the cache's length where its family has them): the same tokens either way.
         cuda_graphs: On CUDA with ``kv_cache="static"``: capture the backbone's pass once per tree size and replay
             it (``decoding/graphs.py``), for this generation only.
         steps: A ``StaticSteps`` kept across generations (its static cache, and its graphs when it has them,
@@ -157,7 +158,9 @@ def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new
     needed = prompt_len + max_new_tokens + tree.num_nodes
     cache = steps.cache_for(needed) if steps is not None else new_cache(kv_cache, model.backbone, needed)
     out = model(input_ids, past_key_values=cache, use_cache=True)
-    draft_state = model.new_decode_state()  # what the draft keeps between steps (e.g. its own cache)
+    # what the draft keeps between steps (e.g. its own cache): with a static cache, over fixed buffers of its length
+    draft_state = steps.draft_state() if steps is not None else model.new_decode_state(
+        room=needed if kv_cache == "static" else None)
     accepted_inputs, accepted_tokens = out.draft_inputs[0], input_ids[0]  # the positions the draft has not read yet
     next_token = first_token(model.base_logits(out.hidden_states[:, -1])[0], acceptance, **sampling)
     # the text so far with the root (the token just decided), indexed for the lookup chain

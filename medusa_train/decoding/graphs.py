@@ -12,7 +12,9 @@ gets a larger one (rounded up to ``length_step`` tokens; the graphs made for the
 ``tree_pass``'s signature (``generate.py``): on the first call for ``N`` it captures the model's forward over
 ``N`` nodes into a graph whose inputs (tokens, positions, the 4D mask) are static buffers; each later call copies
 the step's inputs into them and replays. The plain step is the 1-node graph. Captured once per evaluation (its
-warm-up turn), not per generation, as a server captures at start-up. With ``compiled=True`` each captured pass is
+warm-up turn), not per generation, as a server captures at start-up. The draft's state lives beside the cache
+(``draft_state``): a family's static one keeps its buffers as long as the cache and, with graphs, replays its own
+passes too (Medusa heads: ``families/medusa/decode_state.py``; an EAGLE-3 draft runs eagerly). With ``compiled=True`` each captured pass is
 torch's inductor compilation of the model's forward (fused element-wise kernels, one compilation per tree size; opt-in,
 timed by ``benchmarks decode graphs=compiled``: an 8B-shaped graphed plain step 7.61 -> 5.72 ms on an H200).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
+from medusa_train.backbone.graph_capture import capture
 from medusa_train.decoding.cache import new_cache
 from medusa_train.decoding.tree import fill_step_mask
 
@@ -54,6 +57,7 @@ class StaticSteps:
         self.cache: StaticCache | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, object]] = {}
         self.captures = 0  #: graphs captured so far (one per tree size, again after the cache grew)
+        self.draft, self.draft_room = None, 0  # the draft's static decode state (``draft_state``) and its rooms
 
     @property
     def length(self) -> int:
@@ -68,6 +72,11 @@ class StaticSteps:
         else:
             self.cache.reset()
         return self.cache
+
+    @property
+    def draft_captures(self) -> int:
+        """Graphs captured of the draft's passes (0 for a family whose draft runs eagerly: EAGLE-3's)."""
+        return getattr(self.draft, "captures", 0)
 
     @property
     def backbone_pass(self):
@@ -112,15 +121,16 @@ class StaticSteps:
             for layer, value in zip(self.cache.layers, lengths):
                 layer.cumulative_length.copy_(value)
 
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                self._run(inputs)
-                restore()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            output = self._run(inputs)
-        restore()
+        graph, output = capture(lambda: self._run(inputs), device, self.warmup, restore)
         return graph, inputs, output
+
+    def draft_state(self):
+        """The draft's decode state for the next generation, over rooms as long as the cache (``cache_for`` first):
+        the family's static state (``new_decode_state(room=, graphs=)``: its passes captured alongside the
+        backbone's, once for every generation) kept and emptied in place, a new one after the cache grew."""
+        if self.draft is None or self.draft_room != self.length:
+            self.draft, self.draft_room = self.model.new_decode_state(room=self.length, graphs=self.graphed), self.length
+        else:
+            self.draft.reset()
+        return self.draft
+

@@ -307,6 +307,7 @@ def evaluate(model, tokenizer, prompts: Sequence[BenchPrompt] | str = DEFAULT_BE
         "order": "per prompt: plain, prompt lookup, " + ("plain graphed, " if graphs else "")
                  + ("draft only, lookup only, " if tree.lookup_depth else "") + "draft",
         "cuda_graphs": graphs, "graph_captures": replayed.captures if replayed else 0,
+        "draft_graph_captures": replayed.draft_captures if replayed else 0,
         "garbage_collections": pauses.summary(),
         "speedup": f"tokens/s / {report['plain_reference']} tokens/s (the faster plain decoding), wall clock of "
                    "whole generations (prefill + decode); decode_speedup: decode time only, tokens after the first",

@@ -80,8 +80,10 @@ class DraftModel(Protocol):
     def draft_base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The backbone's logits over the draft vocabulary."""
 
-    def new_decode_state(self) -> Any:
-        """Fresh per-sequence state for ``propose`` (it can ``rewind(length)`` to an accepted length)."""
+    def new_decode_state(self, room: int | None = None, graphs: bool = False) -> Any:
+        """Fresh per-sequence state for ``propose`` (it can ``rewind(length)`` to an accepted length and ``reset()``
+        for the next sequence); ``room``: a static cache's length, for a family whose draft keeps fixed buffers (with
+        ``graphs``, on CUDA, its passes replayed from CUDA graphs); a family without them ignores both."""
 
     def propose(self, tree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
                 state: Any) -> torch.Tensor:

@@ -133,7 +133,8 @@ class DecodeSteps:
         # the root alone as a tree (its mask and offset), made once: the graphed plain step's inputs
         self._root = (TokenTree([]).attention_mask(self.dtype).to(device), torch.zeros(1, dtype=torch.long, device=device))
         self.root = int(model.base_logits(self.out.hidden_states[:, -1])[0].argmax())  # the backbone's own next token
-        self.heads_state = model.new_decode_state()  # what the draft keeps between steps (e.g. its own cache)
+        # what the draft keeps between steps (e.g. its own cache); graphed, over fixed buffers, its passes graphed
+        self.heads_state = self.graphs.draft_state() if graphs else model.new_decode_state()
         # the draft has read every position but the last, which each step reads as its accepted one
         self.heads_read = context - 1
         model.propose(TokenTree([]), self.out.draft_inputs[0, :-1], self.prompt[0, :-1], int(self.prompt[0, -1]),

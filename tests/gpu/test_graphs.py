@@ -61,6 +61,36 @@ def test_graphs_captured_once_serve_every_generation():
     assert steps.captures == len({t.num_nodes for t in trees}) and steps.length == 1024
 
 
+def test_graphed_heads_propose_what_eager_heads_propose():
+    """The heads' passes replayed from graphs too (``families/medusa/decode_state.py``: the prefix layer's read, one
+    graph per count of accepted positions; the guesses, one per tree), for heads of the demo's kind (prefix
+    attention, path input, a shared LM head, a draft vocabulary): every step's candidates those of eager decoding over
+    the dynamic cache, float32, with one ``StaticSteps`` kept across prompts and trees as an evaluation keeps it."""
+    from helpers.decoding import decode_recording_candidates as decode
+    from helpers.decoding import repeating_prompts
+    from helpers.heads import demo_like_heads
+
+    from medusa_train.decoding.graphs import StaticSteps
+
+    model = demo_like_heads(128, device="cuda")
+    steps = StaticSteps(model, graphs=True)
+    reads = []
+    trees = (TokenTree.from_name("default"), TokenTree.from_name("small").with_lookup(5))
+    for ids in repeating_prompts():
+        ids = ids.cuda()
+        reference = hf_greedy(model.backbone, ids, 40, eos_token_id=[])
+        for tree in trees:
+            eager, eager_proposed = decode(model, ids, tree)
+            graphed, graphed_proposed = decode(model, ids, tree, steps=steps)
+            assert graphed_proposed == eager_proposed, tree.num_nodes
+            assert graphed.sequences.tolist() == eager.sequences.tolist() == reference.tolist()
+            assert graphed.accept_lengths == eager.accept_lengths
+            reads += graphed.accept_lengths
+    # captured once each for every generation: a read graph per count of accepted positions, a guess graph per tree
+    assert max(reads) >= 3 and len(steps.draft.reads) >= 3 and len(steps.draft.guessed) == len(trees)
+    assert steps.draft.captures == len(steps.draft.reads) + len(trees)
+
+
 def test_compiled_graphs_decode_as_eager_decoding():
     """``StaticSteps(compiled=True)``: each captured pass compiled by inductor first (the 8B shape's graphed plain step
     7.61 -> 5.72 ms on an H200, 2026-12-01). Opt-in (the decode benchmark's ``graphs=compiled``) until this passes on a
@@ -106,6 +136,7 @@ def test_evaluate_on_cuda_decodes_plain_graphed_beside_generate_and_divides_by_t
     report = evaluate(model, tokenizer, prompts_, [[0], [1], [0, 0]], max_new_tokens=24, progress=False)
     rows, n = report["methods"], len(report["per_prompt"])
     assert report["settings"]["cuda_graphs"] is True and report["settings"]["graph_captures"] == 2  # 1 and 4 nodes
+    assert report["settings"]["draft_graph_captures"] >= 2  # the heads' passes too: a read per count, a guess per tree
     assert rows["plain_graphed"]["tokens_per_forward"] == 1.0
     assert rows["plain_graphed"]["outputs"] == {"compared": n, "identical": n}
     assert rows["draft"]["outputs"] == {"compared": n, "identical": n}

@@ -15,6 +15,37 @@ def prompts(n: int, seed: int = 0, vocab: int = 256) -> list[torch.Tensor]:
     return [torch.randint(3, vocab, (1, int(torch.randint(1, 24, (), generator=g))), generator=g) for _ in range(n)]
 
 
+def repeating_prompts() -> list[torch.Tensor]:
+    """Three prompts that repeat themselves, so a lookup chain accepts paths of several tokens."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for length in (5, 9, 14):
+        piece = torch.randint(3, 256, (length,), generator=g)
+        out.append(torch.cat([piece, piece, piece[: length // 2]])[None])
+    return out
+
+
+def decode_recording_candidates(model, ids, tree, max_new_tokens: int = 40, **kwargs):
+    """``tree_generate`` with every step's candidates recorded: (output, [candidate tokens per step])."""
+    proposed = []
+
+    def wrap(name, function):
+        if name != "candidates":
+            return function
+
+        def recorded(*args):
+            tokens, valid = function(*args)
+            proposed.append(tokens.tolist())
+            return tokens, valid
+
+        return recorded
+
+    from medusa_train.decoding import tree_generate
+
+    out = tree_generate(model, ids, tree, max_new_tokens=max_new_tokens, eos_token_id=[], wrap_phase=wrap, **kwargs)
+    return out, proposed
+
+
 def hf_greedy(backbone, ids: torch.Tensor, max_new_tokens: int, eos_token_id) -> torch.Tensor:
     return backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0)

@@ -47,3 +47,16 @@ def assert_steps_keep_decode_state(steps, context: int, calls) -> None:
             for (k0, v0), (k1, v1) in zip(before[0], after[0]):
                 assert torch.equal(k0, k1) and torch.equal(v0, v1)
             assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+
+
+def demo_like_heads(hidden: int = 64, device: str = "cpu"):
+    """Heads of the demo's kind (prefix attention, path input, a shared LM head, a draft vocabulary of 87 tokens) on a
+    tiny llama of width ``hidden``, every weight away from its zero start, as trained heads are."""
+    from helpers.backbones import make_tiny_backbone
+    from medusa_train import MedusaModel
+
+    token_map = torch.tensor(sorted({1, 2, *range(3, 256, 3)}))
+    model = MedusaModel.from_backbone(make_tiny_backbone("llama", seed=3, hidden_size=hidden), num_heads=4,
+                                      share_lm_head=True, next_token_input=True, path_input=True,
+                                      prefix_attention=True, token_map=token_map)
+    return randomise(randomise(model, seed=1, scale=0.2), seed=2, scale=0.2, part="prefix").to(device)

@@ -62,6 +62,10 @@ class Eagle3DecodeState:
         """Forget every position after the first ``length`` (a benchmark repeating one step)."""
         self.cache.keep(length)
 
+    def reset(self) -> None:
+        """Empty, for the next sequence."""
+        self.cache = AppendingLayer()
+
 
 class Eagle3Model(nn.Module):
     """A causal LM backbone plus an EAGLE-3 draft reading three of its hidden states."""
@@ -144,7 +148,10 @@ class Eagle3Model(nn.Module):
             return weight
         return weight[self.draft.token_map.to(weight.device)]
 
-    def new_decode_state(self) -> Eagle3DecodeState:
+    def new_decode_state(self, room: int | None = None, graphs: bool = False) -> Eagle3DecodeState:
+        """Fresh decode-time state for one sequence; its cache grows in place whatever ``room`` (a static cache's
+        length) and its passes run eagerly whatever ``graphs``: the draft's pass is not graphed (its tree's nodes
+        are written after the verified positions depth by depth)."""
         return Eagle3DecodeState()
 
     def guessed_tokens(self, indices: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from medusa_train.backbone.appending_cache import AppendingLayer
 from medusa_train.backbone.load import backbone_reference
 from medusa_train.families.medusa.config import check_fits
+from medusa_train.families.medusa.decode_state import DecodeState, StaticHeadsState
 from medusa_train.families.medusa.heads import MedusaHead, path_tokens
 from medusa_train.families.medusa.layouts import (
     SHARED_LM_HEAD_KEY,
@@ -23,29 +24,12 @@ from medusa_train.families.medusa.layouts import (
     read_heads,
 )
 from medusa_train.families.medusa.prefix_attention import PrefixAttention
-from medusa_train.families.medusa.propose import heads_calibration_scores, heads_candidates
+from medusa_train.families.medusa.propose import heads_calibration_scores
 from medusa_train.model.draft_vocab import DraftVocab
 from medusa_train.model.files import WEIGHTS_NAME, check_tensors, resolve_base_model
 from medusa_train.model.folder import write_heads_folder
 
 TokenSource = torch.Tensor | Callable[[], torch.Tensor] | None
-
-
-@dataclass
-class DecodeState:
-    """What the heads keep between decode steps of one sequence (opaque to callers).
-
-    Attributes:
-        prefix_cache: Keys and values of the prefix attention layer over the accepted positions (appended in place).
-        last: (1, hidden) what the heads read at the last accepted position.
-    """
-
-    prefix_cache: AppendingLayer
-    last: torch.Tensor | None = None
-
-    def rewind(self, length: int) -> None:
-        """Forget every position after the first ``length`` (a benchmark repeating one step)."""
-        self.prefix_cache.keep(length)
 
 
 @dataclass
@@ -194,9 +178,16 @@ class MedusaModel(nn.Module):
         once, which with a shared LM head reads its weight once instead of once per head."""
         return any(self.config.token_inputs(k) > 1 for k in range(self.num_heads))
 
-    def new_decode_state(self) -> DecodeState:
-        """Fresh decode-time state for one sequence (pass it to every ``head_features`` call of that decode)."""
-        return DecodeState(AppendingLayer())
+    def new_decode_state(self, room: int | None = None, graphs: bool = False) -> DecodeState | StaticHeadsState:
+        """Fresh decode-time state for one sequence (pass it to every ``head_features`` call of that decode).
+
+        ``room``: the most positions it will read (a static cache's length): then its buffers are fixed, sized once
+        (``StaticHeadsState``), and with ``graphs`` (CUDA) each step's passes are replayed from CUDA graphs."""
+        if room is None:
+            if graphs:
+                raise ValueError("graphed heads replay over fixed buffers: give the room they read into")
+            return DecodeState()
+        return StaticHeadsState(self, room, graphs=graphs)
 
     def head_features(self, hidden: torch.Tensor | None, tokens: TokenSource = None,
                       state: DecodeState | None = None) -> torch.Tensor:
@@ -220,7 +211,7 @@ class MedusaModel(nn.Module):
             tokens = tokens() if callable(tokens) else tokens
             return self._with_tokens(context, self.next_tokens(hidden) if tokens is None else tokens)
         if hidden is not None:
-            state.last = self._context(hidden, state.prefix_cache)[-1:]
+            state.read(self, hidden)
         if state.last is None:
             raise ValueError("the decode state has seen no position yet: pass the prompt's hidden states first")
         if not self.config.next_token_input:
@@ -230,9 +221,11 @@ class MedusaModel(nn.Module):
         return self._with_tokens(state.last.expand(tokens.shape[0], -1), tokens)
 
     def propose(self, tree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
-                state: DecodeState) -> torch.Tensor:
-        """(num_nodes,) the tree's tokens for one verify step (``medusa_propose.heads_candidates``; tokens unused)."""
-        return heads_candidates(self, tree, accepted_inputs, root_token, state)
+                state: DecodeState | StaticHeadsState) -> torch.Tensor:
+        """(num_nodes,) the tree's tokens for one verify step: the heads read the accepted positions, then guess
+        (``propose.heads_candidates``, through ``state``: eager, or over fixed buffers; tokens unused)."""
+        state.read(self, accepted_inputs)
+        return state.guesses(self, tree, root_token)
 
     def calibration_scores(self, ids: torch.Tensor, start: int, states: torch.Tensor | None = None):
         """Each head's scores along a text and its targets (``medusa_propose.heads_calibration_scores``)."""

@@ -54,11 +54,8 @@ class PrefixAttention(nn.Module):
         read, and the new ones appended). Padding must come after the real tokens (right padding):
         real positions then never see it.
         """
-        batch, seq, size = hidden.shape
-        dtype = self.qkv.weight.dtype
-        x = hidden.to(dtype)
-        q, k, v = self.qkv(self.attn_norm(x)).view(batch, seq, 3, self.num_attention_heads, -1).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head dim)
+        x, q, k, v = self._project(hidden)
+        seq = x.shape[1]
         past = 0 if cache is None else cache.get_seq_length()
         if cache is not None:
             keys, values = cache.update(k, v)  # written after the positions it holds, in place
@@ -66,12 +63,45 @@ class PrefixAttention(nn.Module):
                 k, v = keys, values
         if past:
             allowed = torch.ones(1, 1, seq, past + seq, dtype=torch.bool, device=x.device).tril(past)
-            # a decoding step on a CPU: the step attention (None where it does not apply, as in training)
-            stepped = None if torch.is_grad_enabled() else step_attention(q, k, v, allowed, q.shape[-1] ** -0.5)
-            attended = (stepped if stepped is not None
-                        else F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2))
+            attended = self._attend(q, k, v, allowed)
         else:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self._finish(x, attended)
+
+    def step_in_room(self, hidden: torch.Tensor, key_room: torch.Tensor, value_room: torch.Tensor,
+                     length: torch.Tensor, empty: bool = False) -> torch.Tensor:
+        """``forward`` with a cache of fixed rooms (batch, attention heads, room, head dim) holding ``length`` (a
+        0-d long tensor, read on the device) positions: the new keys and values are written after them and every
+        room position past a query's own is masked, so each step reads and writes the same buffers (what a CUDA
+        graph replays). ``length`` is left as it was. ``empty``: the rooms hold nothing yet (the prompt), attended
+        as ``forward`` attends it. On a CPU the step attention skips the masked positions: each row bitwise
+        ``forward``'s."""
+        x, q, k, v = self._project(hidden)
+        positions = length + torch.arange(x.shape[1], device=x.device)
+        key_room.index_copy_(2, positions, k)
+        value_room.index_copy_(2, positions, v)
+        if empty:
+            return self._finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2))
+        allowed = torch.arange(key_room.shape[2], device=x.device) <= positions[:, None]
+        return self._finish(x, self._attend(q, key_room, value_room, allowed[None, None]))
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``hidden`` in the layer's dtype and its queries, keys and values (batch, attention heads, seq, head dim)."""
+        batch, seq, _ = hidden.shape
+        x = hidden.to(self.qkv.weight.dtype)
+        q, k, v = self.qkv(self.attn_norm(x)).view(batch, seq, 3, self.num_attention_heads, -1).unbind(2)
+        return (x, *(t.transpose(1, 2) for t in (q, k, v)))
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, attention heads, head dim): queries over keys where ``allowed`` (1, 1, seq, keys)."""
+        # a decoding step on a CPU: the step attention (None where it does not apply, as in training)
+        stepped = None if torch.is_grad_enabled() else step_attention(q, k, v, allowed, q.shape[-1] ** -0.5)
+        return stepped if stepped is not None else F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
+
+    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's output: the attention's projection added to ``x``, then the gated MLP's."""
+        batch, seq, size = x.shape
         x = x + self.out(attended.reshape(batch, seq, size))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)

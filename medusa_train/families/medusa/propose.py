@@ -7,14 +7,11 @@ from __future__ import annotations
 import torch
 
 
-def heads_candidates(model, tree, accepted_hidden: torch.Tensor, root_token: int,
+def heads_candidates(model, tree, accepted_hidden: torch.Tensor, root_token: int | torch.Tensor,
                      heads_state) -> torch.Tensor:
     """(num_nodes,) tokens: the root, then, depth by depth, each node's head's top-k guess at its rank
-    (a token of the heads' draft vocabulary when they have one).
-
-    Head d reads the path to each depth-d node that has children (root first) and its top-k fill
-    those children. The model decides what the heads read (``MedusaModel.head_features``); when no
-    guess follows the path before it, every head is asked at once.
+    (a token of the heads' draft vocabulary when they have one): the heads read the accepted positions
+    (``heads_state.read``), then guess (``heads_guesses``).
 
     Args:
         model: A ``MedusaModel``.
@@ -24,22 +21,33 @@ def heads_candidates(model, tree, accepted_hidden: torch.Tensor, root_token: int
         root_token: The base model's next token (node 0).
         heads_state: ``model.new_decode_state()`` of this sequence.
     """
-    device = accepted_hidden.device
+    heads_state.read(model, accepted_hidden)
+    return heads_guesses(model, tree, root_token, heads_state)
+
+
+def heads_guesses(model, tree, root_token: int | torch.Tensor, heads_state) -> torch.Tensor:
+    """(num_nodes,) tokens from what the heads read at the last accepted position (``heads_state.last``).
+
+    Head d reads the path to each depth-d node that has children (root first) and its top-k fill
+    those children. The model decides what the heads read (``MedusaModel.head_features``); when no
+    guess follows the path before it, every head is asked at once. Every shape is the tree's and every
+    index a buffer made once (``tree.path_buffers``): a CUDA graph replays it (``decode_state.py``).
+    """
+    device = heads_state.last.device
     tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=device)
     tokens[0] = root_token
     ancestors, levels = tree.path_buffers(device)
-    if not levels:  # nothing to guess, but the heads read the accepted positions (their own cache, if any)
-        model.head_features(accepted_hidden, tokens[:1, None], heads_state)
+    if not levels:  # nothing to guess (the heads have read the accepted positions: their own cache, if any)
         return tokens
     if not model.guesses_follow_path:  # every head at once: one LM-head read when it is shared
-        features = model.head_features(accepted_hidden, tokens[:1, None], heads_state)
+        features = model.head_features(None, tokens[:1, None], heads_state)
         logits = model.all_head_logits(features, len(levels))  # (depth, 1, vocab)
         for d, (_, children, _, ranks) in enumerate(levels):
             tokens[children] = model.guessed_tokens(logits[d, 0].topk(tree.head_top_k[d]).indices[ranks])
         return tokens
     for d, (parents, children, rows, ranks) in enumerate(levels):
         paths = tokens[ancestors[parents, : d + 1]]  # (parents, d + 1): root, then the guesses on the way
-        features = model.head_features(accepted_hidden if d == 0 else None, paths, heads_state)
+        features = model.head_features(None, paths, heads_state)
         top = model.head_logits(features, d).topk(tree.head_top_k[d], dim=-1).indices
         tokens[children] = model.guessed_tokens(top[rows, ranks])
     return tokens
