@@ -12,7 +12,10 @@ only decodes, in bfloat16, ``mtbench`` MT-Bench first turns of ``new_tokens`` to
    prompt lookup beside it (each report's ``plain_steadiness`` says whether its plain steps were steady);
 2. the heads with each further tree (``generate`` beside it);
 3. the EAGLE-3 draft with its tree (``generate`` beside it);
-4. with the time left under ``budget_s``: figures before decoding in float32 (the backbone's greedy continuations of
+4. with the time left under ``budget_s``: where a graphed step's time goes (``benchmarks loop graphs=true``, the
+   first tree, one round: the heads' candidates, the tree pass, the LM head, acceptance and compaction per step,
+   each synchronised, beside the timed steps);
+5. with the time still left: figures before decoding in float32 (the backbone's greedy continuations of
    ``parity`` validation prompts, made there; the heads walked along them beside what decoding them accepts).
 
 Writes ``summary.json`` and ``summary.md`` under ``out`` (with each stage's report) after every stage, printed too.
@@ -109,6 +112,15 @@ def main(heads: str, trees: str, draft: str | None = None, draft_tree: str = "ch
                                        prompt_lookup=prompt_lookup)
         summary["runs"][name]["seconds"] = round(time.perf_counter() - started, 1)
         save(folder, summary)  # each stage's figures land as soon as they exist: a loan can end mid-run
+    if time.perf_counter() - started < float(budget_s) - 90:  # one round of the loop took ~45 s (estimated)
+        from benchmarks.bench_loop import main as loop
+
+        loop(heads=heads, tree=first, dtype="bfloat16", prompts=mtbench, max_new_tokens=new_tokens, rounds=1,
+             repeats=5, graphs="true" if device == "cuda" else "false", output=str(folder / "loop.json"))
+        looped = json.loads((folder / "loop.json").read_text())
+        summary["loop"] = {**looped["rounds"][0], "graphs": looped["graphs"]}
+        summary["loop"]["seconds"] = round(time.perf_counter() - started, 1)
+        save(folder, summary)
     if prompts and time.perf_counter() - started < float(budget_s):
         from medusa_train.data.benchmarks import load_benchmark
 
@@ -127,6 +139,13 @@ def main(heads: str, trees: str, draft: str | None = None, draft_tree: str = "ch
         if steady and steady["unsteady"]:
             lines.append(f"- unsteady plain reference: median {steady['median_ms']:.2f} ms a step; "
                          + ", ".join(f"prompt {u['id']} {u['ms']:.1f} ms" for u in steady["unsteady"]))
+    if "loop" in summary:
+        loop_round = summary["loop"]
+        kind = "a graphed step" if loop_round["graphs"] else "an eager step"
+        lines += ["", f"## {kind}, {Path(first).stem}: {loop_round['real']['verify_ms']:.2f} ms "
+                  f"({loop_round['real']['accepted_length']:.2f} tokens a step; timed verify "
+                  f"{loop_round['timed']['verify_ms']:.2f} ms, plain step {loop_round['timed']['plain_ms']:.2f} ms)",
+                  *(f"- {name}: {ms:.2f} ms a step" for name, ms in loop_round["phases_ms"].items())]
     if "parity" in summary:
         lines += ["", "## figures before decoding, float32: expected (walk) beside measured (decoding), tokens per step",
                   *(f"- {k}: {r['expected']:.3f} expected, {r['measured']:.3f} measured (gap {r['gap']:+.3f}; "

@@ -11,8 +11,13 @@ verify steps at the round's mean context (where ``build_tree nodes=auto`` times 
 real step much dearer than the timed one in the same round is the loop's own cost; rounds that differ from
 each other are the machine.
 
+With ``graphs`` (``auto``: on CUDA, as ``evaluate`` decodes there) the loop decodes as a server steps: one static
+cache kept across prompts, the backbone's passes and the heads' own replayed from CUDA graphs (``decoding/graphs.py``,
+``families/medusa/decode_state.py``), and the timed steps are graphed too; ``generate`` stays HF's eager one.
+
 Options (``key=value``): heads, tree (required), dtype (bfloat16), prompts (8), max_new_tokens (128),
-rounds (3), repeats (10, timed-step rounds), threads, output (JSON, default ``outputs/bench/loop.json``).
+rounds (3), repeats (10, timed-step rounds), threads, graphs (auto, true, false), output (JSON, default
+``outputs/bench/loop.json``).
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ from medusa_train.backbone.generation import encode_chat, eos_token_ids, now, pl
 from medusa_train.config.model import EvalModelConfig
 from medusa_train.data.benchmarks import DEFAULT_BENCHMARK, load_benchmark
 from medusa_train.decoding.generate import tree_generate
+from medusa_train.decoding.graphs import StaticSteps, graphs_wanted
 from medusa_train.evaluation.evaluate import resolve_tree
 from medusa_train.model.load import load_exported_draft
 from medusa_train.tree.cost import DecodeSteps, median_times
 
 DEFAULTS = dict(heads=None, tree=None, dtype="bfloat16", prompts=8, max_new_tokens=128, rounds=3, repeats=10,
-                threads=None, output="outputs/bench/loop.json")
+                threads=None, graphs="auto", output="outputs/bench/loop.json")
 # the table's phase columns (``tree_generate``'s PHASES), in the order this table has always shown them
 COLUMNS = ("candidates", "tree pass", "acceptance", "compaction", "LM head")
 
@@ -64,14 +70,19 @@ def main(**overrides) -> int:
         print("heads=<exported heads> and tree=<tree YAML or name> are required")
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if opts["graphs"] not in ("auto", "true", "false"):
+        print(f"graphs={opts['graphs']}: auto, true or false")
+        return 2
     model, tokenizer = load_exported_draft(opts["heads"], EvalModelConfig(dtype=opts["dtype"]), device)
+    graphs = graphs_wanted(None if opts["graphs"] == "auto" else opts["graphs"] == "true", model.lm_head.weight.device)
+    replayed = StaticSteps(model, graphs=True) if graphs else None  # kept across prompts, as an evaluation keeps it
     tree = resolve_tree(opts["tree"], model.config.depth)
     eos = eos_token_ids(model.backbone)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     prompts = load_benchmark(DEFAULT_BENCHMARK, int(opts["prompts"]))
     inputs = [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}]).to(device) for p in prompts]
     new_tokens = int(opts["max_new_tokens"])
-    tree_generate(model, inputs[0], tree, max_new_tokens=16)  # warm-up
+    tree_generate(model, inputs[0], tree, max_new_tokens=16, steps=replayed)  # warm-up (and the graphs' captures)
     plain_generate(model.backbone, inputs[0], 16, eos, pad)
 
     rounds = []
@@ -84,13 +95,13 @@ def main(**overrides) -> int:
             plain, timing = plain_generate(model.backbone, ids, new_tokens, eos, pad)
             plain_tokens, plain_s = plain_tokens + len(plain) - 1, plain_s + timing["decode_s"]
             out = tree_generate(model, ids, tree, max_new_tokens=new_tokens, eos_token_id=eos,
-                                  wrap_phase=clock.wrap)
+                                  wrap_phase=clock.wrap, steps=replayed)
             # tokens after each reply's first per forward after its prefill, as generate_ms counts its tokens
             steps, tokens, decode_s = steps + out.steps, tokens + out.new_tokens - 1, decode_s + out.timings["decode_s"]
             contexts.append(ids.shape[1] + out.new_tokens // 2)
         phases = {k: v / max(steps, 1) * 1e3 for k, v in clock.seconds.items()}
         context = round(statistics.mean(contexts))
-        timed = DecodeSteps(model, context)
+        timed = DecodeSteps(model, context, graphs=graphs)
         plain_ms, generate_ms, verify_ms = (s * 1e3 for s in median_times(
             [timed.plain_step, lambda steps=timed: steps.generate_per_token(32), timed.verify_step(tree)],
             int(opts["repeats"]), 2, timed.device))
@@ -104,7 +115,8 @@ def main(**overrides) -> int:
               f"generate {real['generate_ms']:.1f} ms/token (timed {generate_ms:.1f})", flush=True)
 
     print(f"\n{model.config.depth} heads, {tree.num_nodes}-node tree, {len(inputs)} prompts x {new_tokens} tokens, "
-          f"{str(model.lm_head.weight.dtype).removeprefix('torch.')} on {device}, {torch.get_num_threads()} threads\n")
+          f"{str(model.lm_head.weight.dtype).removeprefix('torch.')} on {device}, {torch.get_num_threads()} threads"
+          + (", graphed (the heads' passes too)" if graphs else "") + "\n")
     names = list(COLUMNS)
     print("| round | context | real verify (ms) | " + " | ".join(names) + " | timed verify (ms) | real / timed | "
           "real generate (ms/token) | timed generate | accepted length | speedup (real) | speedup (timed steps) |")
@@ -118,7 +130,7 @@ def main(**overrides) -> int:
               f"{row['speedup_from_timed']:.2f}x |")
     out = Path(opts["output"])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"options": opts, "device": device, "rounds": rounds},
+    out.write_text(json.dumps({"options": opts, "device": device, "graphs": graphs, "rounds": rounds},
                               indent=1))
     print(f"\nwrote {out}")
     return 0

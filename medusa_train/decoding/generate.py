@@ -169,7 +169,7 @@ def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new
     prefill_s = _now(device) - start
 
     candidates, forward, lm_head, accept_nodes, compact = _phases(
-        model, wrap_phase, None if steps is None else steps.backbone_pass)
+        model, wrap_phase, *((None, None) if steps is None else (steps.backbone_pass, steps.compaction)))
     offsets = tree.position_offsets.to(device)
     tree_mask = tree.attention_mask(out.hidden_states.dtype).to(device)
     generated: list[int] = []
@@ -215,10 +215,10 @@ def tree_generate(model, input_ids: torch.Tensor, tree: TokenTree | str, max_new
 
 
 def _phases(model, wrap_phase: Callable[[str, Callable], Callable] | None,
-            backbone_pass: Callable | None = None) -> tuple[Callable, ...]:
+            backbone_pass: Callable | None = None, compaction: Callable | None = None) -> tuple[Callable, ...]:
     """The functions of the verify step's ``PHASES``, each through ``wrap_phase`` when one is given
-    (``backbone_pass``: a graphed tree pass in place of ``tree_pass``)."""
-    functions = (candidates, backbone_pass or tree_pass, model.base_logits, accept, compact_cache)
+    (``backbone_pass``, ``compaction``: graphed ones in place of ``tree_pass`` and ``compact_cache``)."""
+    functions = (candidates, backbone_pass or tree_pass, model.base_logits, accept, compaction or compact_cache)
     return functions if wrap_phase is None else tuple(wrap_phase(n, f) for n, f in zip(PHASES, functions))
 
 

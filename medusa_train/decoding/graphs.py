@@ -58,6 +58,8 @@ class StaticSteps:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, object]] = {}
         self.captures = 0  #: graphs captured so far (one per tree size, again after the cache grew)
         self.draft, self.draft_room = None, 0  # the draft's static decode state (``draft_state``) and its rooms
+        self.compactions: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # per tree size (``compact``)
+        self.nodes = 0  # the last pass's nodes (what ``compact`` moves)
 
     @property
     def length(self) -> int:
@@ -68,7 +70,7 @@ class StaticSteps:
         """The cache, emptied in place, for a generation of up to ``length`` tokens (prompt, reply and one tree)."""
         if length > self.length:
             size = -(-length // self.length_step) * self.length_step
-            self.cache, self.graphs = new_cache("static", self.model.backbone, size), {}
+            self.cache, self.graphs, self.compactions = new_cache("static", self.model.backbone, size), {}, {}
         else:
             self.cache.reset()
         return self.cache
@@ -83,11 +85,30 @@ class StaticSteps:
         """What ``tree_generate`` runs the backbone's pass with: this object's graphs, or None (eager)."""
         return self if self.graphed else None
 
+    @property
+    def compaction(self):
+        """What ``tree_generate`` compacts the cache with after a graphed pass: ``compact``, or None (eager)."""
+        return self.compact if self.graphed else None
+
+    def compact(self, cache: StaticCache, past_len: int, path: list[int]) -> None:
+        """``compact_cache``'s result (``generate.py``) replayed from a graph, one per tree size: every node slot of
+        the last pass moved at once (the accepted path's nodes to the first slots, the rest to themselves), the
+        indices and the new length copied in as one small tensor (``move_slots``)."""
+        if cache is not self.cache:
+            raise ValueError("StaticSteps compacts the cache it was made for")
+        n = self.nodes
+        if n not in self.compactions:
+            self.compactions[n] = self._capture_compaction(n)
+        graph, indices = self.compactions[n]
+        source = [*path, *range(len(path), n)]
+        indices.copy_(torch.tensor([*(past_len + s for s in source), past_len, past_len + len(path)]))
+        graph.replay()
+
     def __call__(self, model, tokens: torch.Tensor, tree_mask: torch.Tensor, offsets: torch.Tensor,
                  cache: StaticCache, past_len: int):
         if cache is not self.cache or model is not self.model:
             raise ValueError("StaticSteps replays over the model and cache it was made for")
-        n = tokens.shape[0]
+        n = self.nodes = tokens.shape[0]
         if n not in self.graphs:
             self.graphs[n] = self._capture(n, tree_mask)
             self.captures += 1
@@ -124,6 +145,19 @@ class StaticSteps:
         graph, output = capture(lambda: self._run(inputs), device, self.warmup, restore)
         return graph, inputs, output
 
+    def _capture_compaction(self, n: int):
+        """The compaction of ``n`` node slots captured. Its indices (``n`` source slots, the cache's length before the
+        step, after it) start as the identity: the warm-up moves nothing."""
+        past = self.cache.layers[0].cumulative_length.reshape(1)
+        indices = torch.cat([past + torch.arange(n, device=past.device), past, past]).long()
+        offsets = torch.arange(n, device=past.device)
+
+        def run():
+            move_slots(self.cache, indices[:n], indices[n] + offsets, indices[n + 1])
+
+        graph, _ = capture(run, past.device, self.warmup, lambda: None)
+        return graph, indices
+
     def draft_state(self):
         """The draft's decode state for the next generation, over rooms as long as the cache (``cache_for`` first):
         the family's static state (``new_decode_state(room=, graphs=)``: its passes captured alongside the
@@ -134,3 +168,13 @@ class StaticSteps:
             self.draft.reset()
         return self.draft
 
+
+
+def move_slots(cache: StaticCache, source: torch.Tensor, target: torch.Tensor, length: torch.Tensor) -> None:
+    """Every layer's keys and values at slots ``source`` written to slots ``target`` (read first, so overlapping slots
+    are safe) and its length set to ``length`` (0-d): a compaction whose indices all live on the device, what a graph
+    replays (``StaticSteps.compact``)."""
+    for layer in cache.layers:
+        layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
+        layer.values.index_copy_(2, target, layer.values.index_select(2, source))
+        layer.cumulative_length.copy_(length)

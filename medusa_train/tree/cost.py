@@ -179,7 +179,7 @@ class DecodeSteps:
             logits = model.base_logits(self.backbone_pass(model, tokens, mask, offsets, self.cache,
                                                           context).hidden_states[0])
             result = greedy_accept(tree, tokens, logits)
-            compact_cache(self.cache, context, result.path)
+            (self.graphs.compact if self.graphs else compact_cache)(self.cache, context, result.path)
             self._back()  # back to the same context for the next round
             self.heads_state.rewind(self.heads_read)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.backbones import CACHE_KINDS, make_cache_kind_backbone, make_tiny_backbone
 from helpers.decoding import hf_greedy, install_oracle_heads, perturb_heads, prompts
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from medusa_train import MedusaModel
 from medusa_train.decoding import TokenTree, tree_generate
@@ -160,6 +160,42 @@ def test_one_static_cache_kept_across_generations_decodes_what_a_fresh_dynamic_o
     assert steps.backbone_pass is None and steps.captures == 0  # no graphs on the CPU
     with pytest.raises(ValueError, match="compiled=True compiles the pass each graph captures"):
         StaticSteps(model, compiled=True)  # compiled graphs: tests/gpu/test_graphs.py
+
+
+def test_every_node_slot_moved_at_once_is_the_compaction():
+    """``move_slots`` (what a graphed compaction replays, ``StaticSteps.compact``: each node slot of the pass moved
+    at once, the accepted path's to the first slots and the rest to themselves, with indices on the device) leaves
+    a static cache as ``compact_cache`` does: the text's keys and values and its length, for paths in order, with
+    side branches, of the root alone and of the whole deepest branch."""
+    from medusa_train.decoding.graphs import move_slots
+    from medusa_train.decoding.tree import fill_step_mask
+
+    backbone = make_tiny_backbone("llama", seed=6)
+    model = MedusaModel.from_backbone(backbone, num_heads=4)
+    tree = TokenTree.from_name("default")
+    ids = prompts(1, seed=11)[0]
+    n, past = tree.num_nodes, ids.shape[1]
+    for path in ([0], [0, 1, 2], [0, 3, 17], [0, *tree.retrieve_paths[-1][tree.retrieve_paths[-1] >= 0].tolist()[1:]]):
+        caches = []
+        for _ in range(2):
+            cache = StaticCache(config=backbone.config, max_cache_len=past + n + 8)
+            model(ids, past_key_values=cache, use_cache=True)
+            mask = fill_step_mask(torch.empty(n, past + n + 8), tree.attention_mask(), past)
+            model(torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(1)),
+                  attention_mask=mask[None, None], position_ids=(past + tree.position_offsets)[None],
+                  past_key_values=cache, use_cache=True)
+            caches.append(cache)
+        before = caches[1].layers[0].keys.clone()
+        compact_cache(caches[0], past, path)
+        source = torch.tensor([*path, *range(len(path), n)]) + past
+        move_slots(caches[1], source, past + torch.arange(n), torch.tensor(past + len(path)))
+        kept = past + len(path)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            assert int(a.cumulative_length) == int(b.cumulative_length) == kept, path
+            assert torch.equal(a.keys[:, :, :kept], b.keys[:, :, :kept]) and torch.equal(a.values[:, :, :kept],
+                                                                                         b.values[:, :, :kept])
+        for i, node in enumerate(path):  # node path[i] now at slot past + i
+            assert torch.equal(caches[1].layers[0].keys[:, :, past + i], before[:, :, past + node])
 
 
 def test_oracle_paths_take_side_branches():

@@ -1,9 +1,9 @@
 """CUDA graphs in the decoder (marked ``gpu``: skipped without CUDA; ``pytest -m gpu`` where there is one).
 
-Graphed decoding (``kv_cache="static", cuda_graphs=True``: the backbone's pass captured once per tree size over one
-static cache and replayed) gives the tokens, steps and accepted paths of eager decoding over the dynamic cache, in
-float32 on the GPU, with perturbed heads and a lookup chain (paths of several nodes, compaction) and with a
-root-only tree (the plain step, graphed). On the CPU the static cache itself is checked against the dynamic one
+Graphed decoding (``kv_cache="static", cuda_graphs=True``: the backbone's pass and the cache's compaction captured
+once per tree size over one static cache and replayed, the heads' passes too) gives the tokens, steps and accepted
+paths of eager decoding over the dynamic cache, in float32 on the GPU, with perturbed heads and a lookup chain (paths
+of several nodes, compaction) and with a root-only tree (the plain step, graphed). On the CPU the static cache itself is checked against the dynamic one
 (``tests/decoding/test_generate.py``).
 """
 
@@ -59,6 +59,7 @@ def test_graphs_captured_once_serve_every_generation():
             assert graphed.sequences.tolist() == eager.sequences.tolist()
             assert graphed.accept_lengths == eager.accept_lengths
     assert steps.captures == len({t.num_nodes for t in trees}) and steps.length == 1024
+    assert set(steps.compactions) == {t.num_nodes for t in trees}  # the compaction graphed per tree size too
 
 
 def test_graphed_heads_propose_what_eager_heads_propose():
