@@ -14,6 +14,8 @@ import torch
 from helpers.decoding import decode_recording_candidates as decode
 from helpers.decoding import hf_greedy, repeating_prompts
 from helpers.heads import demo_like_heads
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import StaticCache
 
 from medusa_train.decoding import TokenTree
 from medusa_train.decoding.graphs import StaticSteps
@@ -67,3 +69,53 @@ def test_fixed_buffers_refuse_what_does_not_fit():
         model.new_decode_state(room=8, graphs=True)
     with pytest.raises(ValueError, match="give the room they read into"):
         model.new_decode_state(graphs=True)
+
+
+class HostWaits(TorchDispatchMode):
+    """Records every operator call that on a GPU waits for the device (a value read back, a data-dependent shape) or
+    copies a tensor made from host values: what a CUDA graph's capture refuses. Runs on the CPU."""
+
+    WAITS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal", "allclose", "lift_fresh",
+             "lift_fresh_copy", "masked_scatter"}
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        indices = args[1] if name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+        if name in self.WAITS or any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices):
+            self.found.append(name)  # a boolean mask as an index: its shape is its count of True
+        return func(*args, **(kwargs or {}))
+
+
+def test_what_a_graph_replays_never_waits_for_the_device():
+    """The passes captured on CUDA (the heads' read and guesses, the backbone's pass over a static cache,
+    ``move_slots``) run here under a spy: no value read
+    back, no shape that depends on data, no tensor made from host values, each of which a capture refuses. The spy
+    catches them: reading a length back (``int``) is found."""
+    from medusa_train.decoding.graphs import move_slots
+    from medusa_train.decoding.tree import fill_step_mask
+    from medusa_train.families.medusa.propose import heads_guesses
+
+    model = demo_like_heads(128)
+    state = model.new_decode_state(room=64)
+    hidden = torch.randn(12, 128, generator=torch.Generator().manual_seed(0))
+    tree = TokenTree.from_name("small")
+    cache = StaticCache(config=model.backbone.config, max_cache_len=32)
+    with torch.no_grad():
+        state.read(model, hidden[:9])  # the prompt: read eagerly, as a prefill is
+        model(torch.arange(3, 12)[None], past_key_values=cache, use_cache=True)
+        root, source, target, length = torch.tensor(7), torch.tensor([9, 11, 10]), torch.tensor([9, 10, 11]), torch.tensor(11)
+        mask = fill_step_mask(torch.empty(tree.num_nodes, 32), tree.attention_mask(), 9)[None, None]
+        tokens, positions = torch.randint(3, 200, (1, tree.num_nodes)), (9 + tree.position_offsets)[None]
+        with HostWaits() as spy:
+            state._read(model, hidden[9:])
+            heads_guesses(model, tree, root, state)
+            model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            move_slots(cache, source, target, length)
+        assert spy.found == []
+        with HostWaits() as spy:
+            int(state.length)
+        assert spy.found == ["_local_scalar_dense"]
