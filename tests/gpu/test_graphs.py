@@ -92,6 +92,29 @@ def test_graphed_heads_propose_what_eager_heads_propose():
     assert steps.draft.captures == len(steps.draft.reads) + len(trees)
 
 
+def test_a_graphed_eagle3_draft_proposes_what_the_eager_draft_proposes():
+    """An EAGLE-3 draft's passes replayed from graphs (``families/eagle3/decode_state.py``: the read, one graph per
+    count of verified positions; the tree, one per tree): every step's candidates those of eager decoding, float32,
+    with one ``StaticSteps`` kept across prompts and trees."""
+    from helpers.decoding import decode_recording_candidates as decode
+    from helpers.decoding import repeating_prompts
+    from helpers.heads import eagle3_like_draft
+
+    from medusa_train.decoding.graphs import StaticSteps
+
+    model = eagle3_like_draft(device="cuda")
+    steps = StaticSteps(model, graphs=True)
+    trees = (TokenTree.from_name("default"), TokenTree.chain(3))
+    for ids in repeating_prompts():
+        ids = ids.cuda()
+        for tree in trees:
+            eager, eager_proposed = decode(model, ids, tree)
+            graphed, graphed_proposed = decode(model, ids, tree, steps=steps)
+            assert graphed_proposed == eager_proposed, tree.num_nodes
+            assert graphed.sequences.tolist() == eager.sequences.tolist()
+    assert len(steps.draft.trees) == len(trees) and steps.draft.captures == len(steps.draft.reads) + len(trees)
+
+
 def test_compiled_graphs_decode_as_eager_decoding():
     """``StaticSteps(compiled=True)``: each captured pass compiled by inductor first (the 8B shape's graphed plain step
     7.61 -> 5.72 ms on an H200, 2026-12-01). Opt-in (the decode benchmark's ``graphs=compiled``) until this passes on a

@@ -60,3 +60,22 @@ def demo_like_heads(hidden: int = 64, device: str = "cpu"):
                                       share_lm_head=True, next_token_input=True, path_input=True,
                                       prefix_attention=True, token_map=token_map)
     return randomise(randomise(model, seed=1, scale=0.2), seed=2, scale=0.2, part="prefix").to(device)
+
+
+def eagle3_like_draft(model_class=None, device: str = "cpu"):
+    """An EAGLE-3 draft (or ``model_class``'s, e.g. P-EAGLE's) on a tiny four-layer llama whose LM head is scaled up
+    (a peaked teacher, as a trained model's), its weights tripled for varied guesses, a draft vocabulary of the even
+    tokens."""
+    from helpers.backbones import make_tiny_backbone
+    from medusa_train.families.eagle3.model import Eagle3Model
+
+    backbone = make_tiny_backbone("llama", layers=4)
+    with torch.no_grad():
+        backbone.get_output_embeddings().weight.mul_(20)
+    torch.manual_seed(0)
+    model = (model_class or Eagle3Model).from_backbone(backbone, token_map=torch.arange(0, 256, 2),
+                                                       aux_layer_ids=[0, 1, 3], ttt_steps=4).eval()
+    with torch.no_grad():
+        for p in model.draft.parameters():
+            p.mul_(3.0)
+    return model.to(device)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from medusa_train.backbone.appending_cache import AppendingLayer
 from medusa_train.backbone.load import backbone_reference
 from medusa_train.config.check import FileProblem
 from medusa_train.families.eagle3.config import D2T_KEY, Eagle3Config
+from medusa_train.families.eagle3.decode_state import Eagle3DecodeState, Eagle3StaticState
 from medusa_train.model.files import WEIGHTS_NAME, check_tensors, read_config_json, resolve_base_model
 
 
@@ -44,27 +45,6 @@ class Eagle3Output:
     hidden_states: torch.Tensor
     draft_inputs: torch.Tensor
     past_key_values: object | None = None
-
-
-@dataclass
-class Eagle3DecodeState:
-    """The draft's keys and values at the verified positions of one sequence (opaque to callers), written in place
-    (``AppendingLayer``): a step copies its own positions, never the ones before; a tree's drafted nodes are written
-    after them for the step and dropped at its end."""
-
-    cache: AppendingLayer = field(default_factory=AppendingLayer)
-
-    @property
-    def length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def rewind(self, length: int) -> None:
-        """Forget every position after the first ``length`` (a benchmark repeating one step)."""
-        self.cache.keep(length)
-
-    def reset(self) -> None:
-        """Empty, for the next sequence."""
-        self.cache = AppendingLayer()
 
 
 class Eagle3Model(nn.Module):
@@ -148,11 +128,15 @@ class Eagle3Model(nn.Module):
             return weight
         return weight[self.draft.token_map.to(weight.device)]
 
-    def new_decode_state(self, room: int | None = None, graphs: bool = False) -> Eagle3DecodeState:
-        """Fresh decode-time state for one sequence; its cache grows in place whatever ``room`` (a static cache's
-        length) and its passes run eagerly whatever ``graphs``: the draft's pass is not graphed (its tree's nodes
-        are written after the verified positions depth by depth)."""
-        return Eagle3DecodeState()
+    def new_decode_state(self, room: int | None = None, graphs: bool = False) -> Eagle3DecodeState | Eagle3StaticState:
+        """Fresh decode-time state for one sequence; ``room``: the most positions it will hold (a static cache's
+        length): then its buffers are fixed, sized once (``Eagle3StaticState``), and with ``graphs`` (CUDA) each
+        step's passes are replayed from CUDA graphs."""
+        if room is None:
+            if graphs:
+                raise ValueError("a graphed draft replays over fixed buffers: give the room it reads into")
+            return Eagle3DecodeState()
+        return Eagle3StaticState(self, room, graphs=graphs)
 
     def guessed_tokens(self, indices: torch.Tensor) -> torch.Tensor:
         """Token ids of draft outputs ``indices``."""
@@ -160,7 +144,13 @@ class Eagle3Model(nn.Module):
 
     @torch.no_grad()
     def propose(self, tree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
-                state: Eagle3DecodeState) -> torch.Tensor:
+                state: Eagle3DecodeState | Eagle3StaticState) -> torch.Tensor:
+        """(num_nodes,) tokens: the root, then, depth by depth, the draft's top-k at each node with children, through
+        ``state`` (eagerly, ``eager_proposal``, or over fixed buffers: ``decode_state.py``)."""
+        return state.propose(self, tree, accepted_inputs, accepted_tokens, root_token)
+
+    def eager_proposal(self, tree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,
+                       state: Eagle3DecodeState) -> torch.Tensor:
         """(num_nodes,) tokens: the root, then, depth by depth, the draft's top-k at each node with children.
 
         Args:

@@ -19,7 +19,7 @@ A step is two passes:
 Captured on first use (an evaluation's warm-up turn meets them, as the backbone's), kept across generations with the
 static cache that owns this state (``StaticSteps.draft_state``), dropped with it when it grows. Without ``graphs``
 (any device) the same passes run eagerly over the same buffers: on a CPU they equal ``DecodeState``'s bit for bit
-(the step attention skips masked positions; tested in ``tests/decoding/test_static_heads.py``), and on a GPU the graphed
+(the step attention skips masked positions; tested in ``tests/decoding/test_static_drafts.py``), and on a GPU the graphed
 ones are checked against eager decoding (``tests/gpu/test_graphs.py``).
 """
 

@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 
+from medusa_train.families.eagle3.decode_state import Eagle3DecodeState
 from medusa_train.families.eagle3.model import Eagle3Model, export_eagle3_folder
 from medusa_train.families.peagle.config import PEagleConfig
 
@@ -34,6 +35,11 @@ class PEagleModel(Eagle3Model):
             return super().step_inputs(s, input_ids, feature)
         tokens = torch.full_like(input_ids, self.config.mask_token_id)
         return tokens, self.draft.mask_feature().to(feature.dtype).expand_as(feature)
+
+    def new_decode_state(self, room: int | None = None, graphs: bool = False) -> Eagle3DecodeState:
+        """Fresh decode-time state for one sequence: the eager one whatever ``room`` and ``graphs`` (its single masked
+        pass is not graphed)."""
+        return Eagle3DecodeState()
 
     @torch.no_grad()
     def propose(self, tree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor, root_token: int,

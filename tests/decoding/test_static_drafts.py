@@ -1,10 +1,11 @@
-"""The heads' decode state over fixed buffers (``families/medusa/decode_state.py``): what a graphed decoder replays.
+"""The drafts' decode states over fixed buffers (``families/*/decode_state.py``): what a graphed decoder replays.
 
-With a static cache the heads keep their prefix layer's keys and values in rooms as long as the cache and the count
-they hold on the device, so each step's passes read and write the same buffers (on CUDA replayed from graphs:
+With a static cache a draft keeps its own keys and values in rooms as long as the cache and the count they hold on
+the device, so each step's passes read and write the same buffers (on CUDA replayed from graphs:
 ``tests/gpu/test_graphs.py``). On the CPU, eagerly, the candidates they propose at every step are the eager state's,
-token for token, for the demo's kind of heads (prefix attention, path input, a shared LM head, a draft vocabulary),
-whether the step attention takes the prefix layer's steps (heads of 32) or SDPA does (heads of 16).
+token for token: Medusa heads of the demo's kind (prefix attention, path input, a shared LM head, a draft vocabulary),
+whether the step attention takes the prefix layer's steps (heads of 32) or SDPA does (heads of 16), and an EAGLE-3
+draft (its tree's drafted nodes written after the verified positions); a P-EAGLE draft keeps its eager state.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 from helpers.decoding import decode_recording_candidates as decode
 from helpers.decoding import hf_greedy, repeating_prompts
-from helpers.heads import demo_like_heads
+from helpers.heads import demo_like_heads, eagle3_like_draft
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import StaticCache
 
@@ -38,6 +39,28 @@ def test_heads_over_fixed_buffers_propose_what_eager_heads_propose(hidden):
             assert static.accept_lengths == eager.accept_lengths
             reads += static.accept_lengths
     assert max(reads) >= 3  # reads of several accepted positions, not one a step
+
+
+def test_an_eagle3_draft_over_fixed_buffers_proposes_what_the_eager_draft_proposes():
+    from medusa_train.families.eagle3.decode_state import Eagle3DecodeState, Eagle3StaticState
+    from medusa_train.families.peagle.model import PEagleModel
+
+    model = eagle3_like_draft()
+    reads = []
+    trees = (TokenTree.from_name("default"), TokenTree.chain(3), TokenTree.from_name("small").with_lookup(5))
+    for ids in repeating_prompts():
+        reference = hf_greedy(model.backbone, ids, 40, eos_token_id=[])
+        for tree in trees:
+            eager, eager_proposed = decode(model, ids, tree)
+            static, static_proposed = decode(model, ids, tree, kv_cache="static")
+            assert static_proposed == eager_proposed, tree.num_nodes
+            assert static.sequences.tolist() == eager.sequences.tolist() == reference.tolist()
+            reads += static.accept_lengths
+    assert max(reads) >= 3 and isinstance(model.new_decode_state(room=64), Eagle3StaticState)
+    peagle = eagle3_like_draft(PEagleModel)  # its one masked pass: the eager state, whatever the cache
+    assert isinstance(peagle.new_decode_state(room=64), Eagle3DecodeState)
+    ids = repeating_prompts()[1]
+    assert decode(peagle, ids, trees[0], kv_cache="static") [1] == decode(peagle, ids, trees[0])[1]
 
 
 def test_one_static_state_serves_every_generation_of_a_static_cache():
@@ -91,8 +114,8 @@ class HostWaits(TorchDispatchMode):
 
 
 def test_what_a_graph_replays_never_waits_for_the_device():
-    """The passes captured on CUDA (the heads' read and guesses, the backbone's pass over a static cache,
-    ``move_slots``) run here under a spy: no value read
+    """The passes captured on CUDA (the heads' read and guesses, an EAGLE-3 draft's read and tree, the backbone's pass
+    over a static cache, ``move_slots``) run here under a spy: no value read
     back, no shape that depends on data, no tensor made from host values, each of which a capture refuses. The spy
     catches them: reading a length back (``int``) is found."""
     from medusa_train.decoding.graphs import move_slots
@@ -119,3 +142,13 @@ def test_what_a_graph_replays_never_waits_for_the_device():
         with HostWaits() as spy:
             int(state.length)
         assert spy.found == ["_local_scalar_dense"]
+    draft = eagle3_like_draft()  # an EAGLE-3 draft's read and tree
+    state, ids = draft.new_decode_state(room=64), torch.arange(3, 15)[None]
+    with torch.no_grad():
+        out = draft(ids)
+        state.propose(draft, tree, out.draft_inputs[0, :9], ids[0, :9], 7)  # the prompt, eagerly; the tree planned
+        inputs, tokens = out.draft_inputs[0, 9:], ids[0, 9:]
+        with HostWaits() as spy:
+            state._read(draft, inputs, tokens)
+            state._draft(draft, tree)
+        assert spy.found == []
