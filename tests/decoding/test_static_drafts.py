@@ -86,9 +86,9 @@ def test_fixed_buffers_refuse_what_does_not_fit():
     state = model.new_decode_state(room=8)
     with torch.no_grad():
         state.read(model, torch.randn(6, 64))
-        with pytest.raises(ValueError, match="hold 8 positions; 6 read and 3 more do not fit"):
+        with pytest.raises(ValueError, match="the rooms of the heads keep 8 positions; 6 read, 3 more and 0 drafted do not fit"):
             state.read(model, torch.randn(3, 64))
-    with pytest.raises(ValueError, match="graphed heads need a CUDA model"):
+    with pytest.raises(ValueError, match="graphed passes of the heads need a CUDA model"):
         model.new_decode_state(room=8, graphs=True)
     with pytest.raises(ValueError, match="give the room they read into"):
         model.new_decode_state(graphs=True)
@@ -134,7 +134,7 @@ def test_what_a_graph_replays_never_waits_for_the_device():
         mask = fill_step_mask(torch.empty(tree.num_nodes, 32), tree.attention_mask(), 9)[None, None]
         tokens, positions = torch.randint(3, 200, (1, tree.num_nodes)), (9 + tree.position_offsets)[None]
         with HostWaits() as spy:
-            state._read(model, hidden[9:])
+            state._read(hidden[9:])
             heads_guesses(model, tree, root, state)
             model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
             move_slots(cache, source, target, length)
@@ -149,6 +149,6 @@ def test_what_a_graph_replays_never_waits_for_the_device():
         state.propose(draft, tree, out.draft_inputs[0, :9], ids[0, :9], 7)  # the prompt, eagerly; the tree planned
         inputs, tokens = out.draft_inputs[0, 9:], ids[0, 9:]
         with HostWaits() as spy:
-            state._read(draft, inputs, tokens)
+            state._read(inputs, tokens)
             state._draft(draft, tree)
         assert spy.found == []

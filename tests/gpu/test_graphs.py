@@ -88,7 +88,7 @@ def test_graphed_heads_propose_what_eager_heads_propose():
             assert graphed.accept_lengths == eager.accept_lengths
             reads += graphed.accept_lengths
     # captured once each for every generation: a read graph per count of accepted positions, a guess graph per tree
-    assert max(reads) >= 3 and len(steps.draft.reads) >= 3 and len(steps.draft.guessed) == len(trees)
+    assert max(reads) >= 3 and len(steps.draft.reads) >= 3 and len(steps.draft.trees) == len(trees)
     assert steps.draft.captures == len(steps.draft.reads) + len(trees)
 
 

@@ -3,12 +3,12 @@ buffers, and on CUDA its passes replayed from CUDA graphs (``Eagle3StaticState``
 
 ``Eagle3DecodeState`` keeps the draft layer's keys and values in an ``AppendingLayer``; ``Eagle3Model.propose`` reads
 the verified positions into it and drafts the tree after them (``model.py``). ``Eagle3StaticState`` holds them in
-rooms as long as the backbone's static cache, with how many positions they hold as a 0-d tensor on the device
-(``length``), so a step's two passes read and write the same buffers:
+rooms as long as the backbone's static cache (``model/draft_state.py``: the rooms' length on the device, the graphs),
+so a step's two passes read and write the same buffers:
 
 - the read: the positions verified since the last step, each with the token after it (the root for the last),
   through the draft layer into the rooms; the last row's output and pre-norm sum kept in place (what depth 1 reads);
-  one graph per count of verified positions (1 to ``GRAPHED_READ``; a prompt's many eagerly, as a prefill);
+  one graph per count of verified positions;
 - the tree: depth by depth, the nodes with children drafted at once at ``length - 1 + depth``, their keys and values
   written after the verified positions (the shallower nodes' first), each seeing the verified positions and its own
   drafted ancestors, every node's scores and pre-norm sum kept in a buffer of a row per node; one graph per tree.
@@ -25,10 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa_train.backbone.appending_cache import AppendingLayer
-from medusa_train.backbone.graph_capture import capture
-
-#: the most verified positions a read replays from a graph (a step accepts at most its tree's depth + 1)
-GRAPHED_READ = 32
+from medusa_train.model.draft_state import StaticDraftState
 
 
 @dataclass
@@ -57,76 +54,38 @@ class Eagle3DecodeState:
         self.cache = AppendingLayer()
 
 
-class Eagle3StaticState:
-    """``Eagle3DecodeState``'s answers (``propose``, ``rewind``, ``reset``) over buffers fixed for ``room`` positions;
-    with ``graphs`` (CUDA) each pass captured once and replayed."""
+class Eagle3StaticState(StaticDraftState):
+    """``Eagle3DecodeState``'s answers (``propose``, ``rewind``, ``reset``) over buffers fixed for ``room`` positions
+    (``model/draft_state.py``); with ``graphs`` (CUDA) each pass captured once and replayed."""
+
+    what = "EAGLE-3 draft"
 
     def __init__(self, model, room: int, graphs: bool = False, warmup: int = 2):
         weight = model.draft.fc.weight
-        if graphs and weight.device.type != "cuda":
-            raise ValueError(f"a graphed EAGLE-3 draft needs a CUDA model (here: {weight.device.type})")
-        c = model.draft.config
-        self.room, self.graphed, self.warmup = room, graphs, warmup
+        super().__init__(weight.device, room, graphs, warmup)
+        self.model, c = model, model.draft.config
         shape = (1, c.num_key_value_heads, room, c.head_dim)
         self.key_room = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
         self.value_room = torch.zeros_like(self.key_room)
-        self.length = torch.zeros((), dtype=torch.long, device=weight.device)  #: positions the rooms hold, on the device
-        self.filled = 0  #: the same, here (for the checks; never read from the device)
-        self.root = torch.zeros((), dtype=torch.long, device=weight.device)  # the step's root token, on the device
         self.normed = self.prenorm = None  # (1, H): the last verified row's output and pre-norm sum
-        self.reads: dict[int, tuple] = {}  # verified positions -> (graph, (inputs, tokens) buffers)
-        self.trees: dict[tuple, tuple] = {}  # a tree's choices -> (graph, tokens)
         self.plans: dict[tuple, list] = {}  # a tree's choices -> per depth, what its drafted nodes read (``_plan``)
-        self.captures = 0  #: graphs captured so far
 
     def propose(self, model, tree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor,
                 root_token: int) -> torch.Tensor:
         """(num_nodes,) the tree's tokens, as ``Eagle3Model.eager_proposal`` drafts them."""
-        n = accepted_inputs.shape[0]
-        drafted = sum(len(parents) for parents, *_ in tree.levels[1:])
-        if self.filled + n + drafted > self.room:
-            raise ValueError(f"the draft's rooms hold {self.room} positions; {self.filled} read, {n} more and "
-                             f"{drafted} drafted do not fit: size the state as the backbone's cache")
         self.root.fill_(root_token)
-        inputs, tokens = accepted_inputs, accepted_tokens.to(self.root.device).long().reshape(-1)
-        if not self.graphed or not self.filled or n > GRAPHED_READ:
-            self._read(model, inputs, tokens)
-        else:
-            if n not in self.reads:
-                self.reads[n] = self._capture_read(model, inputs, tokens)
-            graph, (input_buffer, token_buffer) = self.reads[n]
-            input_buffer.copy_(inputs)
-            token_buffer.copy_(tokens)
-            graph.replay()
-        self.filled += n
+        drafted = sum(len(parents) for parents, *_ in tree.levels[1:])
+        self.read_positions(accepted_inputs, accepted_tokens.to(self.root.device).long().reshape(-1), drafted=drafted)
         if tree.depth == 0:
             return torch.tensor([root_token] + [0] * (tree.num_nodes - 1), device=self.root.device)
-        if not self.graphed:
-            return self._draft(model, tree)
-        key = tuple(tree.choices)
-        if key not in self.trees:
-            self._plan(tree)  # made before capture (a graph cannot copy from the host)
-            self.trees[key] = capture(lambda: self._draft(model, tree), self.root.device, self.warmup, lambda: None)
-            self.captures += 1
-        graph, tokens = self.trees[key]
-        graph.replay()
-        return tokens.clone()  # the next replay writes the buffer again; the decoder keeps this step's
+        self._plan(tree)  # made before any capture (a graph cannot copy from the host)
+        return self.tree_tokens(tree, lambda: self._draft(model, tree))
 
-    def rewind(self, length: int) -> None:
-        """Forget every position after the first ``length`` (a benchmark repeating one step)."""
-        if length < self.filled:
-            self.filled = length
-            self.length.fill_(length)
-
-    def reset(self) -> None:
-        """Empty, for the next sequence (its graphs kept: they read the length from the device)."""
-        self.filled = 0
-        self.length.zero_()
-
-    def _read(self, model, inputs: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _read(self, inputs: torch.Tensor, tokens: torch.Tensor) -> None:
         """The verified positions through the draft layer into the rooms, each with the token after it; the last
         row's output and pre-norm sum kept in place; ``length`` advanced on the device."""
-        draft, device = model.draft, self.root.device
+        model, device = self.model, self.root.device
+        draft = model.draft
         after = torch.cat([tokens[1:], self.root[None]])
         positions = self.length + torch.arange(len(after), device=device)
         q, k, v, residual = draft.qkv(model._embed(after)[None], draft.features(inputs)[None], positions[None])
@@ -141,17 +100,8 @@ class Eagle3StaticState:
             self.prenorm.copy_(prenorm[0, -1:])
         self.length.add_(len(after))
 
-    def _capture_read(self, model, inputs: torch.Tensor, tokens: torch.Tensor) -> tuple:
-        buffers = inputs.clone(), tokens.clone()
-        kept = self.length.clone(), self.normed.clone(), self.prenorm.clone()
-
-        def restore():  # the warm-up's reads advanced the length and refilled the last row's: as they were
-            for tensor, value in zip((self.length, self.normed, self.prenorm), kept):
-                tensor.copy_(value)
-
-        graph, _ = capture(lambda: self._read(model, *buffers), self.root.device, self.warmup, restore)
-        self.captures += 1
-        return graph, buffers
+    def _kept(self) -> tuple[torch.Tensor, ...]:
+        return self.normed, self.prenorm
 
     def _plan(self, tree) -> list:
         """Per depth d > 0 of ``tree``, on the device: the rows its drafted nodes read their features from (their
