@@ -14,9 +14,11 @@ gets a larger one (rounded up to ``length_step`` tokens; the graphs made for the
 the step's inputs into them and replays. The plain step is the 1-node graph. Captured once per evaluation (its
 warm-up turn), not per generation, as a server captures at start-up. The draft's state lives beside the cache
 (``draft_state``): a family's static one keeps its buffers as long as the cache and, with graphs, replays its own
-passes too (Medusa heads: ``families/medusa/decode_state.py``; an EAGLE-3 draft runs eagerly). With ``compiled=True`` each captured pass is
-torch's inductor compilation of the model's forward (fused element-wise kernels, one compilation per tree size; opt-in,
-timed by ``benchmarks decode graphs=compiled``: an 8B-shaped graphed plain step 7.61 -> 5.72 ms on an H200).
+passes too (``model/draft_state.py``: Medusa heads, EAGLE-3 drafts; a P-EAGLE draft runs eagerly); the cache's
+compaction after a graphed pass is one graph per tree size too (``compact``). With ``compiled=True`` each captured
+pass is torch's inductor compilation of the model's forward (fused element-wise kernels, one compilation per tree
+size; opt-in, timed by ``benchmarks decode graphs=compiled``: an 8B-shaped graphed plain step 7.61 -> 5.72 ms on an
+H200).
 
 Tested: graphed decoding equals eager decoding over the dynamic cache token for token, accepted lengths too
 (``tests/gpu/test_graphs.py``; passed on an H200, torch 2.11, transformers 5.17, 2026-11-28); one ``StaticSteps``
@@ -77,7 +79,7 @@ class StaticSteps:
 
     @property
     def draft_captures(self) -> int:
-        """Graphs captured of the draft's passes (0 for a family whose draft runs eagerly: EAGLE-3's)."""
+        """Graphs captured of the draft's passes (0 for a draft that runs eagerly: P-EAGLE's)."""
         return getattr(self.draft, "captures", 0)
 
     @property
@@ -147,15 +149,16 @@ class StaticSteps:
 
     def _capture_compaction(self, n: int):
         """The compaction of ``n`` node slots captured. Its indices (``n`` source slots, the cache's length before the
-        step, after it) start as the identity: the warm-up moves nothing."""
-        past = self.cache.layers[0].cumulative_length.reshape(1)
-        indices = torch.cat([past + torch.arange(n, device=past.device), past, past]).long()
-        offsets = torch.arange(n, device=past.device)
+        step, after it) start as the identity: the warm-up moves the first ``n`` slots onto themselves (slots every
+        cache has: it holds a tree) and sets the length it holds."""
+        length = self.cache.layers[0].cumulative_length.reshape(1)
+        offsets = torch.arange(n, device=length.device)
+        indices = torch.cat([offsets, torch.zeros_like(length), length]).long()
 
         def run():
             move_slots(self.cache, indices[:n], indices[n] + offsets, indices[n + 1])
 
-        graph, _ = capture(run, past.device, self.warmup, lambda: None)
+        graph, _ = capture(run, length.device, self.warmup, lambda: None)
         return graph, indices
 
     def draft_state(self):
