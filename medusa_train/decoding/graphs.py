@@ -151,12 +151,13 @@ class StaticSteps:
         """The compaction of ``n`` node slots captured. Its indices (``n`` source slots, the cache's length before the
         step, after it) start as the identity: the warm-up moves the first ``n`` slots onto themselves (slots every
         cache has: it holds a tree) and sets the length it holds."""
+        if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+            raise NotImplementedError("cannot compact a sliding-window cache layer")  # as compact_cache refuses it
         length = self.cache.layers[0].cumulative_length.reshape(1)
-        offsets = torch.arange(n, device=length.device)
-        indices = torch.cat([offsets, torch.zeros_like(length), length]).long()
+        indices = torch.cat([torch.arange(n, device=length.device), torch.zeros_like(length), length]).long()
 
-        def run():
-            move_slots(self.cache, indices[:n], indices[n] + offsets, indices[n + 1])
+        def run():  # every tensor it reads is kept with the graph (indices) or made inside it (a graph keeps no inputs)
+            move_slots(self.cache, indices[:n], indices[n] + torch.arange(n, device=indices.device), indices[n + 1])
 
         graph, _ = capture(run, length.device, self.warmup, lambda: None)
         return graph, indices

@@ -39,7 +39,7 @@ class StaticDraftState:
         self.filled = 0  #: the same, here
         self.root = torch.zeros((), dtype=torch.long, device=device)  #: the step's root token, on the device
         self.reads: dict[int, tuple] = {}  # verified positions -> (graph, input buffers)
-        self.trees: dict[tuple, tuple] = {}  # a tree's choices -> (graph, tokens)
+        self.trees: dict[tuple, tuple] = {}  # a tree's choices -> (graph, tokens, the tree whose buffers it reads)
         self.captures = 0  #: graphs captured so far
 
     def read_positions(self, *inputs: torch.Tensor, drafted: int = 0) -> None:
@@ -68,9 +68,11 @@ class StaticDraftState:
             return fill()
         key = tuple(tree.choices)
         if key not in self.trees:
-            self.trees[key] = capture(fill, self.length.device, self.warmup, lambda: None)
+            # the tree kept with its graph: the graph reads the tree's device buffers (``path_buffers``) and keeps
+            # nothing alive itself, and a later tree of the same choices may be another object
+            self.trees[key] = (*capture(fill, self.length.device, self.warmup, lambda: None), tree)
             self.captures += 1
-        graph, tokens = self.trees[key]
+        graph, tokens, _ = self.trees[key]
         graph.replay()
         return tokens.clone()  # the next replay writes the buffer again; the decoder keeps this step's
 

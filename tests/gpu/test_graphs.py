@@ -76,10 +76,11 @@ def test_graphed_heads_propose_what_eager_heads_propose():
     model = demo_like_heads(128, device="cuda")
     steps = StaticSteps(model, graphs=True)
     reads = []
-    trees = (TokenTree.from_name("default"), TokenTree.from_name("small").with_lookup(5))
     for ids in repeating_prompts():
         ids = ids.cuda()
         reference = hf_greedy(model.backbone, ids, 40, eos_token_id=[])
+        # new tree objects for every prompt, of the same choices: the graphs captured for the first ones serve them
+        trees = (TokenTree.from_name("default"), TokenTree.from_name("small").with_lookup(5))
         for tree in trees:
             eager, eager_proposed = decode(model, ids, tree)
             graphed, graphed_proposed = decode(model, ids, tree, steps=steps)
