@@ -60,7 +60,7 @@ def test_an_eagle3_draft_over_fixed_buffers_proposes_what_the_eager_draft_propos
     peagle = eagle3_like_draft(PEagleModel)  # its one masked pass: the eager state, whatever the cache
     assert isinstance(peagle.new_decode_state(room=64), Eagle3DecodeState)
     ids = repeating_prompts()[1]
-    assert decode(peagle, ids, trees[0], kv_cache="static") [1] == decode(peagle, ids, trees[0])[1]
+    assert decode(peagle, ids, trees[0], kv_cache="static")[1] == decode(peagle, ids, trees[0])[1]
 
 
 def test_one_static_state_serves_every_generation_of_a_static_cache():
@@ -150,5 +150,5 @@ def test_what_a_graph_replays_never_waits_for_the_device():
         inputs, tokens = out.draft_inputs[0, 9:], ids[0, 9:]
         with HostWaits() as spy:
             state._read(inputs, tokens)
-            state._draft(draft, tree)
+            state._draft(tree)
         assert spy.found == []

@@ -72,14 +72,15 @@ class Eagle3StaticState(StaticDraftState):
 
     def propose(self, model, tree, accepted_inputs: torch.Tensor, accepted_tokens: torch.Tensor,
                 root_token: int) -> torch.Tensor:
-        """(num_nodes,) the tree's tokens, as ``Eagle3Model.eager_proposal`` drafts them."""
+        """(num_nodes,) the tree's tokens, as ``Eagle3Model.eager_proposal`` drafts them (``model``: the one this
+        state was made for, ``self.model``)."""
         self.root.fill_(root_token)
         drafted = sum(len(parents) for parents, *_ in tree.levels[1:])
         self.read_positions(accepted_inputs, accepted_tokens.to(self.root.device).long().reshape(-1), drafted=drafted)
         if tree.depth == 0:
             return torch.tensor([root_token] + [0] * (tree.num_nodes - 1), device=self.root.device)
         self._plan(tree)  # made before any capture (a graph cannot copy from the host)
-        return self.tree_tokens(tree, lambda: self._draft(model, tree))
+        return self.tree_tokens(tree, lambda: self._draft(tree))
 
     def _read(self, inputs: torch.Tensor, tokens: torch.Tensor) -> None:
         """The verified positions through the draft layer into the rooms, each with the token after it; the last
@@ -119,9 +120,10 @@ class Eagle3StaticState(StaticDraftState):
             self.plans[key] = plan
         return self.plans[key]
 
-    def _draft(self, model, tree) -> torch.Tensor:
+    def _draft(self, tree) -> torch.Tensor:
         """The tree below the root from the last verified row's output, depth by depth (``_plan``)."""
-        draft, device = model.draft, self.root.device
+        model, device = self.model, self.root.device
+        draft = model.draft
         plan, (_, levels) = self._plan(tree), tree.path_buffers(device)
         tokens = torch.zeros(tree.num_nodes, dtype=torch.long, device=device)
         tokens[0] = self.root

@@ -77,14 +77,15 @@ class StaticHeadsState(StaticDraftState):
             self.value_room = torch.zeros_like(self.key_room)
 
     def read(self, model, hidden: torch.Tensor) -> None:
-        """``DecodeState.read`` over the rooms: (n, hidden), the positions accepted since the last step."""
+        """``DecodeState.read`` over the rooms: (n, hidden), the positions accepted since the last step (``model``:
+        the one this state was made for, ``self.model``)."""
         self.read_positions(hidden)
 
     def guesses(self, model, tree, root_token: int) -> torch.Tensor:
         """(num_nodes,) the tree's tokens from what was read: ``heads_guesses``, replayed from the tree's graph."""
         self.root.fill_(root_token)
         tree.path_buffers(self.root.device)  # on the device before any capture (a graph cannot copy from the host)
-        return self.tree_tokens(tree, lambda: heads_guesses(model, tree, self.root, self))
+        return self.tree_tokens(tree, lambda: heads_guesses(self.model, tree, self.root, self))
 
     def _read(self, hidden: torch.Tensor) -> None:
         """The read's operations (what a read graph replays): through the prefix layer into the rooms, ``last``
