@@ -129,9 +129,9 @@ struct BF16 {
 #endif
 
 // How a panel is read: once, in blocks of BLOCK_STEPS steps (12 KB on AVX2, 16 KB on AVX-512: both blocks in flight
-// fit the 32-48 KB L1), every group of MB rows taking a block from L1 before the next block, each row's sums parked in
-// memory between blocks (a lane's sum still adds its k in order from zero: the same floats as one pass). Meanwhile
-// each group prefetches into L1 its share of the next block's cache lines, spread evenly over its steps. Why: a core
+// fit the 32-48 KB L1), every group of at most MB rows taking a block from L1 before the next block, each row's sums
+// parked in memory between blocks (a lane's sum still adds its k in order from zero: the same floats as one pass).
+// Meanwhile each group prefetches into L1 its share of the next block's cache lines, spread evenly over its steps. Why: a core
 // has a few (~16) line fill buffers for its misses, and an L2 hit takes one too. Before, a panel was read in full by
 // each group in turn (its 55-196 KB from L2 after the first), and the prefetches came in bursts: memory sat idle while
 // the rows' multiply-adds ran, so a 12-row pass cost about a 1-row pass plus its arithmetic. The AMX CPU, the
@@ -193,8 +193,14 @@ static inline void sweep(const typename E::T* X, const float* panel, const typen
     const int64_t s1 = std::min<int64_t>(steps, s0 + BLOCK_STEPS);
     // one block ahead: the rest of this panel, then the next panel's start (the panels lie end to end)
     const char* next = reinterpret_cast<const char*>(panel + (s0 + BLOCK_STEPS) * NR * VW);
-    for (int64_t m0 = 0; m0 < M; m0 += MB)
-      block_pass_of<E, MB>(X, panel, park, m0, K, s0, s1, next, int(m0 / MB), groups, std::min<int64_t>(MB, M - m0));
+    // the rows split evenly over the groups (16 rows: 8 + 8, not 12 + 4): a group of few rows pays a block's loads
+    // for little arithmetic (the BF16 CPU, the backbone's 211 linears, two threads, 13 / 16 / 20 rows: bfloat16
+    // 16.8 / 16.9 / 16.7 -> 14.3 / 15.3 / 15.7 ms, float32 25.9 / 28.6 / 28.6 -> 23.8 / 26.7 / 28.1; AVX2 code,
+    // 5 / 9 rows 21.4 / 24.0 -> 18.2 / 20.7; other counts alike; docs/log/2026-12-07-the-bf16-cpu-again.md)
+    for (int g = 0; g < groups; ++g) {
+      const int64_t m0 = M * g / groups, m1 = M * (g + 1) / groups;
+      block_pass_of<E, MB>(X, panel, park, m0, K, s0, s1, next, g, groups, m1 - m0);
+    }
   }
   for (int r = 0; r < NR; ++r) {  // the sums, plus the bias if any (in float32), rounded once to the output type
     const int64_t left = N - n0 - r * VW;
