@@ -131,8 +131,9 @@ struct BF16 {
 // How a panel is read: once, in blocks of BLOCK_STEPS steps (12 KB on AVX2, 16 KB on AVX-512: both blocks in flight
 // fit the 32-48 KB L1), every group of at most MB rows taking a block from L1 before the next block, each row's sums
 // parked in memory between blocks (a lane's sum still adds its k in order from zero: the same floats as one pass).
-// Meanwhile each group prefetches into L1 its share of the next block's cache lines, spread evenly over its steps. Why: a core
-// has a few (~16) line fill buffers for its misses, and an L2 hit takes one too. Before, a panel was read in full by
+// Meanwhile each group prefetches into L1 its share of the next block's cache lines, spread evenly over its steps
+// (and, with several rows, into L2 its share of the block after). Why: a core has a few (~16) line fill buffers for
+// its misses, and an L2 hit takes one too. Before, a panel was read in full by
 // each group in turn (its 55-196 KB from L2 after the first), and the prefetches came in bursts: memory sat idle while
 // the rows' multiply-adds ran, so a 12-row pass cost about a 1-row pass plus its arithmetic. The AMX CPU, the
 // backbone's 210 float32 linears, old and new in turns (docs/log/2026-12-01-one-read-per-panel.md): AVX2 code, one
@@ -142,16 +143,23 @@ struct BF16 {
 #define SWEEP_ROWS 64  // rows a sweep holds sums for (more: the panel swept once per 64)
 
 // steps [s0, s1) of rows m0 .. m0 + R - 1 against one panel, the sums taken from and left in ``park`` (zeros before
-// the first block); this group (``group`` of ``groups``) prefetches its share of the lines from ``next`` on
+// the first block); this group (``group`` of ``groups``) prefetches its share of the lines from ``next`` on into L1,
+// and where ``deep`` the same share of the block after into L2
 template <class E, int R>
 static inline void block_pass(const typename E::T* X, const float* panel, vec* park, int64_t m0, int64_t K, int64_t s0,
-                              int64_t s1, const char* next, int group, int groups) {
+                              int64_t s1, const char* next, int group, int groups, bool deep) {
   vec acc[R][NR];
   for (int i = 0; i < R; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = park[(m0 + i) * NR + r];
   const typename E::T* x = X + m0 * K;
   const int64_t span = s1 - s0, lines = (span * NR * VW * 4 + 63) / 64, share = (lines + groups - 1) / groups;
   const char* ahead = next + group * share * 64;
+  // ``far``: its share two blocks ahead, into L2, where there are several rows: a step then takes so long that a line
+  // a step into L1 streams slower than memory can (the BF16 CPU's 211 linears, in turns with the build without it:
+  // 8 / 16 rows bf16 10.7 / 13.0 -> 10.0 / 11.4 ms, float32 21.4 / 26.9 -> 20.1 / 22.9; the AVX2 build 2 / 4 / 8 / 12
+  // rows 19.1 / 21.4 / 22.0 / 26.2 -> 18.2 / 18.8 / 17.5 / 22.6; 24-32 rows alike; one row, a plain step, keeps the
+  // stream it had; docs/log/2026-12-07-the-bf16-cpu-again.md)
+  const char* far = deep ? ahead + BLOCK_STEPS * NR * VW * 4 : nullptr;
   // the first step prefetches, then one line every span / share steps, at most one a step (a block with more lines
   // than steps, one group's: the rest on demand; two a step where needed measured 1-10% slower at 1-8 rows)
   int64_t credit = span - share;
@@ -160,6 +168,10 @@ static inline void block_pass(const typename E::T* X, const float* panel, vec* p
       credit -= span;
       _mm_prefetch(ahead, _MM_HINT_T0);
       ahead += 64;
+      if (far) {
+        _mm_prefetch(far, _MM_HINT_T1);
+        far += 64;
+      }
     }
     vec w[NR];
     for (int r = 0; r < NR; ++r) w[r] = vload(panel + (s * NR + r) * VW);
@@ -174,10 +186,11 @@ static inline void block_pass(const typename E::T* X, const float* panel, vec* p
 
 template <class E, int R>
 static inline void block_pass_of(const typename E::T* X, const float* panel, vec* park, int64_t m0, int64_t K,
-                                 int64_t s0, int64_t s1, const char* next, int group, int groups, int64_t rows) {
+                                 int64_t s0, int64_t s1, const char* next, int group, int groups, int64_t rows,
+                                 bool deep) {
   if constexpr (R > 0) {
-    if (rows == R) return block_pass<E, R>(X, panel, park, m0, K, s0, s1, next, group, groups);
-    block_pass_of<E, R - 1>(X, panel, park, m0, K, s0, s1, next, group, groups, rows);
+    if (rows == R) return block_pass<E, R>(X, panel, park, m0, K, s0, s1, next, group, groups, deep);
+    block_pass_of<E, R - 1>(X, panel, park, m0, K, s0, s1, next, group, groups, rows, deep);
   }
 }
 
@@ -199,7 +212,7 @@ static inline void sweep(const typename E::T* X, const float* panel, const typen
     // 5 / 9 rows 21.4 / 24.0 -> 18.2 / 20.7; other counts alike; docs/log/2026-12-07-the-bf16-cpu-again.md)
     for (int g = 0; g < groups; ++g) {
       const int64_t m0 = M * g / groups, m1 = M * (g + 1) / groups;
-      block_pass_of<E, MB>(X, panel, park, m0, K, s0, s1, next, g, groups, m1 - m0);
+      block_pass_of<E, MB>(X, panel, park, m0, K, s0, s1, next, g, groups, m1 - m0, M > 1);
     }
   }
   for (int r = 0; r < NR; ++r) {  // the sums, plus the bias if any (in float32), rounded once to the output type
