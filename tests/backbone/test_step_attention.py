@@ -125,6 +125,23 @@ def test_masked_out_keys_between_a_rows_own_change_nothing(kernel, dtype, boolea
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_mask_is_widened_once_and_read_anew_once_written(kernel, dtype):
+    """Every layer of a step gets the same mask tensor: its rows are taken once (a bf16 mask widened) and read by the
+    other layers; a mask written in place since (a static cache's step mask is filled anew each step) is read anew,
+    as is another mask, or the same one over fewer keys."""
+    q, k, v = _inputs(9, 3, 6, 60, 64, dtype, seed=7)
+    mask = torch.zeros(1, 1, 6, 64, dtype=dtype)
+    rows = step._mask_rows(mask, 60)
+    assert step._mask_rows(mask, 60) is rows and step._mask_rows(mask, 50) is not rows
+    first = step.attend(kernel, q, k, v, mask, 0.125)
+    assert torch.equal(step.attend(kernel, q, k, v, mask, 0.125), first)
+    mask[..., 10:40] = torch.finfo(dtype).min  # written in place: the next step's mask in the same buffer
+    written = step.attend(kernel, q, k, v, mask, 0.125)
+    assert not torch.equal(written, first)
+    assert torch.equal(written, step.attend(kernel, q, k, v, mask.clone(), 0.125))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_nan_is_not_hidden(kernel, dtype):
     """A NaN in a query or a key makes the rows that read it NaN, as SDPA's do: not a weight of zero, not a row
     quietly attending the rest."""
