@@ -30,7 +30,11 @@
 #if defined(__AVX512F__)
 #define VW 16
 #define NR 2   // weight vectors of a panel: 2 x 16 outputs
-#define MB 12  // input rows a pass holds: 12 x 2 accumulators + 2 weight vectors + 1 input of the 32 registers
+// input rows a pass holds (2 x 4 accumulators of the 32 registers): more rows go in more groups, each taking the block
+// from L1 in turn. Groups of up to 12 (24 accumulators) cost more: the BF16 CPU, the backbone's 211 linears, two
+// threads, in turns, bf16 8 / 10 / 12 rows 10.49 / 11.75 / 12.74 -> 8.55 / 9.45 / 9.68 ms, float32 18.23 / 20.24 /
+// 22.08 -> 12.88 / 18.52 / 17.91; 1-4 and 16-64 rows alike (docs/log/2026-12-08-groups-of-four-rows.md)
+#define MB 4
 typedef __m512 vec;
 static inline vec vzero() { return _mm512_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -206,10 +210,10 @@ static inline void sweep(const typename E::T* X, const float* panel, const typen
     const int64_t s1 = std::min<int64_t>(steps, s0 + BLOCK_STEPS);
     // one block ahead: the rest of this panel, then the next panel's start (the panels lie end to end)
     const char* next = reinterpret_cast<const char*>(panel + (s0 + BLOCK_STEPS) * NR * VW);
-    // the rows split evenly over the groups (16 rows: 8 + 8, not 12 + 4): a group of few rows pays a block's loads
-    // for little arithmetic (the BF16 CPU, the backbone's 211 linears, two threads, 13 / 16 / 20 rows: bfloat16
-    // 16.8 / 16.9 / 16.7 -> 14.3 / 15.3 / 15.7 ms, float32 25.9 / 28.6 / 28.6 -> 23.8 / 26.7 / 28.1; AVX2 code,
-    // 5 / 9 rows 21.4 / 24.0 -> 18.2 / 20.7; other counts alike; docs/log/2026-12-07-the-bf16-cpu-again.md)
+    // the rows split evenly over the groups (10 rows: 4 + 3 + 3, not 4 + 4 + 2): a group of few rows pays a block's
+    // loads for little arithmetic (the BF16 CPU, the backbone's 211 linears, two threads, groups of 12, 13 / 16 / 20
+    // rows: bfloat16 16.8 / 16.9 / 16.7 -> 14.3 / 15.3 / 15.7 ms, float32 25.9 / 28.6 / 28.6 -> 23.8 / 26.7 / 28.1;
+    // AVX2 code, 5 / 9 rows 21.4 / 24.0 -> 18.2 / 20.7; other counts alike; docs/log/2026-12-07-the-bf16-cpu-again.md)
     for (int g = 0; g < groups; ++g) {
       const int64_t m0 = M * g / groups, m1 = M * (g + 1) / groups;
       block_pass_of<E, MB>(X, panel, park, m0, K, s0, s1, next, g, groups, m1 - m0, M > 1);
